@@ -1,0 +1,149 @@
+"""The stage-runner contract: atomic writes, manifests, idempotence, fingerprint refusal, rank slicing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipeline.runner import (
+    AtomicFile,
+    FingerprintMismatch,
+    RankInfo,
+    StageDir,
+    StageError,
+    atomic_write_json,
+    check_fingerprint,
+    rank_from_env,
+    read_json,
+    units_for_rank,
+)
+
+
+def test_atomic_write_never_leaves_a_partial_file_when_the_writer_is_killed(tmp_path):
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    code = (
+        "import sys, time\n"
+        "from pipeline.runner import AtomicFile\n"
+        f"with AtomicFile(r'{target}') as tmp:\n"
+        "    f = open(tmp, 'wb'); f.write(b'x' * 1000); f.flush()\n"
+        "    print('writing', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"writing"
+    proc.kill()
+    proc.wait()
+    assert target.read_bytes() == b"old"  # the reader sees the old file, never a part of the new one
+    leftovers = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert leftovers  # debris exists ...
+    StageDir(tmp_path.parent, tmp_path.name).begin("h")  # ... and begin() removes it
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_atomic_file_discards_the_temp_on_error(tmp_path):
+    target = tmp_path / "a.txt"
+    with pytest.raises(RuntimeError):
+        with AtomicFile(target) as tmp:
+            tmp.write_text("partial")
+            raise RuntimeError("boom")
+    assert not target.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _finish_one(stage: StageDir, unit: str, payload: bytes):
+    path = stage.shard_path(unit, "bin")
+    with AtomicFile(path) as tmp:
+        tmp.write_bytes(payload)
+    return stage.finish_unit(unit, [path], rows=len(payload))
+
+
+def test_complete_stage_is_a_noop_with_the_same_config_and_refused_with_another(tmp_path):
+    stage = StageDir(tmp_path, "curate")
+    assert stage.begin("hash-a") is True
+    _finish_one(stage, "u0", b"abc")
+    stage.write_manifest(config_hash="hash-a", fingerprint={"k": 1}, counts={"rows": 3}, started=time.time())
+    assert stage.begin("hash-a") is False
+    with pytest.raises(StageError, match="made with another config"):
+        stage.begin("hash-b")
+    assert stage.begin("hash-b", force=True) is True
+    assert not stage.is_complete()
+
+
+def test_partial_work_from_another_config_is_refused(tmp_path):
+    stage = StageDir(tmp_path, "extract")
+    stage.begin("hash-a")
+    _finish_one(stage, "u0", b"abc")
+    with pytest.raises(StageError, match="partial work from another config"):
+        stage.begin("hash-b")
+
+
+def test_manifest_accounts_for_files_bytes_and_checksums(tmp_path):
+    stage = StageDir(tmp_path, "s")
+    stage.begin("h")
+    _finish_one(stage, "u0", b"abc")
+    _finish_one(stage, "u1", b"defg")
+    m = stage.write_manifest(config_hash="h", fingerprint={}, started=time.time())
+    assert m["num_units"] == 2 and m["total_bytes"] == 7
+    assert {f["name"] for f in m["files"]} == {"u0.bin", "u1.bin"}
+    assert all(len(f["sha256"]) == 64 for f in m["files"])
+    assert read_json(stage.manifest_path)["code_version"]
+
+
+def test_unit_with_a_truncated_or_corrupted_shard_is_redone(tmp_path):
+    stage = StageDir(tmp_path, "s")
+    stage.begin("h")
+    _finish_one(stage, "u0", b"abcdef")
+    assert stage.unit_done("u0") is not None
+    path = stage.shard_path("u0", "bin")
+    path.write_bytes(b"abcdeX")  # same size, different bytes: only the checksum sees it
+    assert stage.unit_done("u0") is not None
+    assert stage.unit_done("u0", verify=True) is None
+    _finish_one(stage, "u1", b"abc")
+    stage.shard_path("u1", "bin").write_bytes(b"ab")  # truncated: the size check sees it
+    assert stage.unit_done("u1") is None
+
+
+def test_fingerprint_mismatch_names_the_differing_field():
+    produced = {"target": {"model": "a", "hidden_size": 64}, "layer_ids": [1, 3]}
+    check_fingerprint({"layer_ids": [1, 3]}, produced, what="features", producer="extract")
+    with pytest.raises(FingerprintMismatch, match=r"target\.hidden_size: this config wants 128, extract has 64"):
+        check_fingerprint({"target": {"model": "a", "hidden_size": 128}}, produced, what="features", producer="extract")
+    with pytest.raises(FingerprintMismatch, match=r"layer_ids"):
+        check_fingerprint({"layer_ids": [2, 4]}, produced, what="features", producer="extract")
+
+
+def test_rank_from_env_prefers_flags_then_torchrun_then_slurm(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN",
+              "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    assert rank_from_env() == RankInfo(0, 1)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert rank_from_env() == RankInfo(1, 4)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "5")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
+    assert rank_from_env() == RankInfo(2, 3)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert rank_from_env() == RankInfo(3, 8)
+    assert rank_from_env(1, 2) == RankInfo(1, 2)
+    with pytest.raises(StageError, match="outside world size"):
+        rank_from_env(2, 2)
+
+
+def test_rank_slices_are_disjoint_and_cover_every_unit():
+    units = [f"u{i}" for i in range(23)]
+    slices = [units_for_rank(units, RankInfo(r, 4)) for r in range(4)]
+    flat = [u for s in slices for u in s]
+    assert sorted(flat) == sorted(units) and len(flat) == len(set(flat))
+
+
+def test_atomic_write_json_roundtrip(tmp_path):
+    atomic_write_json(tmp_path / "x.json", {"a": [1, 2]})
+    assert read_json(tmp_path / "x.json") == {"a": [1, 2]}
+    assert os.listdir(tmp_path) == ["x.json"]
