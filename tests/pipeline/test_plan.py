@@ -1,0 +1,46 @@
+"""`drafter plan`: storage estimates consistent with dflash.md (5 taps x D x 2 bytes per token)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.config import load_config
+from pipeline.plan import estimate, feature_bytes_per_token, target_shape
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_qwen36_27b_features_are_5_taps_x_5120_x_2_bytes_and_tens_of_tb():
+    cfg = load_config(REPO / "configs/qwen3.6-27b.yaml")
+    est = estimate(cfg)
+    assert est["samples"] == 913_000
+    # 5 x 5120 x 2 bytes of features (+ 4-byte id and 1-byte mask stored alongside)
+    assert est["feature_bytes_per_token"] == 5 * 5120 * 2 + 5
+    assert est["storage_bytes"] == est["total_tokens"] * est["feature_bytes_per_token"]
+    assert 10e12 < est["storage_bytes"] < 200e12
+    assert abs(est["drafter_params"] - 1.73e9) / 1.73e9 < 0.02  # dflash.md §2.1: ~1.73B
+
+
+def test_qwen3_8b_drafter_is_about_1_05b_params():
+    est = estimate(load_config(REPO / "configs/qwen3-8b.yaml"))
+    assert abs(est["drafter_params"] - 1.05e9) / 1.05e9 < 0.02
+
+
+def test_fp8_halves_the_feature_bytes():
+    cfg = load_config(REPO / "configs/qwen3-8b.yaml")
+    shape = target_shape(cfg)
+    bf16 = feature_bytes_per_token(cfg, shape)
+    cfg8 = load_config(REPO / "configs/qwen3-8b.yaml", ["extract.storage_dtype=fp8"])
+    fp8 = feature_bytes_per_token(cfg8, shape)
+    assert 0.49 < fp8 / bf16 < 0.52
+
+
+def test_plan_cli_prints_storage_in_tb():
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "plan", "--config", "configs/qwen3.6-27b.yaml"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout
+    assert "5 taps x 5120 x bfloat16 = 51,205 bytes" in out
+    assert " TB)" in out and "GPU-hours" in out
