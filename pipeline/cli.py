@@ -3,6 +3,7 @@
     drafter plan     --config configs/qwen3.6-27b.yaml
     drafter curate   --config configs/tiny.yaml
     drafter regen    --config configs/smollm2-135m.yaml regen.max_samples=64   (regenerate, then tokenize)
+    drafter regen    --config ... --rank R --world-size W, then: drafter regen --merge --config ...
     drafter tokenize --config ...
     drafter extract  --config ... [--rank R --world-size W] | extract merge | extract verify
     drafter train    --config ...          (torchrun --nproc-per-node 8 -m pipeline.cli train ... for many GPUs)
@@ -60,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("plan", *STAGES, "run"):
         _common(sub.add_parser(name, help=f"{name} stage" if name in STAGES else name))
+    for split_stage in ("regen", "extract"):
+        sub.choices[split_stage].add_argument(
+            "--merge", action="store_true", help="after a split run (--world-size > 1): check every unit is done, write the manifest")
     ext = sub.choices["extract"]
-    ext.add_argument("--merge", action="store_true", help="merge the per-rank outputs into one index")
     ext.add_argument("--verify", action="store_true", help="compare features against a fresh HF forward")
     ext.add_argument("--against", choices=["hf", "vllm", "stored"], default="stored",
                      help="with --verify: what to compare with HF ('stored' = the finished extraction)")
@@ -108,6 +111,11 @@ def _dispatch(args) -> int:
         from extract.stage import merge_ranks
 
         merge_ranks(cfg)
+        return 0
+    if args.command == "regen" and args.merge:
+        from pipeline.regen import merge_ranks
+
+        merge_ranks(cfg)  # then tokenizes, like a single-rank regen
         return 0
     if args.command == "run":
         for name in STAGES:
