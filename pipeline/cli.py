@@ -44,8 +44,15 @@ def _stage_fn(name: str):
 
 
 def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:
-    """Run one stage. Every stage function has the signature fn(cfg, *, force, ranks) -> manifest dict."""
-    return _stage_fn(name)(cfg, force=force, ranks=ranks or RankInfo())
+    """Run one stage. Every stage function has the signature fn(cfg, *, force, ranks) -> manifest dict.
+
+    The resolved config is saved beside the stage's output (`runs/<run>/<stage>/config.yaml`) once it finishes.
+    """
+    from pipeline.config import save_config
+
+    manifest = _stage_fn(name)(cfg, force=force, ranks=ranks or RankInfo())
+    save_config(cfg, cfg.run_dir / name / "config.yaml")
+    return manifest
 
 
 def _common(p: argparse.ArgumentParser) -> None:
