@@ -1,0 +1,179 @@
+"""Benchmark prompt sets and the prompt formats of the DFlash / DDTree evaluations.
+
+One record of a benchmark file becomes one `EvalPrompt`: a tuple of user turns, already formatted.
+The formats are those of `z-lab/dflash: dflash/benchmark.py` (also used by `liranringel/ddtree`):
+
+    gsm8k      "{question}\\nPlease reason step by step, and put your final answer within \\\\boxed{}."
+    math       "{problem}\\nPlease reason step by step, and put your final answer within \\\\boxed{}."
+    humaneval  "Write a solution to the following problem and make sure that it passes the tests:\\n```python\\n{prompt}\\n```"
+    mt_bench   the record's `turns` as they are (two user turns; the second is asked after the target's own
+               first answer, see `eval.stage.run_conversation`)
+    alpaca     "{instruction}" or "{instruction}\\n\\n{input}" (Stanford-Alpaca seed tasks: the first instance's input)
+
+Prompts are the first `num_samples` valid records of the file, in file order (deterministic, no shuffle).
+A record that lacks what its format needs is skipped and counted under a reason; it never crashes the stage.
+Rendering goes through `pipeline.target.render_chat` (the one chat-template call, thinking flag included).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import BenchmarkConfig, ConfigError
+from pipeline.target import render_chat
+
+REASON_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+BAD_JSON = object()  # placeholder row for an unparsable .jsonl line
+HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n"
+
+
+class MalformedRecord(ValueError):
+    """A benchmark record lacks what its prompt format needs; `reason` is the counter key."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One evaluation conversation: formatted user turns (one, or two for MT-Bench)."""
+
+    id: str  # "<benchmark>/<task id or line index>", stable across runs
+    benchmark: str
+    turns: tuple[str, ...]
+
+
+@dataclass
+class LoadedBenchmark:
+    """The prompts taken from a benchmark file and an account of every record read."""
+
+    name: str
+    path: str
+    prompts: list[EvalPrompt]
+    read: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> first record id with it
+
+
+def _text(record: dict, key: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise MalformedRecord(f"missing_{key}")
+    return value
+
+
+def format_gsm8k(record: dict) -> tuple[str, ...]:
+    return (_text(record, "question") + REASON_SUFFIX,)
+
+
+def format_math(record: dict) -> tuple[str, ...]:
+    """MATH / MATH-500 records carry `problem`; a GSM8K-style `question` is accepted too."""
+    key = "problem" if "problem" in record else "question"
+    return (_text(record, key) + REASON_SUFFIX,)
+
+
+def format_humaneval(record: dict) -> tuple[str, ...]:
+    return (HUMANEVAL_PREFIX + "```python\n" + _text(record, "prompt") + "\n```",)
+
+
+def format_mt_bench(record: dict) -> tuple[str, ...]:
+    """FastChat `turns` (or HuggingFaceH4/mt_bench_prompts `prompt`): a list of user turns."""
+    turns = record.get("turns", record.get("prompt"))
+    if not isinstance(turns, list) or not turns:
+        raise MalformedRecord("missing_turns")
+    if not all(isinstance(t, str) and t.strip() for t in turns):
+        raise MalformedRecord("empty_turn")
+    return tuple(turns)
+
+
+def format_alpaca(record: dict) -> tuple[str, ...]:
+    """Alpaca / Code-Alpaca (`instruction`, `input`) or Alpaca seed tasks (`instances[0].input`)."""
+    instruction = _text(record, "instruction")
+    extra = record.get("input")
+    if extra is None and isinstance(record.get("instances"), list) and record["instances"]:
+        extra = record["instances"][0].get("input") if isinstance(record["instances"][0], dict) else None
+    if extra is not None and not isinstance(extra, str):
+        raise MalformedRecord("bad_input")
+    return (f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction,)
+
+
+FORMATS = {
+    "gsm8k": format_gsm8k,
+    "math": format_math,
+    "humaneval": format_humaneval,
+    "mt_bench": format_mt_bench,
+    "alpaca": format_alpaca,
+}
+
+
+def _record_id(name: str, record: Any, index: int) -> str:
+    if isinstance(record, dict):
+        for key in ("task_id", "question_id", "id", "unique_id"):
+            if key in record and isinstance(record[key], (str, int)):
+                value = str(record[key])
+                return value if value.startswith(f"{name}/") else f"{name}/{value}"
+    return f"{name}/{index}"
+
+
+def _read_records(path: Path) -> list[Any]:
+    """Rows of a .jsonl file (an unparsable line becomes `BAD_JSON`) or of a .json array."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        data = json.loads(text)
+        if isinstance(data, dict):  # {"data": [...]} / {"train": [...]}
+            lists = [v for v in data.values() if isinstance(v, list)]
+            data = lists[0] if len(lists) == 1 else None
+        if not isinstance(data, list):
+            raise ConfigError(f"{path}: expected a JSON array of records")
+        return data
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            rows.append(BAD_JSON)
+    return rows
+
+
+def load_benchmark(bench: BenchmarkConfig) -> LoadedBenchmark:
+    """The first `bench.num_samples` well-formed prompts of `bench.path` in the `bench.name` format."""
+    if not bench.path:
+        raise ConfigError(f"eval.benchmarks: benchmark {bench.name!r} needs a `path` (a local .jsonl/.json file)")
+    path = Path(bench.path)
+    if not path.is_file():
+        raise FileNotFoundError(f"eval benchmark {bench.name!r}: prompt file {path} does not exist")
+    fmt = FORMATS[bench.name]
+    out = LoadedBenchmark(name=bench.name, path=str(path), prompts=[])
+    for index, record in enumerate(_read_records(path)):
+        if len(out.prompts) >= bench.num_samples:
+            break
+        out.read += 1
+        rid = _record_id(bench.name, record, index)
+        try:
+            if record is BAD_JSON:
+                raise MalformedRecord("bad_json")
+            if not isinstance(record, dict):
+                raise MalformedRecord("not_a_record")
+            turns = fmt(record)
+        except MalformedRecord as e:
+            out.skipped[e.reason] += 1
+            out.examples.setdefault(e.reason, rid)
+            continue
+        out.prompts.append(EvalPrompt(id=rid, benchmark=bench.name, turns=turns))
+    return out
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], *, enable_thinking: bool) -> list[int]:
+    """Token ids of `messages` rendered with the target's chat template and a generation prompt.
+
+    The template already writes the special tokens (BOS, role markers), so none are added on top.
+    """
+    text = render_chat(tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

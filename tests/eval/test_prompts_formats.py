@@ -1,0 +1,109 @@
+"""Benchmark prompt formats (z-lab/dflash benchmark.py) on the real prompt files, shipped and shared."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval.prompts import HUMANEVAL_PREFIX, REASON_SUFFIX, chat_prompt_ids, load_benchmark
+from pipeline.config import BenchmarkConfig, ConfigError
+from pipeline.target import build_byte_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "data" / "prompts"
+SHARED = REPO.parent / "shared" / "data" / "prompts"
+DIRS = [pytest.param(SHIPPED, id="shipped"),
+        pytest.param(SHARED, id="shared", marks=pytest.mark.skipif(not SHARED.is_dir(), reason="no shared prompts"))]
+GSM8K = {SHIPPED: "gsm8k_test_100.jsonl", SHARED: "gsm8k_test.jsonl"}
+CODE_ALPACA = {SHIPPED: "code_alpaca_1k.json", SHARED: "code_alpaca_2k.json"}
+
+
+def first_row(path: Path) -> dict:
+    if path.suffix == ".json":
+        return json.loads(path.read_text())[0]
+    return json.loads(path.read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("root", DIRS)
+def test_gsm8k_prompt_is_question_then_boxed_instruction(root):
+    path = root / GSM8K[root]
+    loaded = load_benchmark(BenchmarkConfig(name="gsm8k", path=str(path), num_samples=5))
+    assert len(loaded.prompts) == 5 and loaded.read == 5 and not loaded.skipped
+    p = loaded.prompts[0]
+    assert p.turns == (first_row(path)["question"]
+                       + "\nPlease reason step by step, and put your final answer within \\boxed{}.",)
+    assert p.id == "gsm8k/0" and p.benchmark == "gsm8k"
+
+
+@pytest.mark.parametrize("root", DIRS)
+def test_humaneval_prompt_wraps_the_code_in_a_python_block(root):
+    path = root / "humaneval.jsonl"
+    loaded = load_benchmark(BenchmarkConfig(name="humaneval", path=str(path), num_samples=3))
+    row = first_row(path)
+    assert loaded.prompts[0].turns == (
+        "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+        + row["prompt"] + "\n```",)
+    assert loaded.prompts[0].id == "humaneval/HumanEval/0"
+
+
+@pytest.mark.parametrize("root", DIRS)
+def test_mt_bench_prompt_keeps_both_user_turns(root):
+    path = root / "mt_bench.jsonl"
+    loaded = load_benchmark(BenchmarkConfig(name="mt_bench", path=str(path), num_samples=80))
+    assert len(loaded.prompts) == 80
+    assert all(len(p.turns) == 2 for p in loaded.prompts)
+    assert loaded.prompts[0].turns == tuple(first_row(path)["turns"])
+    assert loaded.prompts[0].id == "mt_bench/81"
+
+
+@pytest.mark.parametrize("root", DIRS)
+def test_alpaca_prompt_appends_the_input_when_there_is_one(root):
+    seed = load_benchmark(BenchmarkConfig(name="alpaca", path=str(root / "alpaca_seed_tasks.jsonl"), num_samples=175))
+    rows = [json.loads(line) for line in (root / "alpaca_seed_tasks.jsonl").read_text().splitlines()]
+    assert len(seed.prompts) == 175
+    for p, row in zip(seed.prompts, rows):
+        inp = row["instances"][0]["input"]
+        assert p.turns == ((row["instruction"] + "\n\n" + inp) if inp.strip() else row["instruction"],)
+    code = load_benchmark(BenchmarkConfig(name="alpaca", path=str(root / CODE_ALPACA[root]), num_samples=2))
+    row = first_row(root / CODE_ALPACA[root])
+    assert code.prompts[0].turns == (row["instruction"] + "\n\n" + row["input"],)
+
+
+def test_math_prompt_uses_the_problem_field(tmp_path):
+    path = tmp_path / "math500.jsonl"
+    path.write_text(json.dumps({"problem": "What is $1+1$?", "answer": "2", "unique_id": "test/algebra/1.json"}) + "\n")
+    loaded = load_benchmark(BenchmarkConfig(name="math", path=str(path), num_samples=4))
+    assert loaded.prompts[0].turns == ("What is $1+1$?" + REASON_SUFFIX,)
+    assert loaded.prompts[0].id == "math/test/algebra/1.json"
+
+
+def test_malformed_records_are_skipped_counted_and_do_not_use_up_samples(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    lines = ['{"question": "q1"}', "not json", '{"answer": "no question"}', '["a list"]', '{"question": "q2"}']
+    path.write_text("\n".join(lines) + "\n")
+    loaded = load_benchmark(BenchmarkConfig(name="gsm8k", path=str(path), num_samples=2))
+    assert [p.turns[0].split("\n")[0] for p in loaded.prompts] == ["q1", "q2"]
+    assert loaded.read == 5
+    assert dict(loaded.skipped) == {"bad_json": 1, "missing_question": 1, "not_a_record": 1}
+    assert loaded.examples["missing_question"] == "gsm8k/2"
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="needs a `path`"):
+        load_benchmark(BenchmarkConfig(name="gsm8k", path="", num_samples=1))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_benchmark(BenchmarkConfig(name="gsm8k", path=str(tmp_path / "nope.jsonl"), num_samples=1))
+
+
+def test_prompt_ids_are_the_chat_template_with_a_generation_prompt_and_the_thinking_flag():
+    tok = build_byte_tokenizer()
+    prompt = load_benchmark(BenchmarkConfig(name="humaneval", path=str(SHIPPED / "humaneval.jsonl"), num_samples=1))
+    messages = [{"role": "user", "content": prompt.prompts[0].turns[0]}]
+    ids = chat_prompt_ids(tok, messages, enable_thinking=False)
+    assert tok.decode(ids) == f"<|im_start|>user\n{messages[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+    # the thinking flag reaches the template (Qwen3-style templates branch on it)
+    tok.chat_template = tok.chat_template + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    assert tok.decode(chat_prompt_ids(tok, messages, enable_thinking=False)).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert tok.decode(chat_prompt_ids(tok, messages, enable_thinking=True)).endswith("assistant\n")
