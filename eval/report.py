@@ -1,0 +1,433 @@
+"""Eval reports: report.json (every number), report.md, and a self-contained report.html whose plots are
+base64 PNGs (matplotlib, Agg backend) — no external src/href, so the file can be mailed or archived alone.
+
+`report` is the dict that `eval.stage` builds (and writes as report.json):
+
+    {"run": str, "target": {...}, "drafter": {"path", "block_size", ...}, "settings": {...},
+     "benchmarks": {name: {"path", "prompts", "read", "skipped": {reason: n}}},
+     "skipped_methods": [{"method", "budget", "reason"}],
+     "cells": [{"benchmark", "method", "budget", "label", **eval.metrics.summarize(...), "speedup", "ar_match"}]}
+
+Undefined numbers (a τ without rounds, a speedup without an AR run) are JSON null and print as "—".
+`compare_runs(eval_dirs, out)` puts two or more such reports side by side (`drafter report`).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from pipeline.runner import atomic_write_json, atomic_write_text, read_json
+
+DASH = "—"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables: built once, rendered as Markdown and as HTML
+# ----------------------------------------------------------------------------------------------
+
+
+class Table:
+    def __init__(self, headers: Sequence[str], rows: Sequence[Sequence[Any]]):
+        self.headers = [str(h) for h in headers]
+        self.rows = [[str(c) for c in r] for r in rows]
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(self.headers) + " |", "|" + "---|" * len(self.headers)]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+    def html(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.headers)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in self.rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return DASH
+    return f"{x:{spec}}{suffix}"
+
+
+def json_ready(obj: Any) -> Any:
+    """NaN/inf -> None, tuples -> lists: report.json stays strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    return obj
+
+
+def cell_label(method: str, budget: int | None) -> str:
+    return f"{method}@{budget}" if budget is not None else method
+
+
+def _labels(report: dict) -> list[str]:
+    out: list[str] = []
+    for c in report["cells"]:
+        if c["label"] not in out:
+            out.append(c["label"])
+    return out
+
+
+def _benchmarks(report: dict) -> list[str]:
+    out: list[str] = []
+    for c in report["cells"]:
+        if c["benchmark"] not in out:
+            out.append(c["benchmark"])
+    return out
+
+
+def _cell(report: dict, benchmark: str, label: str) -> dict | None:
+    return next((c for c in report["cells"] if c["benchmark"] == benchmark and c["label"] == label), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tables of one run
+# ----------------------------------------------------------------------------------------------
+
+
+def tau_table(report: dict) -> Table:
+    """benchmark x method: per-response mean τ and the speedup over AR (the table `drafter eval` prints)."""
+    labels = [lb for lb in _labels(report) if lb != "ar"]
+    rows = []
+    for b in _benchmarks(report):
+        row = [b]
+        for lb in labels:
+            c = _cell(report, b, lb)
+            row.append(DASH if c is None else f"{fmt(c['tau_mean'])} ({fmt(c.get('speedup'), '.2f', 'x')})")
+        rows.append(row)
+    return Table(["benchmark", *(f"τ {lb} (speedup)" for lb in labels)], rows)
+
+
+def cells_table(report: dict) -> Table:
+    rows = []
+    for c in report["cells"]:
+        rows.append([
+            c["benchmark"], c["label"], c["responses"], c["rounds"], c["new_tokens"],
+            fmt(c["tau_mean"]), fmt(c["tau_pooled"]), fmt(c["tokens_per_second"], ".1f"),
+            fmt(c.get("speedup"), ".2f", "x"), fmt(c.get("ar_match"), ".0%"),
+        ])
+    return Table(["benchmark", "method", "responses", "rounds", "new tokens", "τ mean", "τ pooled",
+                  "tok/s", "speedup", "same output as AR"], rows)
+
+
+def phase_table(report: dict) -> Table:
+    phases = ("draft", "tree_build", "verify", "walk_commit")
+    rows = []
+    for c in report["cells"]:
+        if c["method"] == "ar":
+            continue
+        ph = c["phases"]
+        rows.append([c["benchmark"], c["label"], *(
+            f"{fmt(ph[p]['seconds'], '.3f')} s ({fmt(ph[p]['share'], '.0%')})" for p in phases)])
+    return Table(["benchmark", "method", "draft", "tree build", "verify", "walk + commit"], rows)
+
+
+def depth_table(report: dict) -> Table:
+    max_depth = max((len(c["per_depth"]) for c in report["cells"]), default=0)
+    rows = []
+    for c in report["cells"]:
+        if c["method"] == "ar":
+            continue
+        rates = [fmt(d["rate"], ".2f") for d in c["per_depth"]]
+        rows.append([c["benchmark"], c["label"], *rates, *([DASH] * (max_depth - len(rates)))])
+    return Table(["benchmark", "method", *(f"d{k}" for k in range(1, max_depth + 1))], rows)
+
+
+def histogram_table(report: dict) -> Table:
+    max_tau = max((len(c["histogram"]) - 1 for c in report["cells"]), default=0)
+    rows = []
+    for c in report["cells"]:
+        if c["method"] == "ar":
+            continue
+        total = sum(c["histogram"]) or 1
+        shares = [f"{n / total:.0%}" for n in c["histogram"][1:]]
+        rows.append([c["benchmark"], c["label"], *shares, *([DASH] * (max_tau - len(shares)))])
+    return Table(["benchmark", "method", *(f"τ={t}" for t in range(1, max_tau + 1))], rows)
+
+
+def budget_table(report: dict) -> Table:
+    from eval.metrics import tau_vs_budget
+
+    curves = tau_vs_budget(report["cells"])
+    budgets = sorted({b for pts in curves.values() for b, _ in pts})
+    rows = [[b, *(fmt(dict(pts).get(x)) for x in budgets)] for b, pts in curves.items()]
+    return Table(["benchmark", *(f"B={x}" for x in budgets)], rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots (PNG bytes)
+# ----------------------------------------------------------------------------------------------
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def _grouped_bars(groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str) -> bytes:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(groups) * max(1, len(series)) / 2), 3.6))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [v if v is not None else 0.0 for v in values], width, label=name)
+    ax.set_xticks(range(len(groups)), groups, rotation=15)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return _png(fig)
+
+
+def plot_tau_bars(report: dict) -> bytes:
+    labels = [lb for lb in _labels(report) if lb != "ar"]
+    benches = _benchmarks(report)
+    series = {lb: [(_cell(report, b, lb) or {}).get("tau_mean") for b in benches] for lb in labels}
+    return _grouped_bars(benches, series, "τ (per-response mean)", "Acceptance length τ per benchmark and method")
+
+
+def plot_tau_vs_budget(report: dict) -> bytes:
+    from eval.metrics import tau_vs_budget
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    curves = tau_vs_budget(report["cells"])
+    for bench, pts in curves.items():
+        line = ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=f"{bench} ddtree")[0]
+        chain = _cell(report, bench, "chain")
+        if chain and chain.get("tau_mean") is not None:
+            ax.axhline(chain["tau_mean"], linestyle="--", color=line.get_color(), alpha=0.6, label=f"{bench} chain")
+    ax.set_xscale("log", base=2)
+    budgets = sorted({b for pts in curves.values() for b, _ in pts})
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.minorticks_off()
+    ax.set_xlabel("DDTree node budget")
+    ax.set_ylabel("τ (per-response mean)")
+    ax.set_title("τ vs budget")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _per_benchmark_axes(n: int):
+    plt = _plt()
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.4), squeeze=False)
+    return fig, axes[0]
+
+
+def plot_histograms(report: dict) -> bytes:
+    benches = _benchmarks(report)
+    fig, axes = _per_benchmark_axes(len(benches))
+    for ax, b in zip(axes, benches):
+        cells = [c for c in report["cells"] if c["benchmark"] == b and c["method"] != "ar"]
+        width = 0.8 / max(1, len(cells))
+        for i, c in enumerate(cells):
+            total = sum(c["histogram"]) or 1
+            taus = range(1, len(c["histogram"]))
+            ax.bar([t + (i - (len(cells) - 1) / 2) * width for t in taus],
+                   [c["histogram"][t] / total for t in taus], width, label=c["label"])
+        ax.set_title(b)
+        ax.set_xlabel("accepted length τ")
+        ax.set_ylabel("share of rounds")
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def plot_per_depth(report: dict) -> bytes:
+    benches = _benchmarks(report)
+    fig, axes = _per_benchmark_axes(len(benches))
+    for ax, b in zip(axes, benches):
+        for c in report["cells"]:
+            if c["benchmark"] != b or c["method"] == "ar":
+                continue
+            pts = [(d["depth"], d["rate"]) for d in c["per_depth"] if d["rate"] is not None]
+            ax.plot([k for k, _ in pts], [r for _, r in pts], marker="o", label=c["label"])
+        ax.set_ylim(0, 1.05)
+        ax.set_title(b)
+        ax.set_xlabel("draft depth k")
+        ax.set_ylabel("P(accept k | reached k)")
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Documents
+# ----------------------------------------------------------------------------------------------
+
+_CSS = (
+    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+    "table{border-collapse:collapse;margin:0.6em 0 1.4em;font-size:0.9em}"
+    "th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}"
+    "td:first-child,td:nth-child(2){text-align:left}img{max-width:100%;display:block;margin:0.5em 0 1.5em}"
+    "pre{background:#f7f7f7;padding:0.6em}"
+)
+
+
+def html_document(title: str, blocks: list[tuple[str, Any]]) -> str:
+    """A standalone HTML page. blocks: ("h2", text) | ("p", text) | ("pre", text) | ("table", Table) | ("png", bytes)."""
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    for kind, value in blocks:
+        if kind == "table":
+            parts.append(value.html())
+        elif kind == "png":
+            parts.append(f"<img alt='plot' src='data:image/png;base64,{base64.b64encode(value).decode()}'>")
+        else:
+            parts.append(f"<{kind}>{html.escape(str(value))}</{kind}>")
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
+def markdown_document(title: str, blocks: list[tuple[str, Any]]) -> str:
+    out = [f"# {title}", ""]
+    for kind, value in blocks:
+        if kind == "h2":
+            out += [f"## {value}", ""]
+        elif kind == "table":
+            out += [value.markdown(), ""]
+        elif kind == "pre":
+            out += ["```", str(value), "```", ""]
+        elif kind == "p":
+            out += [str(value), ""]
+    return "\n".join(out)
+
+
+def _settings_text(report: dict) -> str:
+    lines = [f"run: {report.get('run')}"]
+    for key in ("target", "drafter", "settings"):
+        for k, v in (report.get(key) or {}).items():
+            lines.append(f"{key}.{k}: {v}")
+    return "\n".join(lines)
+
+
+def _notes_text(report: dict) -> str:
+    lines = []
+    for s in report.get("skipped_methods", []):
+        lines.append(f"skipped {cell_label(s['method'], s.get('budget'))}: {s['reason']}")
+    for name, b in (report.get("benchmarks") or {}).items():
+        skipped = ", ".join(f"{r}={n}" for r, n in b.get("skipped", {}).items()) or "none"
+        lines.append(f"{name}: {b.get('prompts')} prompts from {b.get('path')} (records read {b.get('read')}, "
+                     f"skipped: {skipped})")
+    return "\n".join(lines) or "none"
+
+
+def report_blocks(report: dict) -> list[tuple[str, Any]]:
+    has_spec = any(c["method"] != "ar" for c in report["cells"])
+    has_tree = any(c["method"] == "ddtree" for c in report["cells"])
+    blocks: list[tuple[str, Any]] = [
+        ("h2", "Settings"), ("pre", _settings_text(report)),
+        ("h2", "τ per benchmark and method (speedup over AR in the same run)"), ("table", tau_table(report)),
+        ("p", "τ counts the bonus token (1 ≤ τ ≤ block size); τ mean = per-response mean averaged over responses, "
+              "τ pooled = all rounds together. speedup = AR time per output token ÷ method time per output token "
+              "(decode after prefill)."),
+        ("h2", "All numbers per cell"), ("table", cells_table(report)),
+    ]
+    if has_spec:
+        blocks += [("png", plot_tau_bars(report))]
+    if has_tree:
+        blocks += [("h2", "τ vs DDTree budget"), ("table", budget_table(report)), ("png", plot_tau_vs_budget(report))]
+    if has_spec:
+        blocks += [
+            ("h2", "Accepted-length histogram (share of rounds)"), ("table", histogram_table(report)),
+            ("png", plot_histograms(report)),
+            ("h2", "Per-depth conditional acceptance P(accept k | reached k)"), ("table", depth_table(report)),
+            ("png", plot_per_depth(report)),
+            ("h2", "Time split per phase (summed over rounds)"), ("table", phase_table(report)),
+        ]
+    blocks += [("h2", "Skipped methods and prompts"), ("pre", _notes_text(report))]
+    return blocks
+
+
+def write_report(report: dict, out_dir: Path) -> str:
+    """Write report.json, report.md and report.html into `out_dir` (each atomically); return the τ table."""
+    out_dir = Path(out_dir)
+    report = json_ready(report)
+    title = f"DFlash eval — {report.get('run')}"
+    blocks = report_blocks(report)
+    atomic_write_json(out_dir / "report.json", report)
+    atomic_write_text(out_dir / "report.md", markdown_document(title, blocks))
+    atomic_write_text(out_dir / "report.html", html_document(title, blocks))
+    return tau_table(report).markdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparing runs
+# ----------------------------------------------------------------------------------------------
+
+
+def _load_eval_report(eval_dir: str | Path) -> dict:
+    path = Path(eval_dir)
+    path = path if path.name == "report.json" else path / "report.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run `drafter eval` for that run first")
+    return read_json(path)
+
+
+def _run_names(reports: list[dict], dirs: Sequence[str | Path]) -> list[str]:
+    names = [str(r.get("run") or Path(d).parent.name) for r, d in zip(reports, dirs)]
+    if len(set(names)) < len(names):  # same run name twice: tell them apart by directory
+        names = [f"{n} ({d})" for n, d in zip(names, dirs)]
+    return names
+
+
+def compare_runs(eval_dirs: Sequence[str | Path], out: str | Path) -> str:
+    """Side-by-side τ and speedup of two or more eval runs -> <out>/report.md + report.html; returns the table."""
+    if len(eval_dirs) < 2:
+        raise ValueError("drafter report: give at least two eval directories to compare")
+    reports = [_load_eval_report(d) for d in eval_dirs]
+    names = _run_names(reports, eval_dirs)
+    keys: list[tuple[str, str]] = []
+    for r in reports:
+        for c in r["cells"]:
+            if (c["benchmark"], c["label"]) not in keys:
+                keys.append((c["benchmark"], c["label"]))
+    rows = []
+    for bench, label in keys:
+        row = [bench, label]
+        for r in reports:
+            c = _cell(r, bench, label)
+            row.append(DASH if c is None else f"{fmt(c['tau_mean'])} ({fmt(c.get('speedup'), '.2f', 'x')})")
+        rows.append(row)
+    table = Table(["benchmark", "method", *(f"τ {n} (speedup)" for n in names)], rows)
+    settings = Table(
+        ["run", "eval dir", "target", "drafter", "temperature", "max new tokens"],
+        [[n, str(d), (r.get("target") or {}).get("model", DASH), (r.get("drafter") or {}).get("path", DASH),
+          (r.get("settings") or {}).get("temperature", DASH), (r.get("settings") or {}).get("max_new_tokens", DASH)]
+         for n, r, d in zip(names, reports, eval_dirs)],
+    )
+    spec_keys = [k for k in keys if k[1] != "ar"]
+    series = {n: [(_cell(r, b, lb) or {}).get("tau_mean") for b, lb in spec_keys] for n, r in zip(names, reports)}
+    blocks: list[tuple[str, Any]] = [
+        ("h2", "Runs"), ("table", settings),
+        ("h2", "τ (per-response mean) and speedup over each run's own AR"), ("table", table),
+    ]
+    if spec_keys:
+        blocks.append(("png", _grouped_bars([f"{b}\n{lb}" for b, lb in spec_keys], series, "τ", "τ by run")))
+    out = Path(out)
+    title = "DFlash eval comparison — " + " vs ".join(names)
+    atomic_write_text(out / "report.md", markdown_document(title, blocks))
+    atomic_write_text(out / "report.html", html_document(title, blocks))
+    atomic_write_json(out / "report.json", {"runs": names, "eval_dirs": [str(d) for d in eval_dirs],
+                                            "headers": table.headers, "rows": table.rows})
+    return table.markdown()
