@@ -1,0 +1,571 @@
+"""THE feature storage format: shard writer, memory-mapped reader, index, checksums, fp8 codec.
+
+Layout of a finished extraction (``runs/<run>/extract/``; full description in docs/storage.md)::
+
+    manifest.json                 fingerprint, counts, sha256 of every shard (pipeline.runner.StageDir)
+    index.parquet                 one row per sample: id, shard, row, token_offset, length, num_loss_tokens, source_row
+    shards/NNNNN.safetensors      one unit of work; a valid safetensors file, token-major
+    shards/NNNNN.done.json        sidecar: bytes + sha256 (a unit is done iff it matches)
+
+A shard is a safetensors file whose tensors are, in this byte order (each region aligned for its dtype)::
+
+    sample_offsets  I64  [N+1]      token offset of each sample inside the shard (0, S0, S0+S1, ...)
+    scales          F32  [T, n]     fp8 only: per-token-per-tap dequantization scale
+    input_ids       I32  [T]
+    features        BF16|F32|F8_E4M3 [T, n, D]   taps concatenated shallow -> deep == [T, n*D]
+    loss_mask       U8   [T]
+
+``__metadata__`` holds the format version, sample ids, source rows and the tap layout as JSON strings.
+The header and every small tensor are known before extraction starts (lengths come from the tokenize
+stage), so the file is pre-sized and features are written in place with ``pwrite`` by token offset —
+from any thread, in any order, with no second pass.  Readers ``np.memmap`` the file and view regions as
+torch tensors without copying; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from pipeline.runner import MANIFEST, StageError, read_json, sha256_file
+
+FORMAT_VERSION = "dflash-features/1"
+INDEX_FILE = "index.parquet"
+SHARD_EXT = "safetensors"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MIN_SCALE = 1e-12  # an all-zero row gets this scale (its codes are all zero)
+
+# storage dtype -> (safetensors dtype, torch dtype, bytes per element)
+STORAGE_DTYPES: dict[str, tuple[str, torch.dtype, int]] = {
+    "bfloat16": ("BF16", torch.bfloat16, 2),
+    "float32": ("F32", torch.float32, 4),
+    "fp8": ("F8_E4M3", torch.float8_e4m3fn, 1),
+}
+_ST_DTYPES = {"I64": (torch.int64, 8), "F32": (torch.float32, 4), "I32": (torch.int32, 4), "U8": (torch.uint8, 1),
+              "BF16": (torch.bfloat16, 2), "F8_E4M3": (torch.float8_e4m3fn, 1)}
+
+
+def _check_storage_dtype(storage_dtype: str) -> None:
+    if storage_dtype not in STORAGE_DTYPES:
+        raise ValueError(f"storage_dtype {storage_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
+
+
+def bytes_per_token(num_taps: int, hidden_size: int, storage_dtype: str) -> int:
+    """Bytes one token costs in a shard: features (+ fp8 scales) + int32 input id + uint8 loss mask."""
+    _check_storage_dtype(storage_dtype)
+    per = STORAGE_DTYPES[storage_dtype][2]
+    scales = 4 * num_taps if storage_dtype == "fp8" else 0
+    return num_taps * hidden_size * per + scales + 4 + 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Codec: compute dtype <-> storage dtype
+# ----------------------------------------------------------------------------------------------
+
+
+def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> (codes ``float8_e4m3fn [..., D]``, scales ``float32 [...]``), one scale per row.
+
+    scale = amax(|row|) / 448, so every row uses the full e4m3 range; ``x ≈ codes * scale``.
+    """
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    codes = (xf / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def decode_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of `encode_fp8`: ``codes [..., D] * scales [...]`` in ``dtype``."""
+    return (codes.float() * scales.float().unsqueeze(-1)).to(dtype)
+
+
+def encode_features(features: torch.Tensor, num_taps: int, storage_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-major features ``[T, n*D]`` (any float dtype, any device) -> what a shard stores.
+
+    Returns (data ``[T, n, D]`` in the storage dtype, scales ``float32 [T, n]`` for fp8 else None).
+    The fp8 scale is per token and per tap, computed one tap at a time (bounded fp32 temporaries).
+    """
+    _check_storage_dtype(storage_dtype)
+    T = features.shape[0]
+    x = features.reshape(T, num_taps, -1)
+    if storage_dtype == "fp8":
+        codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty((T, num_taps), dtype=torch.float32, device=x.device)
+        for j in range(num_taps):
+            codes[:, j], scales[:, j] = encode_fp8(x[:, j])
+        return codes, scales
+    return x.to(STORAGE_DTYPES[storage_dtype][1]).contiguous(), None
+
+
+def decode_features(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stored ``[T, n, D]`` (+ scales) -> ``[T, n*D]``; a zero-copy view for bf16/fp32 when ``dtype`` is None."""
+    T = data.shape[0]
+    if data.dtype == torch.float8_e4m3fn:
+        return decode_fp8(data, scales, dtype or torch.bfloat16).reshape(T, -1)
+    out = data.reshape(T, -1)
+    return out if dtype is None else out.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shard layout and writer
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorRegion:
+    name: str
+    st_dtype: str
+    shape: tuple[int, ...]
+    start: int  # byte offset inside the data section
+    nbytes: int
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class ShardLayout:
+    """Header + byte regions of one shard, computed from the sample lengths alone."""
+
+    def __init__(self, lengths: Sequence[int], num_taps: int, hidden_size: int, storage_dtype: str, metadata: dict[str, str]):
+        _check_storage_dtype(storage_dtype)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if (self.lengths <= 0).any():
+            raise ValueError("every sample must have at least one token")
+        self.num_tokens = int(self.lengths.sum())
+        self.num_taps, self.hidden_size, self.storage_dtype = num_taps, hidden_size, storage_dtype
+        st_feat, _, per = STORAGE_DTYPES[storage_dtype]
+        T, n, D = self.num_tokens, num_taps, hidden_size
+        specs = [("sample_offsets", "I64", (len(self.lengths) + 1,), 8)]
+        if storage_dtype == "fp8":
+            specs.append(("scales", "F32", (T, n), 4))
+        specs += [("input_ids", "I32", (T,), 4), ("features", st_feat, (T, n, D), per), ("loss_mask", "U8", (T,), 1)]
+        self.regions: dict[str, TensorRegion] = {}
+        pos = 0
+        for name, st, shape, item in specs:  # itemsizes are non-increasing: every region is aligned, no holes
+            nbytes = int(np.prod(shape)) * item
+            self.regions[name] = TensorRegion(name, st, shape, pos, nbytes)
+            pos += nbytes
+        self.data_bytes = pos
+        header = {"__metadata__": {"format": FORMAT_VERSION, **metadata}}
+        for r in self.regions.values():
+            header[r.name] = {"dtype": r.st_dtype, "shape": list(r.shape), "data_offsets": [r.start, r.start + r.nbytes]}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (_align(8 + len(raw), 64) - 8 - len(raw))  # data section starts 64-byte aligned
+        self.header_bytes = len(raw).to_bytes(8, "little") + raw
+        self.data_start = len(self.header_bytes)
+        self.total_bytes = self.data_start + self.data_bytes
+        self.row_bytes = n * D * per  # bytes of one token's features
+
+    def offset(self, name: str) -> int:
+        """Absolute file offset of a region."""
+        return self.data_start + self.regions[name].start
+
+
+def _pwrite_all(fd: int, buf, offset: int) -> None:
+    view = memoryview(buf).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a numpy uint8 array (no copy when contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError("shard writes take CPU tensors")
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class ShardWriter:
+    """Writes one shard file in place: header + ids/mask/offsets at open, features by token offset.
+
+    ``write_tokens`` may be called from several threads at once (``os.pwrite`` on disjoint regions).
+    Use inside ``pipeline.runner.AtomicFile`` so a killed writer never leaves a complete-looking shard.
+
+    >>> with AtomicFile(final) as tmp:
+    ...     w = ShardWriter(tmp, ids, input_ids, loss_masks, num_taps=5, hidden_size=D, storage_dtype="bfloat16")
+    ...     w.write_tokens(0, data, scales); w.close()
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        ids: Sequence[str],
+        input_ids: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+        *,
+        num_taps: int,
+        hidden_size: int,
+        storage_dtype: str,
+        metadata: dict | None = None,
+    ):
+        if not (len(ids) == len(input_ids) == len(loss_masks)):
+            raise ValueError("ids, input_ids and loss_masks must have one entry per sample")
+        lengths = [len(x) for x in input_ids]
+        for i, (a, m) in enumerate(zip(input_ids, loss_masks)):
+            if len(a) != len(m):
+                raise ValueError(f"sample {ids[i]!r}: {len(a)} input_ids but {len(m)} loss_mask entries")
+        meta = {"ids": json.dumps(list(ids)), "num_taps": str(num_taps), "hidden_size": str(hidden_size),
+                "storage_dtype": storage_dtype}
+        meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()})
+        self.layout = ShardLayout(lengths, num_taps, hidden_size, storage_dtype, meta)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, self.layout.total_bytes)
+        _pwrite_all(self.fd, self.layout.header_bytes, 0)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        self.sample_offsets = offsets
+        _pwrite_all(self.fd, offsets, self.layout.offset("sample_offsets"))
+        if lengths:
+            _pwrite_all(self.fd, np.concatenate([np.asarray(a, dtype=np.int32) for a in input_ids]),
+                        self.layout.offset("input_ids"))
+            _pwrite_all(self.fd, np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_masks]),
+                        self.layout.offset("loss_mask"))
+        self.tokens_written = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.num_tokens
+
+    def write_tokens(self, token_start: int, data: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Write encoded features of tokens ``token_start .. token_start+T`` (``data [T, n, D]`` in the storage
+        dtype, ``scales [T, n]`` for fp8; CPU tensors, e.g. pinned buffers).  Thread-safe."""
+        L = self.layout
+        T = data.shape[0]
+        if token_start < 0 or token_start + T > L.num_tokens:
+            raise ValueError(f"tokens {token_start}..{token_start + T} outside the shard's {L.num_tokens}")
+        if data.dtype != STORAGE_DTYPES[L.storage_dtype][1] or data[0].numel() != L.num_taps * L.hidden_size:
+            raise ValueError(f"features must be [T, {L.num_taps}, {L.hidden_size}] {L.storage_dtype}, got {tuple(data.shape)} {data.dtype}")
+        _pwrite_all(self.fd, _as_bytes(data), L.offset("features") + token_start * L.row_bytes)
+        if L.storage_dtype == "fp8":
+            if scales is None or scales.shape[0] != T:
+                raise ValueError("fp8 storage needs a [T, n] scales tensor with every write")
+            _pwrite_all(self.fd, _as_bytes(scales.float()), L.offset("scales") + token_start * L.num_taps * 4)
+        self.tokens_written += T  # approximate under threads; only used for progress
+
+    def write_sample(self, i: int, features: torch.Tensor) -> None:
+        """Encode and write sample ``i``'s features ``[S_i, n*D]`` (any float dtype, CPU)."""
+        data, scales = encode_features(features.cpu(), self.layout.num_taps, self.layout.storage_dtype)
+        self.write_tokens(int(self.sample_offsets[i]), data, scales)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        if getattr(self, "fd", -1) >= 0:
+            os.close(self.fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------
+
+
+def read_shard_header(path: Path) -> tuple[dict, int]:
+    """(safetensors header dict, absolute offset of the data section) of a shard."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n <= 0 or n > 100 << 20:
+            raise StageError(f"{path}: not a feature shard (header length {n})")
+        header = json.loads(f.read(n))
+    meta = header.get("__metadata__", {})
+    if meta.get("format") != FORMAT_VERSION:
+        raise StageError(f"{path}: format {meta.get('format')!r}, this code reads {FORMAT_VERSION!r}")
+    return header, 8 + n
+
+
+class Shard:
+    """One memory-mapped shard; every tensor is a zero-copy view of the file (read-only: do not write)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.header, data_start = read_shard_header(self.path)
+        meta = self.header["__metadata__"]
+        self.ids: list[str] = json.loads(meta["ids"])
+        self.rows: list[int] | None = json.loads(meta["rows"]) if "rows" in meta else None
+        self.num_taps, self.hidden_size = int(meta["num_taps"]), int(meta["hidden_size"])
+        self.storage_dtype = meta["storage_dtype"]
+        mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.tensors: dict[str, torch.Tensor] = {}
+        with warnings.catch_warnings():  # torch warns that the mapping is read-only; it is, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            for name, spec in self.header.items():
+                if name == "__metadata__":
+                    continue
+                dtype, _ = _ST_DTYPES[spec["dtype"]]
+                a, b = spec["data_offsets"]
+                raw = torch.from_numpy(mm[data_start + a : data_start + b])
+                self.tensors[name] = raw.view(dtype).reshape(spec["shape"])
+        self.offsets = self.tensors["sample_offsets"].numpy()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def sample(self, row: int, dtype: torch.dtype | None = None) -> dict:
+        """Sample ``row`` of this shard: ids, mask and features ``[S, n*D]`` (a view unless fp8/``dtype``)."""
+        a, b = int(self.offsets[row]), int(self.offsets[row + 1])
+        scales = self.tensors["scales"][a:b] if "scales" in self.tensors else None
+        return {
+            "id": self.ids[row],
+            "input_ids": self.tensors["input_ids"][a:b].long(),
+            "loss_mask": self.tensors["loss_mask"][a:b].bool(),
+            "features": decode_features(self.tensors["features"][a:b], scales, dtype),
+        }
+
+
+class FeatureReader:
+    """Random access to a finished extraction (the ``extract`` stage directory).
+
+    >>> reader = FeatureReader("runs/tiny/extract")
+    >>> reader.fingerprint["layer_ids"], len(reader), reader.lengths[:3]
+    >>> s = reader.sample(0)   # {"id", "input_ids" Long[S], "loss_mask" Bool[S], "features" [S, n*D]}
+
+    Features are zero-copy views of the memory-mapped shard for bf16/fp32 storage; fp8 is dequantized
+    to ``fp8_dtype`` (bf16 by default).  Pass ``dtype`` to ``sample`` to get a converted copy instead.
+    Shards are opened lazily, so a reader can be created before DataLoader workers fork.
+    """
+
+    def __init__(self, path: str | Path, *, fp8_dtype: torch.dtype = torch.bfloat16):
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.exists():
+            raise StageError(f"{self.path} has no {MANIFEST}: the extraction is not finished (run `drafter extract`)")
+        self.manifest = read_json(manifest_path)
+        self.fingerprint: dict = self.manifest["fingerprint"]
+        self.fp8_dtype = fp8_dtype
+        self.shard_names: list[str] = list(self.manifest["storage"]["shards"])
+        index = read_index(self.path / INDEX_FILE)
+        self.ids: list[str] = index["id"]
+        self.shard_of: np.ndarray = index["shard"]
+        self.row_of: np.ndarray = index["row"]
+        self.lengths: np.ndarray = index["length"]
+        self.num_loss_tokens: np.ndarray = index["num_loss_tokens"]
+        self._shards: dict[int, Shard] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.fingerprint["layer_ids"])
+
+    @property
+    def feature_dim(self) -> int:
+        """n_taps * hidden_size: the width of ``sample(i)["features"]``."""
+        return len(self.fingerprint["layer_ids"]) * int(self.fingerprint["hidden_size"])
+
+    def shard(self, k: int) -> Shard:
+        if k not in self._shards:
+            self._shards[k] = Shard(self.path / "shards" / self.shard_names[k])
+        return self._shards[k]
+
+    def sample(self, i: int, dtype: torch.dtype | None = None) -> dict:
+        """Sample ``i`` (index order = tokenize order): {"id", "input_ids", "loss_mask", "features" [S, n*D]}."""
+        if not 0 <= i < len(self.ids):
+            raise IndexError(f"sample {i} out of range 0..{len(self.ids) - 1}")
+        shard = self.shard(int(self.shard_of[i]))
+        out = shard.sample(int(self.row_of[i]), dtype if dtype is not None else
+                           (self.fp8_dtype if shard.storage_dtype == "fp8" else None))
+        return out
+
+    def __getitem__(self, i: int) -> dict:
+        return self.sample(i)
+
+
+# ----------------------------------------------------------------------------------------------
+# Index
+# ----------------------------------------------------------------------------------------------
+
+INDEX_COLUMNS = ("id", "shard", "row", "token_offset", "length", "num_loss_tokens", "source_row")
+
+
+def build_index(shard_paths: Sequence[Path]) -> dict[str, list]:
+    """Index columns from the shards' headers (no feature bytes are read), sorted by source row."""
+    cols: dict[str, list] = {c: [] for c in INDEX_COLUMNS}
+    for k, p in enumerate(shard_paths):
+        sh = Shard(p)
+        lengths = sh.lengths
+        mask = sh.tensors["loss_mask"].numpy()
+        loss = np.add.reduceat(mask.astype(np.int64), sh.offsets[:-1]) if len(sh) else np.zeros(0, np.int64)
+        rows = sh.rows if sh.rows is not None else [-1] * len(sh)
+        for r in range(len(sh)):
+            cols["id"].append(sh.ids[r])
+            cols["shard"].append(k)
+            cols["row"].append(r)
+            cols["token_offset"].append(int(sh.offsets[r]))
+            cols["length"].append(int(lengths[r]))
+            cols["num_loss_tokens"].append(int(loss[r]))
+            cols["source_row"].append(int(rows[r]))
+    order = sorted(range(len(cols["id"])), key=lambda i: (cols["source_row"][i], cols["shard"][i], cols["row"][i]))
+    return {c: [v[i] for i in order] for c, v in cols.items()}
+
+
+def write_index(path: Path, cols: dict[str, list]) -> None:
+    """Write the index as parquet, atomically."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.runner import atomic_write_bytes
+
+    table = pa.table({
+        "id": pa.array(cols["id"], pa.string()),
+        "shard": pa.array(cols["shard"], pa.int32()),
+        "row": pa.array(cols["row"], pa.int32()),
+        "token_offset": pa.array(cols["token_offset"], pa.int64()),
+        "length": pa.array(cols["length"], pa.int32()),
+        "num_loss_tokens": pa.array(cols["num_loss_tokens"], pa.int32()),
+        "source_row": pa.array(cols["source_row"], pa.int64()),
+    })
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def read_index(path: Path) -> dict:
+    """The index as numpy arrays (``id`` as a list of str)."""
+    import pyarrow.parquet as pq
+
+    if not Path(path).exists():
+        raise StageError(f"{path} is missing: the extraction was not merged (run `drafter extract --merge`)")
+    t = pq.read_table(path)
+    out = {c: t.column(c).to_numpy().astype(np.int64) for c in INDEX_COLUMNS if c != "id"}
+    out["id"] = t.column("id").to_pylist()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Checksums
+# ----------------------------------------------------------------------------------------------
+
+
+def verify_checksums(path: str | Path, *, full: bool = True) -> list[str]:
+    """Problems with a finished extraction's files: missing, wrong size, or (``full``) wrong sha256.
+
+    Compares every file listed in the manifest (shards; the index too) with its recorded size and sha256.
+    Returns human-readable problem lines; an empty list means every byte is as written.
+    """
+    path = Path(path)
+    manifest = read_json(path / MANIFEST)
+    problems = []
+    entries = [(path / "shards" / f["name"], f) for f in manifest.get("files", []) if not f["name"].endswith(".json")]
+    if "index" in manifest.get("storage", {}):
+        entries.append((path / INDEX_FILE, manifest["storage"]["index"]))
+    for p, f in entries:
+        if not p.exists():
+            problems.append(f"{p}: missing")
+        elif p.stat().st_size != f["bytes"]:
+            problems.append(f"{p}: {p.stat().st_size} bytes, manifest says {f['bytes']}")
+        elif full and sha256_file(p) != f["sha256"]:
+            problems.append(f"{p}: sha256 differs from the manifest (corrupted)")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# Finishing a store
+# ----------------------------------------------------------------------------------------------
+
+
+def finalize_store(
+    stage,
+    *,
+    shard_names: Sequence[str],
+    config_hash: str,
+    fingerprint: dict,
+    started: float,
+    inputs: dict | None = None,
+    counts: dict | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """Write ``index.parquet`` from the shards' headers, then the manifest (last: it marks completion).
+
+    ``stage`` is a `pipeline.runner.StageDir` whose units (one per shard) are all finished.
+    """
+    from pipeline.runner import sha256_file as _sha
+
+    cols = build_index([stage.shards / n for n in shard_names])
+    ids = cols["id"]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise StageError(f"sample id {dup!r} appears in more than one shard: the units overlap")
+    index_path = stage.path / INDEX_FILE
+    write_index(index_path, cols)
+    storage = {
+        "format": FORMAT_VERSION,
+        "shards": list(shard_names),
+        "index": {"name": INDEX_FILE, "bytes": index_path.stat().st_size, "sha256": _sha(index_path)},
+        "num_samples": len(ids),
+        "num_tokens": int(sum(cols["length"])),
+        "bytes_per_token": bytes_per_token(len(fingerprint["layer_ids"]), int(fingerprint["hidden_size"]),
+                                           fingerprint["storage_dtype"]),
+    }
+    return stage.write_manifest(config_hash=config_hash, fingerprint=fingerprint, inputs=inputs, counts=counts,
+                                started=started, extra={"storage": storage, **(extra or {})})
+
+
+def write_feature_store(
+    path: str | Path,
+    samples: Sequence[dict],
+    *,
+    fingerprint: dict,
+    shard_tokens: int = 1 << 20,
+) -> Path:
+    """Write in-memory samples as a finished extraction that `FeatureReader` opens (tests, small tools).
+
+    ``samples``: dicts with "id", "input_ids" [S], "loss_mask" [S], "features" [S, n*D] (any float dtype).
+    ``fingerprint`` needs at least "layer_ids", "hidden_size" and "storage_dtype".
+    Samples are cut into shards of about ``shard_tokens`` tokens in the given order.
+    """
+    import time
+
+    from pipeline.runner import AtomicFile, StageDir
+
+    path = Path(path)
+    stage = StageDir(path.parent, path.name)
+    started = time.time()
+    stage.begin("write_feature_store", force=True)
+    n, D, sd = len(fingerprint["layer_ids"]), int(fingerprint["hidden_size"]), fingerprint["storage_dtype"]
+    groups, cur, tok = [], [], 0
+    for i, s in enumerate(samples):
+        cur.append(i)
+        tok += len(s["input_ids"])
+        if tok >= shard_tokens:
+            groups.append(cur)
+            cur, tok = [], 0
+    if cur:
+        groups.append(cur)
+    names = []
+    for k, group in enumerate(groups):
+        unit = f"{k:05d}"
+        final = stage.shard_path(unit, SHARD_EXT)
+        with AtomicFile(final) as tmp:
+            w = ShardWriter(tmp, [samples[i]["id"] for i in group],
+                            [np.asarray(samples[i]["input_ids"], dtype=np.int32) for i in group],
+                            [np.asarray(samples[i]["loss_mask"], dtype=np.uint8) for i in group],
+                            num_taps=n, hidden_size=D, storage_dtype=sd, metadata={"rows": group})
+            for r, i in enumerate(group):
+                w.write_sample(r, torch.as_tensor(samples[i]["features"]))
+            w.close()
+        stage.finish_unit(unit, [final], samples=len(group))
+        names.append(final.name)
+    finalize_store(stage, shard_names=names, config_hash="write_feature_store", fingerprint=fingerprint,
+                   started=started, counts={"written": len(samples)})
+    return path
