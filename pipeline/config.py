@@ -68,7 +68,7 @@ class SourceConfig:
     path: str = doc("hub dataset id, or a local .jsonl/.json/.parquet file or directory", "")
     format: Literal[
         "auto", "openai", "sharegpt", "alpaca", "gsm8k", "humaneval", "mt_bench", "prompt"
-    ] = doc("schema adapter; 'auto' detects it from the first record", "auto")
+    ] = doc("schema adapter; 'auto' detects it per record from its keys", "auto")
     split: str = doc("split for hub datasets", "train")
     subset: Optional[str] = doc("hub dataset config name", None)
     weight: float = doc("relative weight in the mixture (share of `curate.total`)", 1.0)
@@ -87,6 +87,8 @@ class CurateConfig:
     minhash_perm: int = doc("MinHash permutations", 64)
     shard_size: int = doc("conversations per output parquet shard", 50000)
     max_error_rate: float = doc("fail the job if more than this fraction of raw records is malformed", 0.05)
+    read_chunk: int = doc("raw records per reading unit (read + clean + hash; the unit of resume)", 50000)
+    num_workers: int = doc("processes that read, clean and hash chunks (0 = one per CPU core)", 0)
 
 
 @dataclass
@@ -109,6 +111,13 @@ class RegenConfig:
     enforce_eager: bool = doc("vLLM: no CUDA graphs / torch.compile", False)
     max_len: int = doc("tokenize: truncate samples to this many tokens", 3072)
     min_loss_tokens: Optional[int] = doc("tokenize: drop samples with fewer supervised tokens (None = 2*block_size)", None)
+    seed: int = doc("sampling seed (per-request seeds derive from it, the conversation id and the turn)", 0)
+    hf_decode: Literal["auto", "generate", "static"] = doc(
+        "hf backend decode loop: 'generate' (transformers generate), 'static' (own loop over a static KV cache, "
+        "CUDA-graphed on GPU: the fast path), 'auto' (static on CUDA, generate on CPU)",
+        "auto",
+    )
+    cuda_graphs: bool = doc("hf static decode on CUDA: replay the one-token step as a CUDA graph", True)
 
 
 @dataclass
@@ -184,7 +193,7 @@ class TrainConfig:
 class BenchmarkConfig:
     name: Literal["gsm8k", "math", "humaneval", "mt_bench", "alpaca"] = doc("prompt set and prompt format", "gsm8k")
     path: str = doc("local prompt file (jsonl/json)", "")
-    num_samples: int = doc("prompts evaluated", 8)
+    num_samples: int = doc("prompts evaluated (the first N well-formed records of the file)", 8)
 
 
 @dataclass
@@ -196,6 +205,7 @@ class EvalConfig:
     temperature: float = doc("target sampling temperature (0 = greedy)", 0.0)
     drafter: Optional[str] = doc("drafter dir in the z-lab layout (None = this run's train export)", None)
     seed: int = doc("sampling seed", 0)
+    warmup_tokens: int = doc("untimed warm-up decode of this many tokens before each method is timed (0 = none)", 16)
 
 
 @dataclass

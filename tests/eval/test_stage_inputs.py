@@ -1,0 +1,81 @@
+"""eval.stage input checks that need no decoding: drafter/target fit, hybrid-target DDTree skip, unit plan,
+drafter location and config errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from eval.stage import Unit, check_drafter_fits_target, check_eval_config, drafter_dir, plan_units, tree_unsupported_reason
+from pipeline.config import ConfigError, TargetConfig, load_config
+from pipeline.runner import StageError
+from pipeline.target import materialize_target
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".cache"
+
+
+def make_config(tmp_path: Path, overrides: list[str] = ()):
+    return load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides])
+
+
+def target_config(model: str):
+    return AutoConfig.from_pretrained(materialize_target(TargetConfig(model=model), CACHE))
+
+
+def zlab_config(**over):
+    cfg = {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "vocab_size": 320, "num_target_layers": 8,
+           "block_size": 8, "dflash_config": {"mask_token_id": 259, "target_layer_ids": [1, 4, 6]}}
+    cfg.update(over)
+    return cfg
+
+
+def test_a_drafter_built_for_this_target_is_accepted():
+    check_drafter_fits_target(zlab_config(), target_config("random:qwen3"))
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"hidden_size": 128}, "hidden_size: drafter 128, target 64"),
+    ({"vocab_size": 151936}, "vocab_size: drafter 151936, target 320"),
+    ({"num_target_layers": 36}, "num_target_layers: drafter was built for 36, the target has 8"),
+    ({"dflash_config": {"mask_token_id": 259, "target_layer_ids": [1, 17, 33]}},
+     "target_layer_ids: [1, 17, 33] but the target has 8 layers"),
+    ({"dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 4, 6]}},
+     "mask_token_id: 151669 is not a row of the target vocabulary"),
+])
+def test_a_drafter_for_another_target_is_refused_naming_the_field(over, field):
+    with pytest.raises(StageError, match="does not fit this target") as e:
+        check_drafter_fits_target(zlab_config(**over), target_config("random:qwen3"))
+    assert field in str(e.value)
+
+
+def test_ddtree_is_skipped_with_a_reason_on_a_hybrid_target_only():
+    reason = tree_unsupported_reason(target_config("random:qwen3_5_text"))
+    assert reason and "linear_attention" in reason
+    assert tree_unsupported_reason(target_config("random:qwen3")) is None
+
+
+def test_units_cover_every_benchmark_method_and_budget(tmp_path):
+    cfg = make_config(tmp_path)  # tiny: gsm8k, humaneval, mt_bench x ar, chain, ddtree@{4,16}
+    units, skipped = plan_units(cfg, None)
+    assert [u.name for u in units[:4]] == ["gsm8k.ar", "gsm8k.chain", "gsm8k.ddtree-b4", "gsm8k.ddtree-b16"]
+    assert len(units) == 3 * 4 and not skipped
+    units, skipped = plan_units(cfg, "hybrid")
+    assert {u.method for u in units} == {"ar", "chain"}
+    assert skipped == [{"method": "ddtree", "budget": 4, "reason": "hybrid"},
+                       {"method": "ddtree", "budget": 16, "reason": "hybrid"}]
+    assert Unit("mt_bench", "ddtree", 64).label == "ddtree@64"
+
+
+def test_missing_drafter_and_bad_eval_config_are_clear_errors(tmp_path):
+    cfg = make_config(tmp_path)
+    with pytest.raises(StageError, match="Run `drafter train` for run 'tiny' first"):
+        drafter_dir(cfg)
+    with pytest.raises(FileNotFoundError, match="not a drafter directory"):
+        drafter_dir(make_config(tmp_path, overrides=[f"eval.drafter={tmp_path}"]))
+    with pytest.raises(ConfigError, match="eval.benchmarks: at least one"):
+        check_eval_config(make_config(tmp_path, overrides=["eval.benchmarks=[]"]))
+    with pytest.raises(ConfigError, match="eval.max_new_tokens"):
+        check_eval_config(make_config(tmp_path, overrides=["eval.max_new_tokens=0"]))
