@@ -133,7 +133,12 @@ class ExtractConfig:
     max_samples: Optional[int] = doc("extract only the first N tokenized samples", None)
     verify_samples: int = doc("samples compared by `extract verify`", 8)
     verify_min_cosine: float = doc("`extract verify` fails below this per-layer cosine", 0.999)
+    verify_checksums: bool = doc("`extract verify` also re-hashes every shard against its sha256 (reads all bytes)", True)
     gpu_memory_utilization: float = doc("vLLM memory fraction (on CPU: fraction of RAM)", 0.85)
+    tensor_parallel_size: int = doc("vLLM tensor parallelism", 1)
+    enforce_eager: bool = doc("vLLM: no CUDA graphs / torch.compile (faster start, slower run)", False)
+    writer_threads: int = doc("threads writing feature bytes to disk in parallel (pwrite into the shard)", 4)
+    staging_buffers: int = doc("host buffers of `tokens_per_batch` tokens in flight between GPU and disk", 3)
 
 
 @dataclass
