@@ -16,6 +16,7 @@ LM head are frozen, non-persistent buffers (never in state_dict, never in the op
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -168,7 +169,9 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    with warnings.catch_warnings():  # "called without torch.compile": expected on CPU, which runs eager
+        warnings.simplefilter("ignore", UserWarning)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
