@@ -10,15 +10,16 @@ Layout of a finished extraction (``runs/<run>/extract/``; full description in do
 A shard is a safetensors file whose tensors are, in this byte order (each region aligned for its dtype)::
 
     sample_offsets  I64  [N+1]      token offset of each sample inside the shard (0, S0, S0+S1, ...)
-    scales          F32  [T, n]     fp8 only: per-token-per-tap dequantization scale
     input_ids       I32  [T]
-    features        BF16|F32|F8_E4M3 [T, n, D]   taps concatenated shallow -> deep == [T, n*D]
     loss_mask       U8   [T]
+    features        BF16|F32|F8_E4M3 [T, n, D]   taps concatenated shallow -> deep == [T, n*D]
+    scales          F32  [T, n]     fp8 only: per-token-per-tap dequantization scale
+    (_padK          U8   zero bytes that align the next region; safetensors allows no holes)
 
 ``__metadata__`` holds the format version, sample ids, source rows and the tap layout as JSON strings.
 The header and every small tensor are known before extraction starts (lengths come from the tokenize
 stage), so the file is pre-sized and features are written in place with ``pwrite`` by token offset —
-from any thread, in any order, with no second pass.  Readers ``np.memmap`` the file and view regions as
+from any thread or process (the vLLM connector), in any order, with no second pass.  Readers ``np.memmap`` the file and view regions as
 torch tensors without copying; nothing is ever unpickled.
 """
 
@@ -132,7 +133,12 @@ def _align(n: int, a: int) -> int:
 
 
 class ShardLayout:
-    """Header + byte regions of one shard, computed from the sample lengths alone."""
+    """Header + byte regions of one shard, computed from the sample lengths alone.
+
+    Data section order: sample_offsets, input_ids, loss_mask (known before extraction), features,
+    scales (fp8; produced with the features).  ``_pad*`` U8 tensors keep features 64-byte and scales
+    4-byte aligned (safetensors forbids holes, so padding is an explicit tensor of zeros).
+    """
 
     def __init__(self, lengths: Sequence[int], num_taps: int, hidden_size: int, storage_dtype: str, metadata: dict[str, str]):
         _check_storage_dtype(storage_dtype)
@@ -143,14 +149,19 @@ class ShardLayout:
         self.num_taps, self.hidden_size, self.storage_dtype = num_taps, hidden_size, storage_dtype
         st_feat, _, per = STORAGE_DTYPES[storage_dtype]
         T, n, D = self.num_tokens, num_taps, hidden_size
-        specs = [("sample_offsets", "I64", (len(self.lengths) + 1,), 8)]
+        specs = [("sample_offsets", "I64", (len(self.lengths) + 1,), 8), ("input_ids", "I32", (T,), 4),
+                 ("loss_mask", "U8", (T,), 1), ("features", st_feat, (T, n, D), 64)]
         if storage_dtype == "fp8":
             specs.append(("scales", "F32", (T, n), 4))
-        specs += [("input_ids", "I32", (T,), 4), ("features", st_feat, (T, n, D), per), ("loss_mask", "U8", (T,), 1)]
+        item = {"I64": 8, "I32": 4, "U8": 1, "F32": 4, st_feat: per}
         self.regions: dict[str, TensorRegion] = {}
         pos = 0
-        for name, st, shape, item in specs:  # itemsizes are non-increasing: every region is aligned, no holes
-            nbytes = int(np.prod(shape)) * item
+        for name, st, shape, align in specs:
+            if pos % align:
+                pad = _align(pos, align) - pos
+                self.regions[f"_pad{len(self.regions)}"] = TensorRegion(f"_pad{len(self.regions)}", "U8", (pad,), pos, pad)
+                pos += pad
+            nbytes = int(np.prod(shape)) * item[st]
             self.regions[name] = TensorRegion(name, st, shape, pos, nbytes)
             pos += nbytes
         self.data_bytes = pos
@@ -168,15 +179,24 @@ class ShardLayout:
         """Absolute file offset of a region."""
         return self.data_start + self.regions[name].start
 
+    def features_offset(self, token_start: int) -> int:
+        """Absolute file offset of token ``token_start``'s feature row."""
+        return self.offset("features") + token_start * self.row_bytes
 
-def _pwrite_all(fd: int, buf, offset: int) -> None:
+    def scales_offset(self, token_start: int) -> int:
+        """Absolute file offset of token ``token_start``'s fp8 scales (``num_taps`` float32)."""
+        return self.offset("scales") + token_start * self.num_taps * 4
+
+
+def pwrite_all(fd: int, buf, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``buf`` (any buffer) is written at ``offset``."""
     view = memoryview(buf).cast("B")
     while len(view):
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
 
 
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
+def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's bytes as a numpy uint8 array (no copy when contiguous)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -187,7 +207,10 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 class ShardWriter:
     """Writes one shard file in place: header + ids/mask/offsets at open, features by token offset.
 
-    ``write_tokens`` may be called from several threads at once (``os.pwrite`` on disjoint regions).
+    The file is pre-sized; ``write_tokens`` / ``pwrite`` may be called from several threads at once on
+    disjoint tokens.  fp8 scales are kept in memory (``set_scales``) and written by ``close``.
+    With ``stream_hash=True`` the caller feeds the feature bytes in token order to ``hash_features``
+    (one thread) and ``close`` returns the file's sha256 without reading the file back.
     Use inside ``pipeline.runner.AtomicFile`` so a killed writer never leaves a complete-looking shard.
 
     >>> with AtomicFile(final) as tmp:
@@ -206,7 +229,10 @@ class ShardWriter:
         hidden_size: int,
         storage_dtype: str,
         metadata: dict | None = None,
+        stream_hash: bool = False,
     ):
+        import hashlib
+
         if not (len(ids) == len(input_ids) == len(loss_masks)):
             raise ValueError("ids, input_ids and loss_masks must have one entry per sample")
         lengths = [len(x) for x in input_ids]
@@ -216,26 +242,41 @@ class ShardWriter:
         meta = {"ids": json.dumps(list(ids)), "num_taps": str(num_taps), "hidden_size": str(hidden_size),
                 "storage_dtype": storage_dtype}
         meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()})
-        self.layout = ShardLayout(lengths, num_taps, hidden_size, storage_dtype, meta)
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self.fd, self.layout.total_bytes)
-        _pwrite_all(self.fd, self.layout.header_bytes, 0)
+        L = self.layout = ShardLayout(lengths, num_taps, hidden_size, storage_dtype, meta)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         self.sample_offsets = offsets
-        _pwrite_all(self.fd, offsets, self.layout.offset("sample_offsets"))
-        if lengths:
-            _pwrite_all(self.fd, np.concatenate([np.asarray(a, dtype=np.int32) for a in input_ids]),
-                        self.layout.offset("input_ids"))
-            _pwrite_all(self.fd, np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_masks]),
-                        self.layout.offset("loss_mask"))
-        self.tokens_written = 0
+        # everything before the features is known now: build it in memory, write it once
+        prefix = bytearray(L.offset("features"))
+        prefix[: L.data_start] = L.header_bytes
+        for name, arr in (("sample_offsets", offsets),
+                          ("input_ids", np.concatenate([np.asarray(a, np.int32) for a in input_ids]) if lengths else np.zeros(0, np.int32)),
+                          ("loss_mask", np.concatenate([np.asarray(m, np.uint8) for m in loss_masks]) if lengths else np.zeros(0, np.uint8))):
+            a = L.offset(name)
+            prefix[a : a + arr.nbytes] = arr.tobytes()
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, L.total_bytes)
+        pwrite_all(self.fd, prefix, 0)
+        self._scales = np.zeros((L.num_tokens, num_taps), np.float32) if storage_dtype == "fp8" else None
+        self._scales_set = False
+        self._sha = hashlib.sha256(prefix) if stream_hash else None
+        self._hashed_bytes = 0
 
     @property
     def num_tokens(self) -> int:
         return self.layout.num_tokens
+
+    def pwrite(self, offset: int, raw) -> None:
+        """Write raw bytes at an absolute file offset (thread-safe)."""
+        pwrite_all(self.fd, raw, offset)
+
+    def set_scales(self, token_start: int, scales: torch.Tensor) -> None:
+        """fp8: remember scales ``[T, n]`` of tokens ``token_start..``; ``close`` writes them."""
+        s = scales.detach().float().cpu().numpy()
+        self._scales[token_start : token_start + len(s)] = s
+        self._scales_set = True
 
     def write_tokens(self, token_start: int, data: torch.Tensor, scales: torch.Tensor | None = None) -> None:
         """Write encoded features of tokens ``token_start .. token_start+T`` (``data [T, n, D]`` in the storage
@@ -246,23 +287,43 @@ class ShardWriter:
             raise ValueError(f"tokens {token_start}..{token_start + T} outside the shard's {L.num_tokens}")
         if data.dtype != STORAGE_DTYPES[L.storage_dtype][1] or data[0].numel() != L.num_taps * L.hidden_size:
             raise ValueError(f"features must be [T, {L.num_taps}, {L.hidden_size}] {L.storage_dtype}, got {tuple(data.shape)} {data.dtype}")
-        _pwrite_all(self.fd, _as_bytes(data), L.offset("features") + token_start * L.row_bytes)
         if L.storage_dtype == "fp8":
             if scales is None or scales.shape[0] != T:
                 raise ValueError("fp8 storage needs a [T, n] scales tensor with every write")
-            _pwrite_all(self.fd, _as_bytes(scales.float()), L.offset("scales") + token_start * L.num_taps * 4)
-        self.tokens_written += T  # approximate under threads; only used for progress
+            self.set_scales(token_start, scales)
+        pwrite_all(self.fd, as_bytes(data), L.features_offset(token_start))
 
     def write_sample(self, i: int, features: torch.Tensor) -> None:
         """Encode and write sample ``i``'s features ``[S_i, n*D]`` (any float dtype, CPU)."""
         data, scales = encode_features(features.cpu(), self.layout.num_taps, self.layout.storage_dtype)
         self.write_tokens(int(self.sample_offsets[i]), data, scales)
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.fsync(self.fd)
-            os.close(self.fd)
-            self.fd = -1
+    def hash_features(self, raw) -> None:
+        """Feed the next feature bytes, in token order, to the streaming sha256 (one thread only)."""
+        if self._sha is not None:
+            self._sha.update(raw)
+            self._hashed_bytes += memoryview(raw).nbytes
+
+    def close(self) -> str | None:
+        """Write fp8 scales, fsync, close.  Returns the file's sha256 when it was streamed completely."""
+        if self.fd < 0:
+            return None
+        L = self.layout
+        tail = b""
+        if self._scales is not None and self._scales_set:
+            tail_start = L.offset("features") + L.regions["features"].nbytes
+            tail = bytes(L.offset("scales") - tail_start) + self._scales.tobytes()
+            pwrite_all(self.fd, tail, tail_start)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        if self._sha is None or self._hashed_bytes != L.regions["features"].nbytes:
+            return None
+        if self._scales is not None:
+            if not self._scales_set:
+                return None
+            self._sha.update(tail)
+        return self._sha.hexdigest()
 
     def __del__(self):
         if getattr(self, "fd", -1) >= 0:

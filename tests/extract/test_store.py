@@ -142,3 +142,21 @@ def test_reader_refuses_an_unfinished_extraction(tmp_path):
 
     with pytest.raises(StageError, match="not finished"):
         FeatureReader(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_streamed_sha256_equals_the_file_hash(tmp_path, dtype):
+    from pipeline.runner import sha256_file
+
+    samples = _samples(n=6, taps=3, D=12)  # D*n*2 bytes per row: exercises the alignment padding
+    w = ShardWriter(tmp_path / "x.safetensors", [s["id"] for s in samples], [s["input_ids"].numpy() for s in samples],
+                    [s["loss_mask"].numpy() for s in samples], num_taps=3, hidden_size=12, storage_dtype=dtype,
+                    stream_hash=True)
+    for i, s in enumerate(samples):
+        data, scales = encode_features(s["features"], 3, dtype)
+        w.write_tokens(int(w.sample_offsets[i]), data, scales)
+        w.hash_features(data.reshape(-1).view(torch.uint8).numpy())
+    digest = w.close()
+    assert digest == sha256_file(tmp_path / "x.safetensors")
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as st:  # still valid safetensors with pads
+        assert st.get_tensor("input_ids").shape == (sum(len(s["input_ids"]) for s in samples),)
