@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from extract.layers import resolve_layer_ids
 from pipeline.config import ConfigError
 from train.blocks import FULL, SLIDING, BlockBatch, dense_block_mask, flex_block_mask
 
@@ -78,7 +79,7 @@ class DrafterArgs:
     def from_run_config(cls, cfg, target_config, tokenizer_len: int) -> "DrafterArgs":
         """Fill the drafter architecture from `cfg.drafter`, taking every None field from the target HF config.
 
-        target_layer_ids: `cfg.extract.layer_ids`, else `extract.layers.default_layer_ids(L, cfg.extract.num_taps)`.
+        target_layer_ids: `extract.layers.resolve_layer_ids` (explicit `cfg.extract.layer_ids`, else the default spread).
         mask_token_id: `cfg.drafter.mask_token_id`, else the first id past the tokenizer if the target embedding
         has such a (padded, unused) row; otherwise a ConfigError (no silent fallback to pad/eos).
         """
@@ -87,12 +88,10 @@ class DrafterArgs:
         heads = d.num_attention_heads or text.num_attention_heads
         head_dim = d.head_dim or getattr(text, "head_dim", None) or text.hidden_size // heads
         num_target_layers = text.num_hidden_layers
-        if cfg.extract.layer_ids is not None:
-            layer_ids = list(cfg.extract.layer_ids)
-        else:
-            from extract.layers import default_layer_ids
-
-            layer_ids = list(default_layer_ids(num_target_layers, cfg.extract.num_taps))
+        try:
+            layer_ids = resolve_layer_ids(cfg.extract.layer_ids, cfg.extract.num_taps, num_target_layers)
+        except ValueError as e:
+            raise ConfigError(f"extract.layer_ids: {e}") from e
         if d.mask_token_id is not None:
             mask_token_id = d.mask_token_id
         elif tokenizer_len < text.vocab_size:
