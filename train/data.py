@@ -1,0 +1,254 @@
+"""Training data: held-out split, length-balanced micro-batches over ranks, anchors per epoch, prefetching.
+
+A *source* is anything with `ids: list[str]`, `lengths: np.ndarray[int64]` and `sample(i) -> {"id", "input_ids",
+"loss_mask"[, "features"]}`: `extract.store.FeatureReader` (offline) or `train.online.TokenizedReader` (online).
+
+The plan of an epoch is a pure function of (lengths, train indices, seed, epoch, token budget, world size,
+grad_accum), so every rank computes the same plan without talking, and a resumed run recomputes it and skips to
+(epoch, step in epoch):
+
+    order     = permutation(seed, epoch) of the train indices
+    bins      = best-fit-decreasing packing of windows of `order` into micro-batches of <= micro_batch_tokens
+                tokens (a sample longer than the budget gets a micro-batch of its own), bins shuffled
+    steps     = consecutive groups of world_size * grad_accum bins; inside a step, bins go to ranks
+                longest-processing-time first (each rank gets grad_accum of them, token totals balanced)
+    tail      = if the bin count is not a multiple of world_size * grad_accum, the fullest bins are split;
+                if that is not enough, *padding* micro-batches (no valid block, loss weight 0) fill the last
+                step so every rank runs the same number of forwards (collectives stay matched)
+
+Every train sample appears in exactly one non-padding micro-batch of one rank per epoch (disjoint, complete).
+Anchors are drawn per sample from a generator seeded by (seed, epoch, sample id): re-drawn every epoch,
+identical on resume and independent of which rank or worker loads the sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from train.blocks import BlockBatch, build_block_batch, sample_anchors
+
+EVAL_EPOCH = -1  # the anchor "epoch" of held-out evaluation: the same anchors at every eval
+
+
+# ----------------------------------------------------------------------------------------------
+# Held-out split and seeds
+# ----------------------------------------------------------------------------------------------
+
+
+def _unit_hash(text: str) -> float:
+    """A stable uniform number in [0, 1) from a string (sha256; independent of process and platform)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2.0**64
+
+
+def heldout_split(ids: Sequence[str], fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, eval indices): sample i is held out iff hash(id) < fraction.
+
+    Depends only on the id, so the split is the same for offline and online mode and for any data order.
+    With fraction > 0 and at least two samples, at least one sample is held out (the smallest hash).
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"train.eval_fraction must be in [0, 1), got {fraction}")
+    h = np.array([_unit_hash(f"heldout/{i}") for i in ids], dtype=np.float64)
+    held = h < fraction
+    if fraction > 0 and not held.any() and len(ids) >= 2:
+        held[int(np.argmin(h))] = True
+    idx = np.arange(len(ids))
+    return idx[~held], idx[held]
+
+
+def anchor_seed(seed: int, epoch: int, sample_id: str) -> int:
+    """Seed of the anchor generator of one sample in one epoch."""
+    return int.from_bytes(hashlib.sha256(f"anchors/{seed}/{epoch}/{sample_id}".encode()).digest()[:8], "big") >> 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    indices: tuple[int, ...]  # source indices packed into this micro-batch (empty for padding)
+    tokens: int  # sum of their lengths
+
+    @property
+    def padding(self) -> bool:
+        return not self.indices
+
+
+Step = tuple[tuple[MicroBatch, ...], ...]  # [rank][accumulation index]
+PADDING = MicroBatch((), 0)
+PACK_WINDOW = 4096  # samples sorted and packed together (long enough to pair long with short samples)
+
+
+def pack(lengths: np.ndarray, order: Sequence[int], budget: int) -> list[list[int]]:
+    """Best-fit decreasing: pack `order` (source indices) into bins of total length <= budget, in windows of
+    PACK_WINDOW samples. A sample longer than `budget` gets its own bin."""
+    bins: list[list[int]] = []
+    order = list(order)
+    for w in range(0, len(order), PACK_WINDOW):
+        window = sorted(order[w : w + PACK_WINDOW], key=lambda i: (-int(lengths[i]), i))
+        room: list[tuple[int, int]] = []  # sorted (remaining capacity, bin id) of bins opened in this window
+        for i in window:
+            n = int(lengths[i])
+            k = bisect.bisect_left(room, (n, -1))
+            if k < len(room):
+                cap, b = room.pop(k)
+                bins[b].append(i)
+                if cap - n > 0:
+                    bisect.insort(room, (cap - n, b))
+            else:
+                bins.append([i])
+                if budget - n > 0:
+                    bisect.insort(room, (budget - n, len(bins) - 1))
+    return bins
+
+
+def _split_to_multiple(bins: list[list[int]], multiple: int) -> list[list[int]]:
+    """Split the bins holding the most samples until the count is a multiple of `multiple` (if possible)."""
+    bins = [list(b) for b in bins]
+    while len(bins) % multiple:
+        k = max(range(len(bins)), key=lambda j: (len(bins[j]), -j), default=None)
+        if k is None or len(bins[k]) < 2:
+            break
+        b = bins.pop(k)
+        bins[k:k] = [b[0::2], b[1::2]]
+    return bins
+
+
+def _assign(bins: list[list[int]], lengths: np.ndarray, world_size: int, per_rank: int) -> list[Step]:
+    """Group bins into steps of world_size*per_rank; inside a step, longest-first to the least-loaded rank."""
+    mbs = [MicroBatch(tuple(int(i) for i in b), int(sum(int(lengths[i]) for i in b))) for b in bins]
+    size = world_size * per_rank
+    if len(mbs) % size:
+        mbs += [PADDING] * (size - len(mbs) % size)
+    steps = []
+    for s in range(0, len(mbs), size):
+        group = sorted(mbs[s : s + size], key=lambda m: -m.tokens)
+        ranks: list[list[MicroBatch]] = [[] for _ in range(world_size)]
+        load = [0] * world_size
+        for mb in group:
+            r = min((r for r in range(world_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
+            ranks[r].append(mb)
+            load[r] += mb.tokens
+        steps.append(tuple(tuple(r) for r in ranks))
+    return steps
+
+
+def plan_epoch(lengths: np.ndarray, train_idx: np.ndarray, *, budget: int, world_size: int, grad_accum: int,
+               seed: int, epoch: int) -> list[Step]:
+    """The optimizer steps of one epoch (module docstring): steps[s][rank] = grad_accum micro-batches."""
+    if budget < 1:
+        raise ValueError(f"train.micro_batch_tokens must be >= 1, got {budget}")
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(np.asarray(train_idx, dtype=np.int64))
+    bins = pack(lengths, order, budget)
+    bins = [bins[k] for k in rng.permutation(len(bins))]
+    bins = _split_to_multiple(bins, world_size * grad_accum)
+    return _assign(bins, lengths, world_size, grad_accum)
+
+
+def plan_eval(lengths: np.ndarray, eval_idx: np.ndarray, *, budget: int, world_size: int) -> list[Step]:
+    """Held-out micro-batches, one per rank per eval step (padding where ranks run out)."""
+    bins = pack(lengths, sorted(int(i) for i in eval_idx), budget)
+    return _assign(_split_to_multiple(bins, world_size), lengths, world_size, 1)
+
+
+def total_steps(plan_len: Callable[[int], int], epochs: float, max_steps: int | None) -> int:
+    """Optimizer steps of the whole run: `max_steps`, else full epochs plus the fraction of the last one."""
+    if max_steps is not None:
+        return int(max_steps)
+    whole = int(math.floor(epochs))
+    total = sum(plan_len(e) for e in range(whole))
+    if epochs > whole:
+        total += int(math.floor((epochs - whole) * plan_len(whole)))
+    return max(total, 1)
+
+
+def rank_micro_batches(plan: list[Step], rank: int, start_step: int = 0) -> list[MicroBatch]:
+    """This rank's micro-batches from `start_step` on, flattened (step-major, accumulation-minor)."""
+    return [mb for step in plan[start_step:] for mb in step[rank]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def collate(samples: list[dict], *, block_size: int, num_anchors: int, mask_token_id: int, seed: int,
+            epoch: int) -> dict:
+    """Pack samples into one row and build its blocks.
+
+    Returns {"ids": [str], "seq_lens": [int], "input_ids": Long[S], "loss_mask": Bool[S],
+    "features": [1, S, n*D] or None (online), "batch": BlockBatch, "tokens": S}. A padding micro-batch
+    (no samples) is one token with one padding block: it sees nothing and carries no label.
+    """
+    if not samples:
+        ids = torch.zeros(1, dtype=torch.long)
+        batch = build_block_batch(ids, torch.zeros(1, dtype=torch.bool), torch.zeros(0, dtype=torch.long),
+                                  block_size, mask_token_id, pad_to=1)
+        return {"ids": [], "seq_lens": [1], "input_ids": ids, "loss_mask": torch.zeros(1, dtype=torch.bool),
+                "features": None, "batch": batch, "tokens": 0, "padding": True}
+    anchors, offset = [], 0
+    for s in samples:
+        g = torch.Generator().manual_seed(anchor_seed(seed, epoch, s["id"]))
+        anchors.append(sample_anchors(s["loss_mask"], block_size, num_anchors, g) + offset)
+        offset += len(s["input_ids"])
+    input_ids = torch.cat([s["input_ids"] for s in samples])
+    loss_mask = torch.cat([s["loss_mask"] for s in samples])
+    seq_lens = [len(s["input_ids"]) for s in samples]
+    anchors = torch.cat(anchors)
+    batch = build_block_batch(input_ids, loss_mask, anchors, block_size, mask_token_id, seq_lens=seq_lens,
+                              pad_to=max(1, anchors.numel()))
+    features = None
+    if "features" in samples[0]:
+        features = torch.cat([s["features"] for s in samples])[None]
+    return {"ids": [s["id"] for s in samples], "seq_lens": seq_lens, "input_ids": input_ids, "loss_mask": loss_mask,
+            "features": features, "batch": batch, "tokens": int(offset), "padding": False}
+
+
+class MicroBatchDataset(torch.utils.data.Dataset):
+    """Item k = this rank's k-th micro-batch, collated. The source is opened lazily in each worker process
+    (`open_source()`, e.g. `functools.partial(FeatureReader, path)`): memory maps are not shared across forks."""
+
+    def __init__(self, open_source: Callable[[], object], micro_batches: list[MicroBatch], *, block_size: int,
+                 num_anchors: int, mask_token_id: int, seed: int, epoch: int):
+        self.open_source = open_source
+        self.micro_batches = micro_batches
+        self.kw = dict(block_size=block_size, num_anchors=num_anchors, mask_token_id=mask_token_id, seed=seed,
+                       epoch=epoch)
+        self._source = None
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def __getitem__(self, k: int) -> dict:
+        if self._source is None:
+            self._source = self.open_source()
+        samples = [self._source.sample(i) for i in self.micro_batches[k].indices]
+        return collate(samples, **self.kw)
+
+
+def make_loader(dataset: MicroBatchDataset, num_workers: int) -> torch.utils.data.DataLoader:
+    """Ordered prefetching DataLoader (one collated micro-batch per item; workers build blocks too)."""
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=None, shuffle=False, num_workers=num_workers,
+        prefetch_factor=4 if num_workers > 0 else None, persistent_workers=False,
+    )
+
+
+def batch_to(mb: dict, device: torch.device, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, BlockBatch]:
+    """(features [1, S, n*D] on device in `dtype`, BlockBatch on device) of a collated micro-batch."""
+    features = mb["features"]
+    if features is not None:
+        features = features.to(device, non_blocking=True)
+        if dtype is not None:
+            features = features.to(dtype)
+    return features, mb["batch"].to(device)
