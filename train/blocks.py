@@ -230,9 +230,14 @@ def flex_block_mask(
     *,
     block_valid: Optional[Tensor] = None,
     doc_start: Optional[Tensor] = None,
+    tile: int = 128,
 ):
-    """FlexAttention BlockMask of `block_visibility` (same predicate as `dense_block_mask`), on anchors' device."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """FlexAttention BlockMask of `block_visibility` (same predicate as `dense_block_mask`), on anchors' device.
+
+    The tile-level sparsity is computed from the block structure (`_tile_cover`), never from a dense [Q, S+Q]
+    mask, so many packed sequences (Q ~ 1e5 rows) cost O(Q/tile * KV/tile) memory, not O(Q * KV).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     block_valid, doc_start = _defaults(anchors, block_valid, doc_start)
     window = _layer_window(layer_type, sliding_window)
@@ -241,6 +246,61 @@ def flex_block_mask(
     def mask_mod(b, h, q_idx, kv_idx):
         return block_visibility(q_idx, kv_idx, anchors, block_valid, doc_start, seq_len, block_size, window)
 
-    return create_block_mask(
-        mask_mod, B=None, H=None, Q_LEN=num_queries, KV_LEN=seq_len + num_queries, device=anchors.device
+    partial, full = _tile_cover(anchors, block_valid, doc_start, seq_len, block_size, window, tile)
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
+        seq_lengths=(num_queries, seq_len + num_queries),
     )
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """Bool[nq, nkv] tile matrix -> (count Int32[1, 1, nq], kv tile indices Int32[1, 1, nq, nkv], listed first)."""
+    count = tiles.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return count[None, None].contiguous(), order[None, None].contiguous()
+
+
+def _tile_cover(
+    anchors: Tensor, block_valid: Tensor, doc_start: Tensor, seq_len: int, block_size: int,
+    window: Optional[int], tile: int,
+) -> tuple[Tensor, Tensor]:
+    """(partial, full) Bool[nq, nkv] tiles of `block_visibility`: every visible pair lies in a listed tile, and
+    every pair of a full tile is visible. Per query row the visible keys are one context range
+    [ctx_lo, anchor) and one range of its own block's rows; per query tile we take the hull of the rows' ranges
+    (partial) and their intersection (full, context only)."""
+    device = anchors.device
+    num_blocks = anchors.shape[0]
+    Q = num_blocks * block_size
+    KV = seq_len + Q
+    nq, nkv = -(-Q // tile), -(-KV // tile)
+    rows = torch.arange(nq * tile, device=device)
+    block = (rows // block_size).clamp(max=max(num_blocks - 1, 0))
+    slot = rows % block_size
+    anchor, start = anchors[block], doc_start[block]
+    live = (rows < Q) & block_valid[block]
+    ctx_lo = start if window is None else torch.maximum(start, anchor + slot - (window - 1))
+    ctx_hi = anchor
+    has_ctx = live & (ctx_hi > ctx_lo)
+    base = seq_len + block * block_size
+    blk_lo = base if window is None else base + (slot - (window - 1)).clamp(min=0)
+    blk_hi = base + block_size if window is None else base + slot + 1
+
+    def hull_lo(x, keep):
+        return torch.where(keep, x, KV + 1).view(nq, tile).amin(dim=1)
+
+    def hull_hi(x, keep):
+        return torch.where(keep, x, -1).view(nq, tile).amax(dim=1)
+
+    kv_start = torch.arange(nkv, device=device) * tile
+    kv_end = (kv_start + tile).clamp(max=KV)
+
+    def overlaps(lo, hi):
+        return (kv_start[None, :] < hi[:, None]) & (kv_end[None, :] > lo[:, None])
+
+    touched = overlaps(hull_lo(ctx_lo, has_ctx), hull_hi(ctx_hi, has_ctx)) | overlaps(
+        hull_lo(blk_lo, live), hull_hi(blk_hi, live)
+    )
+    every_row = has_ctx.view(nq, tile).all(dim=1)
+    inner_lo, inner_hi = ctx_lo.view(nq, tile).amax(dim=1), ctx_hi.view(nq, tile).amin(dim=1)
+    full = every_row[:, None] & (kv_start[None, :] >= inner_lo[:, None]) & (kv_end[None, :] <= inner_hi[:, None])
+    return touched & ~full, full

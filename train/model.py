@@ -166,7 +166,7 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -
 
     if q.is_cuda:
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            _compiled_flex = torch.compile(flex_attention)
         return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     with warnings.catch_warnings():  # "called without torch.compile": expected on CPU, which runs eager
         warnings.simplefilter("ignore", UserWarning)

@@ -145,3 +145,49 @@ def test_sliding_only_drafter_slot0_ignores_mask_rows_and_context_outside_the_wi
         m.embed_weight[MASK] += 1.0
         after = block_outputs(m, ids, feats, anchors)[0, 0]
         assert (not torch.allclose(before, after, atol=1e-12, rtol=0)) == expect
+
+
+@pytest.mark.parametrize("tile", [4, 8, 16])
+@pytest.mark.parametrize("layer_type,window", [("full_attention", None), ("sliding_attention", 3), ("sliding_attention", 9)])
+def test_flex_tiles_cover_every_visible_pair_and_full_tiles_are_fully_visible(tile, layer_type, window):
+    """The flex BlockMask's sparsity is derived from the block structure (no dense mask): check it against the
+    dense predicate. (CPU flex ignores the tile lists, so this is the test that pins them.)"""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(tile)
+    for trial in range(6):
+        lens = torch.randint(6, 40, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+        S = sum(lens)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        anchors, doc = [], []
+        for st, n in zip(starts, lens):
+            k = int(torch.randint(0, n, (1,), generator=g))
+            picks = sorted(torch.randperm(n, generator=g)[:k].tolist())
+            anchors += [st + p for p in picks]
+            doc += [st] * len(picks)
+        pad = int(torch.randint(0, 3, (1,), generator=g))
+        anchors_t = torch.tensor(anchors + [0] * pad, dtype=torch.long)
+        doc_t = torch.tensor(doc + [0] * pad, dtype=torch.long)
+        valid = torch.tensor([True] * len(anchors) + [False] * pad)
+        if anchors_t.numel() == 0:
+            continue
+        kw = dict(block_valid=valid, doc_start=doc_t)
+        dense = dense_block_mask(anchors_t, S, B, layer_type, window, **kw)
+        bm = flex_block_mask(anchors_t, S, B, layer_type, window, tile=tile, **kw)
+        Q, KV = dense.shape
+        nq, nkv = -(-Q // tile), -(-KV // tile)
+        padded = torch.zeros(nq * tile, nkv * tile, dtype=torch.bool)
+        padded[:Q, :KV] = dense
+        per_tile = padded.view(nq, tile, nkv, tile)
+        listed = bm.to_dense()[0, 0].bool()[:nq, :nkv]
+        assert not (per_tile.any(dim=(1, 3)) & ~listed).any(), "a visible pair lies in an unlisted tile"
+        full = torch.zeros(nq, nkv, dtype=torch.bool)
+        for qt in range(nq):
+            for i in range(int(bm.full_kv_num_blocks[0, 0, qt])):
+                full[qt, int(bm.full_kv_indices[0, 0, qt, i])] = True
+        assert per_tile.all(dim=(1, 3))[full].all(), "a full tile contains an invisible pair"
+        reference = create_block_mask(
+            lambda b, h, q, k: dense[q.clamp(max=Q - 1), k.clamp(max=KV - 1)] & (q < Q) & (k < KV),
+            None, None, Q, KV, device="cpu", BLOCK_SIZE=tile,
+        )
+        assert listed.sum() <= reference.to_dense()[0, 0].bool().sum() + nq * 2, "tiles stay close to the minimum"
