@@ -69,3 +69,15 @@ def test_dense_padded_blocks_have_zero_gradient_and_no_nan():
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     assert torch.isfinite(feats.grad).all()
+
+
+def test_a_padding_only_micro_batch_gives_zero_loss_and_finite_zero_gradients():
+    """What the trainer feeds when a rank runs out of data: one token, no anchors, one padding block."""
+    model, _, _ = setup("cpu")
+    batch = build_block_batch(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool),
+                              torch.zeros(0, dtype=torch.long), B, MASK, pad_to=1)
+    hidden = model.forward_train(torch.randn(1, 1, N_TAPS * D), batch, attention="dense")
+    loss, stats = dflash_loss(hidden, model.lm_head_weight, batch, gamma=4.0)
+    loss.backward()
+    assert loss.item() == 0 and stats["num_blocks"] == 0
+    assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters())
