@@ -235,7 +235,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer over the block rows; the context enters only as K/V (`ctx_kv`)."""
+    """Pre-norm Qwen3 layer over the block rows; the context enters only as extra K/V rows (ctx_k, ctx_v)."""
 
     def __init__(self, args: DrafterArgs, layer_type: str):
         super().__init__()
@@ -421,7 +421,9 @@ class DFlashDrafter(nn.Module):
         cache.length += T_new
 
     @torch.no_grad()
-    def draft_logits(self, cache: DrafterCache, new_context_features: Tensor, bonus_token: int, start: int) -> Tensor:
+    def draft_logits(
+        self, cache: DrafterCache, new_context_features: Tensor, bonus_token: int | Tensor, start: int
+    ) -> Tensor:
         """fp32 logits [B-1, V] of block slots 1..B-1 (slot k predicts the token at position start+k).
 
         Appends the T_new new context rows (positions cache.length .. start-1; requires cache.length + T_new ==
@@ -438,7 +440,7 @@ class DFlashDrafter(nn.Module):
         B, dtype = self.args.block_size, self.fc.weight.dtype
         device = self.fc.weight.device
         ids = torch.full((B,), self.args.mask_token_id, dtype=torch.long, device=device)
-        ids[0] = int(bonus_token)
+        ids[:1] = torch.as_tensor(bonus_token, device=device).reshape(1)  # int or device scalar (no host sync)
         x = self._embed(ids, dtype)
         cos, sin = self._rope(torch.arange(start, start + B, device=device), dtype)
         masks = {FULL: None, SLIDING: None}

@@ -98,3 +98,11 @@ def test_float32_inference_returns_fp32_logits_of_b_minus_1_slots():
     drafter = tiny_drafter(**CASES["full"]).float()
     out = drafter.draft_logits(drafter.new_cache(), torch.randn(1, 5, N_TAPS * D), 3, 5)
     assert out.shape == (B - 1, V) and out.dtype == torch.float32
+
+
+def test_bonus_token_may_be_a_device_scalar_tensor():
+    drafter = tiny_drafter(**CASES["full"])
+    feats = torch.randn(1, 6, N_TAPS * D, dtype=torch.float64)
+    a = drafter.draft_logits(drafter.new_cache(), feats, 7, 6)
+    b = drafter.draft_logits(drafter.new_cache(), feats, torch.tensor([7]), 6)
+    assert torch.equal(a, b)
