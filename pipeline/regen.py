@@ -1,0 +1,357 @@
+"""regen: the target writes every assistant turn of the curated conversations (on-policy data).
+
+    runs/<run>/curate/shards/train-*.parquet  ->  runs/<run>/regen/shards/NNNNN.parquet  (+ NNNNN.done.json)
+
+Units of work are consecutive slices of `regen.shard_size` curated train conversations (in curate's
+order, the first `regen.max_samples`); a unit's parquet holds the conversations that succeeded, its
+sidecar the counts and every failure with its reason. Multi-turn conversations are answered turn by turn
+against the target's own previous turns: dataset assistant turns are dropped, system/user turns kept, and
+round r generates assistant turn r for every conversation that has a user turn r. Prompts are rendered
+with pipeline.target.render_chat (thinking flag included) and encoded once (pipeline.conversation), so the
+hf and vllm backends see identical prompt ids.
+
+`regen.backend: none` keeps the dataset's answers (off-policy: the drafter then learns the dataset, not the
+target; the fingerprint says `off_policy: true`); conversations without an answer are counted as failed.
+
+Accounting: input = written + failed.<reason> + skipped.max_samples, over all curated train conversations.
+With one rank, run_regen ends by running tokenize (so `drafter regen` yields tokenized data).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import RunConfig, section_hash
+from pipeline.conversation import (MalformedConversation, end_of_turn_ids, prompt_ids, skeleton,
+                                   strip_reasoning)
+from pipeline.log import get_logger, progress, summary
+from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, input_ref,
+                             units_for_rank)
+from pipeline.target import (load_tokenizer, materialize_target, target_fingerprint,
+                             tokenizer_fingerprint)
+
+log = get_logger("regen")
+
+CONVERSATION_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("metadata", pa.string()),
+])
+MAX_FAILURE_EXAMPLES = 20
+
+
+def write_conversations(path: Path, rows: list[dict]) -> None:
+    """Write conversation rows (id, source, messages, metadata) as one parquet file, atomically."""
+    with AtomicFile(path) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows, schema=CONVERSATION_SCHEMA), tmp)
+
+
+# ----------------------------------------------------------------------------------------------
+# Units: consecutive slices of the curated train conversations
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Unit:
+    name: str
+    segments: list[tuple[str, int, int]]  # (curate shard file name, first row, end row)
+
+    @property
+    def rows(self) -> int:
+        return sum(hi - lo for _, lo, hi in self.segments)
+
+
+def curate_train_files(curate: StageDir) -> list[Path]:
+    files = sorted(curate.shards.glob("train-*.parquet"))
+    if not files:
+        raise StageError(f"no curated train shards (train-*.parquet) in {curate.shards}")
+    return files
+
+
+def plan_units(files: list[Path], shard_size: int, max_samples: int | None) -> tuple[list[Unit], int]:
+    """(units, number of curated train conversations). Unit k covers global rows [k*size, (k+1)*size)."""
+    sizes = [pq.ParquetFile(f).metadata.num_rows for f in files]
+    total = sum(sizes)
+    take = total if max_samples is None else min(total, max_samples)
+    units = []
+    starts = [sum(sizes[:i]) for i in range(len(files))]
+    for k, lo in enumerate(range(0, take, shard_size)):
+        hi = min(take, lo + shard_size)
+        segs = []
+        for f, s, n in zip(files, starts, sizes):
+            a, b = max(lo, s), min(hi, s + n)
+            if a < b:
+                segs.append((f.name, a - s, b - s))
+        units.append(Unit(f"{k:05d}", segs))
+    return units, total
+
+
+def read_rows(path: Path, lo: int, hi: int) -> list[dict]:
+    """Rows [lo, hi) of a parquet file, reading only the row groups that hold them."""
+    pf = pq.ParquetFile(path)
+    groups, start, first = [], 0, None
+    for g in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if start < hi and start + n > lo:
+            groups.append(g)
+            first = start if first is None else first
+        start += n
+    if not groups:
+        return []
+    table = pf.read_row_groups(groups, columns=["id", "source", "messages", "metadata"])
+    return table.slice(lo - first, hi - lo).to_pylist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fingerprint and config hash
+# ----------------------------------------------------------------------------------------------
+
+
+def sampling_fields(cfg: RunConfig) -> dict:
+    r = cfg.regen
+    return {"backend": r.backend, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+            "max_new_tokens": r.max_new_tokens, "max_model_len": r.max_model_len,
+            "strip_reasoning": r.strip_reasoning, "seed": r.seed}
+
+
+def regen_fingerprint(cfg: RunConfig, location: str, tokenizer) -> dict:
+    return {
+        "target": target_fingerprint(location, cfg.target),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "enable_thinking": cfg.target.enable_thinking,
+        "sampling": sampling_fields(cfg),
+        "off_policy": cfg.regen.backend == "none",
+    }
+
+
+def regen_config_hash(cfg: RunConfig, curate_manifest: dict) -> str:
+    """What decides the output: target, sampling, unit layout and the curated input."""
+    layout = {"shard_size": cfg.regen.shard_size, "max_samples": cfg.regen.max_samples}
+    return section_hash(cfg.target, sampling_fields(cfg), layout, curate_manifest["config_hash"])
+
+
+def request_seed(base: int, conv_id: str, turn: int) -> int:
+    """Per-request sampling seed: stable across runs, resumes, batch compositions and ranks."""
+    return int(hashlib.sha256(f"{base}:{conv_id}:{turn}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------
+# Turn-by-turn regeneration of one unit
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Answered:
+    answers: list[str]
+    finish_reasons: list[str]
+    generated_tokens: list[int]
+
+
+def regenerate(generator, tokenizer, items: list[tuple[str, object]], cfg: RunConfig
+               ) -> tuple[dict[str, Answered], dict[str, tuple[str, str]]]:
+    """items: (conversation id, Skeleton). Returns (answered by id, failures id -> (reason, detail)).
+
+    Round r renders every still-active conversation's history (its own answers so far + user turn r) with
+    the generation prompt and generates assistant turn r for all of them in one backend call."""
+    r = cfg.regen
+    done = {cid: Answered([], [], []) for cid, _ in items}
+    failures: dict[str, tuple[str, str]] = {}
+    active = list(items)
+    turn = 0
+    while active:
+        todo, prompts, limits, seeds = [], [], [], []
+        for cid, sk in active:
+            if len(sk.users) <= turn:
+                continue
+            ids = prompt_ids(tokenizer, sk.history(done[cid].answers), enable_thinking=cfg.target.enable_thinking)
+            room = r.max_model_len - len(ids)
+            if room < 1:
+                failures[cid] = ("context_overflow",
+                                 f"turn {turn}: prompt has {len(ids)} tokens, regen.max_model_len is {r.max_model_len}")
+                continue
+            todo.append((cid, sk))
+            prompts.append(ids)
+            limits.append(min(r.max_new_tokens, room))
+            seeds.append(request_seed(r.seed, cid, turn))
+        if not todo:
+            break
+        for (cid, _), gen in zip(todo, generator.generate(prompts, limits, seeds)):
+            body = gen.token_ids[:-1] if gen.finish_reason == "stop" else gen.token_ids
+            text = tokenizer.decode(body, skip_special_tokens=False)
+            a = done[cid]
+            a.answers.append(strip_reasoning(text) if r.strip_reasoning else text)
+            a.finish_reasons.append(gen.finish_reason)
+            a.generated_tokens.append(len(gen.token_ids))
+        active = todo
+        turn += 1
+    return {cid: a for cid, a in done.items() if cid not in failures}, failures
+
+
+def _with_regen_metadata(metadata: str | None, info: dict) -> str:
+    try:
+        meta = json.loads(metadata) if metadata else {}
+        if not isinstance(meta, dict):
+            meta = {"curate": meta}
+    except json.JSONDecodeError:
+        meta = {"curate_raw": metadata}
+    meta["regen"] = info
+    return json.dumps(meta, ensure_ascii=False)
+
+
+def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, tokenizer, cfg: RunConfig) -> dict:
+    """Regenerate one unit and record it (parquet + sidecar). Returns the sidecar record."""
+    t0 = time.time()
+    rows = [row for name, lo, hi in unit.segments for row in read_rows(curate.shards / name, lo, hi)]
+    failures: dict[str, tuple[str, str]] = {}
+    items = []
+    for row in rows:
+        try:
+            sk = skeleton(row["messages"] or [])
+        except MalformedConversation as e:
+            failures[row["id"]] = (e.reason, e.detail)
+            continue
+        if cfg.regen.backend == "none" and not any(m["role"] == "assistant" for m in row["messages"]):
+            failures[row["id"]] = ("no_answer", "regen.backend is 'none' and the conversation has no assistant turn")
+            continue
+        items.append((row["id"], sk))
+
+    out_rows = []
+    if cfg.regen.backend == "none":
+        keep = {cid for cid, _ in items}
+        for row in rows:
+            if row["id"] in keep:
+                meta = _with_regen_metadata(row["metadata"], {"backend": "none", "off_policy": True})
+                out_rows.append({**row, "metadata": meta})
+        answered: dict[str, Answered] = {}
+    else:
+        answered, gen_failures = regenerate(generator, tokenizer, items, cfg)
+        failures.update(gen_failures)
+        skeletons = dict(items)
+        for row in rows:
+            a = answered.get(row["id"])
+            if a is None:
+                continue
+            info = {"backend": cfg.regen.backend, "finish_reasons": a.finish_reasons,
+                    "generated_tokens": a.generated_tokens}
+            out_rows.append({"id": row["id"], "source": row["source"],
+                             "messages": skeletons[row["id"]].conversation(a.answers),
+                             "metadata": _with_regen_metadata(row["metadata"], info)})
+
+    path = stage.shard_path(unit.name, "parquet")
+    write_conversations(path, out_rows)
+    reasons = Counter(reason for reason, _ in failures.values())
+    return stage.finish_unit(
+        unit.name, [path],
+        rows=len(rows), written=len(out_rows), failed=dict(reasons),
+        failures=[{"id": cid, "reason": reason, "detail": detail} for cid, (reason, detail) in failures.items()],
+        turns=sum(len(a.answers) for a in answered.values()),
+        truncated_turns=sum(f == "length" for a in answered.values() for f in a.finish_reasons),
+        generated_tokens=sum(sum(a.generated_tokens) for a in answered.values()),
+        seconds=round(time.time() - t0, 3),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+# ----------------------------------------------------------------------------------------------
+
+
+def _counts(units: list[Unit], done: dict[str, dict], total: int) -> dict:
+    counts = Counter({"input": total, "skipped.max_samples": total - sum(u.rows for u in units), "written": 0,
+                      "failed": 0, "turns": 0, "truncated_turns": 0, "generated_tokens": 0})
+    for u in units:
+        rec = done[u.name]
+        counts["written"] += rec["written"]
+        for reason, n in rec["failed"].items():
+            counts[f"failed.{reason}"] += n
+            counts["failed"] += n
+        for key in ("turns", "truncated_turns", "generated_tokens"):
+            counts[key] += rec[key]
+    if counts["written"] + counts["failed"] + counts["skipped.max_samples"] != total:
+        raise StageError(f"regen accounting broken: {dict(counts)} does not add up to {total} inputs")
+    return dict(counts)
+
+
+def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total: int, config_hash: str,
+                   fingerprint: dict, curate: StageDir, started: float) -> dict | None:
+    """Write the manifest iff every unit (of every rank) is done; None otherwise."""
+    done = stage.done_units()
+    missing = [u.name for u in units if u.name not in done]
+    if missing:
+        log.info("regen: %d of %d units still missing (e.g. %s): manifest not written yet",
+                 len(missing), len(units), missing[:3])
+        return None
+    counts = _counts(units, done, total)
+    seconds = sum(done[u.name]["seconds"] for u in units)
+    examples = [f for u in units for f in done[u.name]["failures"]][:MAX_FAILURE_EXAMPLES]
+    manifest = stage.write_manifest(
+        config_hash=config_hash, fingerprint=fingerprint, inputs={"curate": input_ref(curate)}, counts=counts,
+        started=started,
+        extra={"failure_examples": examples, "generation_seconds": round(seconds, 3),
+               "generated_tokens_per_s": round(counts["generated_tokens"] / seconds, 1) if seconds else None},
+    )
+    summary("regen", f"{counts['written']} written, {counts['failed']} failed, "
+                     f"{counts['skipped.max_samples']} skipped of {total}; {counts['generated_tokens']} tokens generated")
+    return manifest
+
+
+def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
+    """Regenerate this rank's units; the rank that completes the last unit writes the manifest.
+    With a single rank, tokenize runs afterwards. Returns the manifest (or this rank's summary)."""
+    started = time.time()
+    if force and ranks.is_split:
+        raise StageError("--force with several ranks would let each rank wipe the others' work: "
+                         "run once with --force on a single rank, or delete the stage directory first")
+    curate = StageDir(cfg.run_dir, "curate")
+    curate_manifest = curate.manifest()
+    stage = StageDir(cfg.run_dir, "regen")
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tokenizer = load_tokenizer(location, cfg.target)
+    fingerprint = regen_fingerprint(cfg, location, tokenizer)
+    config_hash = regen_config_hash(cfg, curate_manifest)
+    if cfg.regen.backend == "none":
+        log.warning("regen.backend is 'none': keeping the dataset's answers (off-policy data)")
+
+    if stage.begin(config_hash, force=force):
+        units, total = plan_units(curate_train_files(curate), cfg.regen.shard_size, cfg.regen.max_samples)
+        mine = units_for_rank(units, ranks)
+        todo = [u for u in mine if not stage.unit_done(u.name)]
+        log.info("regen: %d units in all, %d for rank %d/%d, %d to do (backend %s)",
+                 len(units), len(mine), ranks.rank, ranks.world_size, len(todo), cfg.regen.backend)
+        generator = None
+        if todo and cfg.regen.backend != "none":
+            from pipeline.generation import build_generator
+
+            generator = build_generator(cfg, location, tokenizer, end_of_turn_ids(tokenizer, location))
+        bar = progress(total=len(todo), desc=f"regen rank {ranks.rank}", unit="shard")
+        for unit in todo:
+            rec = process_unit(unit, curate, stage, generator, tokenizer, cfg)
+            bar.set_postfix(tok_s=f"{rec['generated_tokens'] / max(rec['seconds'], 1e-9):.0f}", refresh=False)
+            bar.update(1)
+        bar.close()
+        if generator is not None:
+            generator.close()
+        if ranks.is_split:
+            atomic_write_json(stage.path / "ranks" / f"rank-{ranks.rank:05d}.json",
+                              {"rank": ranks.rank, "world_size": ranks.world_size,
+                               "units": [u.name for u in mine], "seconds": round(time.time() - started, 3)})
+        manifest = finalize_regen(cfg, stage=stage, units=units, total=total, config_hash=config_hash,
+                                  fingerprint=fingerprint, curate=curate, started=started)
+        if manifest is None:
+            return {"stage": "regen", "complete": False, "rank": ranks.rank, "world_size": ranks.world_size}
+    else:
+        manifest = stage.manifest()
+    if not ranks.is_split:
+        from pipeline.tokenize import run_tokenize
+
+        run_tokenize(cfg, force=force, ranks=ranks)
+    return manifest

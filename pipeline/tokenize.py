@@ -1,0 +1,201 @@
+"""tokenize: regenerated conversations -> `input_ids` + assistant-only `loss_mask`, in the target's template.
+
+    runs/<run>/regen/shards/NNNNN.parquet  ->  runs/<run>/tokenize/shards/NNNNN.parquet
+    columns: id string, input_ids list<int32>, loss_mask list<uint8>, num_tokens int32, num_loss_tokens int32
+    parquet schema metadata b"drafter.fingerprint": the stage fingerprint as JSON
+
+The loss mask is found by rendering, not by offsets (assistant_loss_mask): for assistant turn k,
+    prompt_k = render(messages before turn k, generation prompt)   # what the target saw
+    full_k   = render(messages through turn k)                    # prompt + the turn, closed by the template
+tokens(prompt_k) must extend the sequence built so far and be a prefix of tokens(full_k) (else the
+template is not prefix-stable, e.g. it rewrites earlier turns, and the sample is dropped with that reason);
+the turn's tokens are tokens(full_k)[len(tokens(prompt_k)):], supervised up to and including the first
+end-of-turn id (what the target generated, e.g. `...<|im_end|>`), unsupervised after it (template glue
+such as the newline after <|im_end|>).
+
+Then: truncate to `regen.max_len`; drop samples with fewer than `regen.min_loss_tokens`
+(default 2 * drafter.block_size) supervised tokens. Every drop is counted under its reason:
+input = written + dropped.<reason>.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import RunConfig, section_hash
+from pipeline.conversation import encode_chat, end_of_turn_ids
+from pipeline.log import get_logger, progress, summary
+from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint,
+                             input_ref, units_for_rank)
+from pipeline.target import (load_tokenizer, materialize_target, render_chat, target_fingerprint,
+                             tokenizer_fingerprint)
+
+log = get_logger("tokenize")
+
+TOKENIZED_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.uint8())),
+    ("num_tokens", pa.int32()),
+    ("num_loss_tokens", pa.int32()),
+])
+FINGERPRINT_KEY = b"drafter.fingerprint"
+MAX_DROP_EXAMPLES = 20
+
+
+class Dropped(ValueError):
+    """A sample that cannot be tokenized faithfully; `reason` is its counter name."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def assistant_loss_mask(tokenizer, messages: list[dict], *, enable_thinking: bool,
+                        end_of_turn: set[int]) -> tuple[list[int], list[int]]:
+    """messages -> (input_ids [S], loss_mask [S] in {0,1}); 1 exactly on the assistant turns' tokens
+    including each turn's end-of-turn id. Raises Dropped (no_assistant_turn, template_not_prefix_stable,
+    no_end_of_turn_token)."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise Dropped("no_assistant_turn")
+    ids: list[int] = []
+    mask: list[int] = []
+    for k, i in enumerate(turns):
+        prompt = encode_chat(tokenizer, render_chat(tokenizer, messages[:i], add_generation_prompt=True,
+                                                    enable_thinking=enable_thinking))
+        full = encode_chat(tokenizer, render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False,
+                                                  enable_thinking=enable_thinking))
+        if prompt[: len(ids)] != ids:
+            raise Dropped("template_not_prefix_stable", f"turn {k}: the template re-renders earlier turns differently")
+        if full[: len(prompt)] != prompt:
+            raise Dropped("template_not_prefix_stable", f"turn {k}: the generation prompt is not a prefix of the turn")
+        turn = full[len(prompt):]
+        end = next((j for j, t in enumerate(turn) if t in end_of_turn), None)
+        if end is None:
+            raise Dropped("no_end_of_turn_token", f"turn {k}: no end-of-turn id {sorted(end_of_turn)} in the turn")
+        mask += [0] * (len(prompt) - len(ids)) + [1] * (end + 1) + [0] * (len(turn) - end - 1)
+        ids = full
+    return ids, mask
+
+
+def min_loss_tokens(cfg: RunConfig) -> int:
+    return cfg.regen.min_loss_tokens if cfg.regen.min_loss_tokens is not None else 2 * cfg.drafter.block_size
+
+
+def tokenize_fingerprint(cfg: RunConfig, location: str, tokenizer) -> dict:
+    """What extract/train must agree with: the target, its tokenizer + template, thinking mode, max_len."""
+    return {
+        "target": target_fingerprint(location, cfg.target),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "enable_thinking": cfg.target.enable_thinking,
+        "max_len": cfg.regen.max_len,
+    }
+
+
+def shard_fingerprint(path) -> dict:
+    """The fingerprint stored in a tokenized shard's parquet metadata."""
+    meta = pq.read_schema(path).metadata or {}
+    if FINGERPRINT_KEY not in meta:
+        raise StageError(f"{path} has no {FINGERPRINT_KEY.decode()} metadata: not a tokenize shard")
+    return json.loads(meta[FINGERPRINT_KEY])
+
+
+def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: RunConfig, *,
+                  end_of_turn: set[int], fingerprint: dict) -> dict:
+    rows = pq.read_table(regen.shard_path(unit, "parquet")).to_pylist()
+    out, drops, examples = [], Counter(), []
+    truncated = 0
+    floor = min_loss_tokens(cfg)
+    for row in rows:
+        try:
+            ids, mask = assistant_loss_mask(tokenizer, row["messages"] or [], end_of_turn=end_of_turn,
+                                            enable_thinking=cfg.target.enable_thinking)
+            if len(ids) > cfg.regen.max_len:
+                ids, mask = ids[: cfg.regen.max_len], mask[: cfg.regen.max_len]
+                truncated += 1
+            if sum(mask) < floor:
+                raise Dropped("too_few_loss_tokens", f"{sum(mask)} supervised tokens < regen.min_loss_tokens {floor}")
+        except Dropped as e:
+            drops[e.reason] += 1
+            if len(examples) < MAX_DROP_EXAMPLES:
+                examples.append({"id": row["id"], "reason": e.reason, "detail": e.detail})
+            continue
+        out.append({"id": row["id"], "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
+                    "num_loss_tokens": sum(mask)})
+    table = pa.Table.from_pylist(out, schema=TOKENIZED_SCHEMA).replace_schema_metadata(
+        {FINGERPRINT_KEY: json.dumps(fingerprint, sort_keys=True)})
+    path = stage.shard_path(unit, "parquet")
+    with AtomicFile(path) as tmp:
+        pq.write_table(table, tmp)
+    return stage.finish_unit(
+        unit, [path], input=len(rows), written=len(out), dropped=dict(drops), drop_examples=examples,
+        truncated=truncated, tokens=sum(r["num_tokens"] for r in out),
+        loss_tokens=sum(r["num_loss_tokens"] for r in out),
+    )
+
+
+def _finalize(stage: StageDir, units: list[str], *, regen: StageDir, config_hash: str, fingerprint: dict,
+              started: float) -> dict | None:
+    done = stage.done_units()
+    missing = [u for u in units if u not in done]
+    if missing:
+        log.info("tokenize: %d of %d units still missing: manifest not written yet", len(missing), len(units))
+        return None
+    counts = Counter(dict.fromkeys(("input", "written", "dropped", "truncated", "tokens", "loss_tokens"), 0))
+    for u in units:
+        rec = done[u]
+        for key in ("input", "written", "truncated", "tokens", "loss_tokens"):
+            counts[key] += rec[key]
+        for reason, n in rec["dropped"].items():
+            counts[f"dropped.{reason}"] += n
+            counts["dropped"] += n
+    if counts["written"] + counts["dropped"] != counts["input"]:
+        raise StageError(f"tokenize accounting broken: {dict(counts)}")
+    examples = [e for u in units for e in done[u]["drop_examples"]][:MAX_DROP_EXAMPLES]
+    manifest = stage.write_manifest(config_hash=config_hash, fingerprint=fingerprint,
+                                    inputs={"regen": input_ref(regen)}, counts=dict(counts), started=started,
+                                    extra={"drop_examples": examples})
+    summary("tokenize", f"{counts['written']} samples, {counts['tokens']} tokens ({counts['loss_tokens']} supervised), "
+                        f"{counts['dropped']} dropped of {counts['input']}")
+    return manifest
+
+
+def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
+    """Tokenize this rank's regen shards; the rank that completes the last one writes the manifest."""
+    started = time.time()
+    if force and ranks.is_split:
+        raise StageError("--force with several ranks would let each rank wipe the others' work: "
+                         "run once with --force on a single rank, or delete the stage directory first")
+    regen = StageDir(cfg.run_dir, "regen")
+    regen_manifest = regen.manifest()
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tokenizer = load_tokenizer(location, cfg.target)
+    fingerprint = tokenize_fingerprint(cfg, location, tokenizer)
+    check_fingerprint({k: fingerprint[k] for k in ("target", "tokenizer", "enable_thinking")},
+                      regen_manifest["fingerprint"], what="the regenerated data (regen stage)", producer="drafter regen")
+    config_hash = section_hash(cfg.target, {"max_len": cfg.regen.max_len, "min_loss_tokens": min_loss_tokens(cfg)},
+                               regen_manifest["config_hash"])
+    stage = StageDir(cfg.run_dir, "tokenize")
+    if not stage.begin(config_hash, force=force):
+        return stage.manifest()
+    units = sorted(f["name"][: -len(".parquet")] for f in regen_manifest["files"])
+    mine = units_for_rank(units, ranks)
+    todo = [u for u in mine if not stage.unit_done(u)]
+    end_of_turn = set(end_of_turn_ids(tokenizer, location))
+    for unit in progress(todo, desc=f"tokenize rank {ranks.rank}", unit="shard"):
+        tokenize_unit(unit, regen, stage, tokenizer, cfg, end_of_turn=end_of_turn, fingerprint=fingerprint)
+    if ranks.is_split:
+        atomic_write_json(stage.path / "ranks" / f"rank-{ranks.rank:05d}.json",
+                          {"rank": ranks.rank, "world_size": ranks.world_size, "units": mine})
+    manifest = _finalize(stage, units, regen=regen, config_hash=config_hash, fingerprint=fingerprint,
+                         started=started)
+    if manifest is None:
+        return {"stage": "tokenize", "complete": False, "rank": ranks.rank, "world_size": ranks.world_size}
+    return manifest

@@ -1,0 +1,198 @@
+"""The regen stage: turn-by-turn regeneration against the target's own turns, failure accounting,
+resume after kill -9, rank slicing, and `drafter regen` ending with tokenized data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.conversation import end_of_turn_ids, prompt_ids
+from pipeline.generate_hf import HFGenerator
+from pipeline.generation import Sampling
+from pipeline.regen import run_regen, write_conversations
+from pipeline.runner import RankInfo, StageDir, StageError
+from pipeline.target import load_target, load_tokenizer, materialize_target
+from tests.conftest import CACHE, REPO, make_config
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The tiny models here are overhead-bound: on a shared 2-core machine, two OpenMP threads mostly wait
+    for each other (measured 4x slower than one)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+QUESTIONS = [json.loads(line)["question"] for line in (REPO / "data/prompts/gsm8k_test_100.jsonl").open()]
+
+
+def write_curated(run_dir: Path, conversations: list[list[dict]], per_shard: int = 1000) -> None:
+    """Curate-stage output as design.md specifies it: train-NNNNN.parquet + manifest.json."""
+    stage = StageDir(run_dir, "curate")
+    rows = [{"id": f"test/{i}", "source": "test", "messages": m, "metadata": json.dumps({"i": i})}
+            for i, m in enumerate(conversations)]
+    for k in range(0, len(rows), per_shard):
+        write_conversations(stage.shards / f"train-{k // per_shard:05d}.parquet", rows[k: k + per_shard])
+    stage.write_manifest(config_hash="curated-for-tests", fingerprint={}, counts={"train": len(rows)},
+                         started=time.time())
+
+
+def single_turn(n: int, offset: int = 0) -> list[list[dict]]:
+    return [[{"role": "user", "content": QUESTIONS[offset + i]}] for i in range(n)]
+
+
+def short_questions(n: int, offset: int = 0) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(offset, offset + n)]
+
+
+def regen_rows(run_dir: Path) -> list[dict]:
+    files = sorted((run_dir / "regen" / "shards").glob("*.parquet"))
+    return [r for f in files for r in pq.read_table(f).to_pylist()]
+
+
+def test_multi_turn_is_regenerated_turn_by_turn_against_the_targets_own_answers(tmp_path):
+    cfg = make_config(tmp_path, overrides=["regen.max_new_tokens=24", "regen.max_samples=null"])
+    conversations = [
+        [{"role": "system", "content": "You are terse."},
+         {"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "DATASET ANSWER 1"},
+         {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "DATASET ANSWER 2"},
+         {"role": "user", "content": "And their sum?"}],
+        [{"role": "user", "content": "MT-Bench style: first turn, no answer."},
+         {"role": "user", "content": "Second turn, still no answer."}],
+        [{"role": "user", "content": QUESTIONS[0]}],
+    ]
+    write_curated(cfg.run_dir, conversations)
+    run_regen(cfg)
+    rows = {r["id"]: r for r in regen_rows(cfg.run_dir)}
+    assert sorted(rows) == ["test/0", "test/1", "test/2"]
+
+    first = rows["test/0"]["messages"]
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in first if m["role"] != "assistant"] == [
+        "You are terse.", "Name a prime.", "Another one?", "And their sum?"]
+    assert not any(m["content"].startswith("DATASET ANSWER") for m in first)
+    assert [m["role"] for m in rows["test/1"]["messages"]] == ["user", "assistant", "user", "assistant"]
+    meta = json.loads(rows["test/0"]["metadata"])
+    assert meta["i"] == 0 and meta["regen"]["backend"] == "hf" and len(meta["regen"]["finish_reasons"]) == 3
+
+    # Replay: each stored answer is exactly the greedy answer to the history of the *regenerated* turns.
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tok = load_tokenizer(location, cfg.target)
+    gen = HFGenerator(load_target(location, cfg.target), pad_id=tok.pad_token_id, vocab_limit=len(tok),
+                      stop_ids=end_of_turn_ids(tok, location), sampling=Sampling(), batch_size=1)
+    for k, i in enumerate(j for j, m in enumerate(first) if m["role"] == "assistant"):
+        out = gen.generate([prompt_ids(tok, first[:i], enable_thinking=False)], [24])[0]
+        body = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+        assert tok.decode(body, skip_special_tokens=False) == first[i]["content"], f"turn {k}"
+        assert meta["regen"]["finish_reasons"][k] == out.finish_reason
+
+    # run_regen ran tokenize too: one tokenized sample per regenerated conversation that has enough loss tokens
+    assert StageDir(cfg.run_dir, "tokenize").is_complete()
+
+
+def test_failures_are_recorded_with_reasons_and_every_input_is_accounted_for(tmp_path):
+    cfg = make_config(tmp_path, overrides=["regen.max_new_tokens=8", "regen.max_model_len=200",
+                                           "regen.shard_size=3", "regen.max_samples=7"])
+    conversations = short_questions(3) + [
+        [{"role": "user", "content": "x" * 400}],                          # prompt longer than max_model_len
+        [{"role": "assistant", "content": "an answer before any question"}],  # malformed
+        [{"role": "user", "content": "short"}, {"role": "user", "content": "y" * 300}],  # overflows at turn 1
+        [{"role": "user", "content": "fine"}],
+    ] + short_questions(2, offset=5)  # beyond max_samples: skipped
+    write_curated(cfg.run_dir, conversations, per_shard=4)  # units straddle curate shards
+    m = run_regen(cfg)
+    c = m["counts"]
+    assert c["input"] == 9 and c["skipped.max_samples"] == 2
+    assert c["failed.context_overflow"] == 2 and c["failed.malformed"] == 1
+    assert c["written"] == 4 and c["written"] + c["failed"] + c["skipped.max_samples"] == c["input"]
+    ids = [r["id"] for r in regen_rows(cfg.run_dir)]
+    assert ids == ["test/0", "test/1", "test/2", "test/6"]
+    failures = {f["id"]: f for f in m["failure_examples"]}
+    assert failures["test/3"]["reason"] == "context_overflow" and "max_model_len" in failures["test/3"]["detail"]
+    assert failures["test/5"]["detail"].startswith("turn 1")
+    assert failures["test/4"]["reason"] == "malformed"
+
+
+def test_backend_none_keeps_dataset_answers_and_fails_prompts_without_one(tmp_path):
+    cfg = make_config(tmp_path, overrides=["regen.backend=none", "regen.max_samples=null"])
+    write_curated(cfg.run_dir, [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "dataset a"}],
+                                [{"role": "user", "content": "unanswered"}]])
+    m = run_regen(cfg)
+    assert m["fingerprint"]["off_policy"] is True
+    assert m["counts"]["failed.no_answer"] == 1
+    (row,) = regen_rows(cfg.run_dir)
+    assert row["messages"][1]["content"] == "dataset a"
+
+
+def test_rank_slices_are_disjoint_complete_and_the_last_rank_writes_the_manifest(tmp_path):
+    cfg = make_config(tmp_path, overrides=["regen.backend=none", "regen.shard_size=2", "regen.max_samples=null"])
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} " * 20}]
+             for i in range(11)]
+    write_curated(cfg.run_dir, convs)
+    stage = StageDir(cfg.run_dir, "regen")
+    with pytest.raises(StageError, match="--force with several ranks"):
+        run_regen(cfg, force=True, ranks=RankInfo(0, 3))
+    seen = {}
+    for rank in (2, 0, 1):
+        out = run_regen(cfg, ranks=RankInfo(rank, 3))
+        before = set(seen)
+        seen.update({u: rank for u in stage.done_units() if u not in before})
+        assert stage.is_complete() == (rank == 1), "only the rank that completes the last unit writes the manifest"
+        if rank != 1:
+            assert out["complete"] is False
+    assert sorted(seen) == [f"{k:05d}" for k in range(6)]
+    assert {u: r for u, r in seen.items()} == {f"{k:05d}": k % 3 for k in range(6)}  # round-robin, no overlap
+    ids = [r["id"] for r in regen_rows(cfg.run_dir)]
+    assert sorted(ids) == sorted(f"test/{i}" for i in range(11)) and len(ids) == len(set(ids))
+    assert not StageDir(cfg.run_dir, "tokenize").is_complete()  # split ranks: tokenize is run on its own
+
+    from pipeline.tokenize import run_tokenize
+
+    for rank in (1, 0):
+        run_tokenize(cfg, ranks=RankInfo(rank, 2))
+    tm = StageDir(cfg.run_dir, "tokenize").manifest()
+    assert tm["counts"]["input"] == 11 and tm["num_units"] == 6
+
+
+def test_kill_9_during_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
+    overrides = ["regen.max_new_tokens=24", "regen.shard_size=2", "regen.max_samples=null", "regen.batch_size=2"]
+    cfg = make_config(tmp_path, overrides=overrides)
+    write_curated(cfg.run_dir, single_turn(24))
+    cmd = [sys.executable, "-m", "pipeline.cli", "regen", "--config", str(REPO / "configs/tiny.yaml"),
+           f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides]
+    env = {**os.environ, "DRAFTER_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    shards = cfg.run_dir / "regen" / "shards"
+    deadline = time.time() + 240
+    while len(list(shards.glob("*.done.json"))) < 3:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    stage = StageDir(cfg.run_dir, "regen")
+    done_before = set(stage.done_units())
+    assert not stage.is_complete() and 3 <= len(done_before) < 12, "the kill must land mid-run"
+
+    manifest = run_regen(cfg)  # resume in-process
+    assert manifest["counts"]["written"] == 24 and manifest["num_units"] == 12
+    resumed = regen_rows(cfg.run_dir)
+    ids = [r["id"] for r in resumed]
+    assert sorted(ids) == sorted(f"test/{i}" for i in range(24)) and len(set(ids)) == 24
+    assert not list(cfg.run_dir.rglob("*.tmp-*"))
+
+    clean = make_config(tmp_path / "clean", overrides=overrides)  # the same run, never interrupted
+    write_curated(clean.run_dir, single_turn(24))
+    run_regen(clean)
+    assert regen_rows(clean.run_dir) == resumed
