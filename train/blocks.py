@@ -256,7 +256,7 @@ def flex_block_mask(
 def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
     """Bool[nq, nkv] tile matrix -> (count Int32[1, 1, nq], kv tile indices Int32[1, 1, nq, nkv], listed first)."""
     count = tiles.sum(dim=-1, dtype=torch.int32)
-    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    order = torch.argsort(tiles.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32)
     return count[None, None].contiguous(), order[None, None].contiguous()
 
 

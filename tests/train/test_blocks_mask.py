@@ -191,3 +191,30 @@ def test_flex_tiles_cover_every_visible_pair_and_full_tiles_are_fully_visible(ti
             None, None, Q, KV, device="cpu", BLOCK_SIZE=tile,
         )
         assert listed.sum() <= reference.to_dense()[0, 0].bool().sum() + nq * 2, "tiles stay close to the minimum"
+
+
+@pytest.mark.slow
+def test_compiled_flex_kernel_with_structural_tiles_equals_dense_attention():
+    """The compiled flex kernel (unlike eager) skips unlisted tiles and skips mask_mod on full tiles, so this runs
+    the real sparse path on CPU (forward; ~1 min of compilation) against SDPA with the dense mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    Bk, lens = 16, [170, 130]
+    S = sum(lens)
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.cat([torch.randperm(lens[0] - Bk, generator=g)[:20].sort().values,
+                         lens[0] + torch.randperm(lens[1] - Bk, generator=g)[:17].sort().values])
+    anchors = torch.cat([anchors, torch.zeros(3, dtype=torch.long)])  # + 3 padding blocks
+    doc = torch.tensor([0] * 20 + [lens[0]] * 17 + [0] * 3)
+    valid = torch.arange(40) < 37
+    kw = dict(block_valid=valid, doc_start=doc)
+    bm = flex_block_mask(anchors, S, Bk, "sliding_attention", 40, **kw)
+    dense = dense_block_mask(anchors, S, Bk, "sliding_attention", 40, **kw)
+    Q = 40 * Bk
+    q, k, v = torch.randn(1, 4, Q, 16), torch.randn(1, 2, S + Q, 16), torch.randn(1, 2, S + Q, 16)
+    out = torch.compile(flex_attention)(q, k, v, block_mask=bm, enable_gqa=True)
+    live = dense.any(dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense | ~live[:, None])
+    torch.testing.assert_close(out[:, :, live], ref[:, :, live], rtol=1e-4, atol=1e-5)
+    assert not out[:, :, ~live].any(), "padded blocks see nothing"
