@@ -1,0 +1,448 @@
+"""`drafter eval`: AR / chain / DDTree decoding of benchmark prompts with the target and the trained drafter,
+scored with eval.metrics and written as runs/<run>/eval/report.{json,md,html}.
+
+Units of work (the unit of resume, kill -9 safe through StageDir sidecars), in this order:
+
+    <benchmark>.ar              AR once per prompt: the speedup baseline, measured in the same run
+    <benchmark>.chain           DFlash: one drafted chain of B-1 tokens per round
+    <benchmark>.ddtree-b<N>     DDTree with node budget N, for every N in eval.budgets
+
+Each unit decodes every prompt of its benchmark (every turn of a multi-turn prompt: turn 2 is asked after the
+method's own turn-1 answer, which is the target's own answer because decoding is lossless) and writes one JSONL
+line per response (`eval.metrics.ResponseRecord`). Once every unit is done, whichever rank finishes last
+aggregates the sidecar'd shards into the report and writes the manifest.
+
+The drafter is `eval.drafter` or this run's train export (`runs/<run>/train/export`). It is refused when its
+tapped layers / hidden size / vocabulary do not fit the target, or when the train manifest beside it records a
+tokenizer fingerprint other than the target tokenizer's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from eval.metrics import PHASES, ResponseRecord, speedup, summarize
+from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, load_benchmark
+from eval.report import cell_label, json_ready, tau_table, write_report
+from pipeline.config import ConfigError, RunConfig, section_hash, to_dict
+from pipeline.log import get_logger, progress, summary
+from pipeline.runner import (
+    AtomicFile,
+    RankInfo,
+    StageDir,
+    StageError,
+    check_fingerprint,
+    read_json,
+    sha256_file,
+    units_for_rank,
+)
+from pipeline.target import (
+    load_target,
+    load_tokenizer,
+    materialize_target,
+    target_fingerprint,
+    tokenizer_fingerprint,
+)
+
+log = get_logger("eval")
+
+HYBRID_LAYER_TYPES = ("linear_attention",)
+
+
+@dataclass(frozen=True)
+class Unit:
+    benchmark: str
+    method: str  # "ar" | "chain" | "ddtree"
+    budget: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.benchmark}.{self.method}" + (f"-b{self.budget}" if self.budget is not None else "")
+
+    @property
+    def label(self) -> str:
+        return cell_label(self.method, self.budget)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs: config checks, drafter location and compatibility
+# ----------------------------------------------------------------------------------------------
+
+
+def check_eval_config(cfg: RunConfig) -> None:
+    e = cfg.eval
+    if not e.benchmarks:
+        raise ConfigError("eval.benchmarks: at least one benchmark is required")
+    names = [b.name for b in e.benchmarks]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"eval.benchmarks: each benchmark name may appear once, got {names}")
+    for i, b in enumerate(e.benchmarks):
+        if b.num_samples < 1:
+            raise ConfigError(f"eval.benchmarks[{i}].num_samples: must be >= 1, got {b.num_samples}")
+    if not e.methods:
+        raise ConfigError("eval.methods: at least one of 'ar', 'chain', 'ddtree' is required")
+    if e.max_new_tokens < 1:
+        raise ConfigError(f"eval.max_new_tokens: must be >= 1, got {e.max_new_tokens}")
+    if e.temperature < 0:
+        raise ConfigError(f"eval.temperature: must be >= 0, got {e.temperature}")
+    if "ddtree" in e.methods and not e.budgets:
+        raise ConfigError("eval.budgets: 'ddtree' needs at least one node budget")
+
+
+def drafter_dir(cfg: RunConfig) -> Path:
+    """`eval.drafter` (a local dir, or a hub id resolved by train.export), else this run's train export."""
+    if cfg.eval.drafter:
+        from train.export import _local_dir
+
+        path = _local_dir(cfg.eval.drafter, None)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"eval.drafter: {path} is not a drafter directory (no config.json)")
+        return path
+    path = cfg.run_dir / "train" / "export"
+    if not (path / "config.json").is_file():
+        raise StageError(
+            f"no drafter to evaluate: {path} does not exist. Run `drafter train` for run '{cfg.name}' first, "
+            "or set eval.drafter to a drafter directory in the z-lab DFlash layout"
+        )
+    return path
+
+
+def train_manifest_for(drafter_path: Path) -> dict | None:
+    """The train manifest that produced an export dir (runs/<run>/train/export -> runs/<run>/train), if any."""
+    manifest = drafter_path.parent / "manifest.json"
+    if drafter_path.name == "export" and manifest.is_file():
+        m = read_json(manifest)
+        if m.get("stage") == "train":
+            return m
+    return None
+
+
+def trained_tokenizer_fingerprint(train_manifest: dict) -> dict | None:
+    """The tokenizer fingerprint the drafter was trained with (train fingerprint: {"drafter", "features"})."""
+    fp = train_manifest.get("fingerprint", {})
+    return fp.get("tokenizer") or (fp.get("features") or {}).get("tokenizer")
+
+
+def drafter_sha(path: Path) -> str:
+    files = sorted(path.glob("*.safetensors")) + [path / "config.json"]
+    return "".join(sha256_file(f)[:16] for f in files)
+
+
+def check_drafter_fits_target(drafter_cfg: dict, target_config: Any) -> None:
+    """Refuse a drafter whose taps, hidden size or vocabulary do not fit the target (names every field).
+
+    drafter_cfg: the drafter's z-lab config.json (hidden_size, vocab_size?, dflash_config.target_layer_ids,
+    dflash_config.mask_token_id, num_target_layers?).
+    """
+    text = getattr(target_config, "text_config", None) or target_config
+    n_layers, hidden, vocab = text.num_hidden_layers, text.hidden_size, text.vocab_size
+    dcfg = drafter_cfg.get("dflash_config") or {}
+    problems = []
+    layer_ids = dcfg.get("target_layer_ids")
+    if not layer_ids:
+        problems.append("dflash_config.target_layer_ids: missing from the drafter config")
+    elif not all(0 <= int(i) < n_layers for i in layer_ids):
+        problems.append(f"dflash_config.target_layer_ids: {layer_ids} but the target has {n_layers} layers "
+                        f"(valid ids 0..{n_layers - 1})")
+    if drafter_cfg.get("num_target_layers") not in (None, n_layers):
+        problems.append(f"num_target_layers: drafter was built for {drafter_cfg['num_target_layers']}, "
+                        f"the target has {n_layers}")
+    if drafter_cfg.get("hidden_size") != hidden:
+        problems.append(f"hidden_size: drafter {drafter_cfg.get('hidden_size')}, target {hidden}")
+    if drafter_cfg.get("vocab_size") not in (None, vocab):
+        problems.append(f"vocab_size: drafter {drafter_cfg['vocab_size']}, target {vocab}")
+    mask = dcfg.get("mask_token_id")
+    if mask is None or not 0 <= int(mask) < vocab:
+        problems.append(f"dflash_config.mask_token_id: {mask} is not a row of the target vocabulary (size {vocab})")
+    if problems:
+        raise StageError("the drafter does not fit this target:\n  " + "\n  ".join(problems))
+
+
+def tree_unsupported_reason(target_config: Any) -> str | None:
+    """Why DDTree cannot verify on this target (recurrent/linear-attention layers cannot roll back a tree), or None."""
+    text = getattr(target_config, "text_config", None) or target_config
+    types = getattr(text, "layer_types", None) or []
+    hybrid = sorted({t for t in types if t in HYBRID_LAYER_TYPES})
+    if hybrid:
+        return (f"target '{text.model_type}' has {', '.join(hybrid)} layers: tree verification needs a cache that "
+                "keeps only the accepted path, which recurrent state cannot do yet (decode refuses it)")
+    return None
+
+
+def plan_units(cfg: RunConfig, tree_reason: str | None) -> tuple[list[Unit], list[dict]]:
+    """Every unit of this eval, and the (method, budget) pairs skipped with their reason."""
+    units, skipped = [], []
+    methods = list(dict.fromkeys(cfg.eval.methods))
+    budgets = list(dict.fromkeys(cfg.eval.budgets))
+    if "ddtree" in methods and tree_reason:
+        skipped = [{"method": "ddtree", "budget": b, "reason": tree_reason} for b in budgets]
+    for bench in cfg.eval.benchmarks:
+        for method in methods:
+            if method == "ddtree":
+                if not tree_reason:
+                    units += [Unit(bench.name, "ddtree", b) for b in budgets]
+            else:
+                units.append(Unit(bench.name, method))
+    return units, skipped
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding one conversation
+# ----------------------------------------------------------------------------------------------
+
+
+def response_record(result: Any, *, prompt_id: str, turn: int, prompt_tokens: int, block_size: int,
+                    method: str, budget: int | None) -> ResponseRecord:
+    """eval.decode.DecodeResult -> ResponseRecord (the one place that knows DecodeResult's field names)."""
+    taus = [int(t) for t in result.accept_lengths]
+    depths = getattr(result, "draft_depths", None)
+    if depths is None:  # decode did not report the offered depth: the chain offers B-1, a tree at most budget
+        depth = 0 if method == "ar" else block_size - 1 if method == "chain" else min(block_size - 1, budget)
+        depths = [depth] * len(taus)
+    t = result.timings
+    return ResponseRecord(
+        prompt_id=prompt_id, turn=turn, prompt_tokens=prompt_tokens,
+        num_new_tokens=int(result.num_new_tokens), num_rounds=int(result.num_rounds),
+        accept_lengths=taus, draft_depths=[int(d) for d in depths],
+        decode_seconds=float(t["decode"]), prefill_seconds=float(t["prefill"]),
+        phase_seconds={p: float(t.get(p, 0.0)) for p in PHASES},
+        output_ids=[int(i) for i in result.output_ids],
+    )
+
+
+def run_conversation(prompt: EvalPrompt, tokenizer, generate: Callable[[list[int]], Any], *,
+                     enable_thinking: bool, max_prompt_tokens: int) -> list[tuple[list[int], Any] | str]:
+    """Ask every user turn of `prompt`, each after the model's own previous answers.
+
+    generate(prompt_ids) -> DecodeResult. Returns per turn (prompt_ids, result), or a skip reason string
+    (a turn that does not fit the context ends the conversation).
+    """
+    messages: list[dict] = []
+    out: list[tuple[list[int], Any] | str] = []
+    for user in prompt.turns:
+        messages.append({"role": "user", "content": user})
+        ids = chat_prompt_ids(tokenizer, messages, enable_thinking=enable_thinking)
+        if len(ids) > max_prompt_tokens:
+            out.append("prompt_too_long")
+            break
+        result = generate(ids)
+        answer = tokenizer.decode(list(result.output_ids), skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        out.append((ids, result))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+# ----------------------------------------------------------------------------------------------
+
+
+def _load_drafter(path: Path, target, device):
+    """The drafter from its z-lab export with the target's embedding and LM head attached (frozen)."""
+    from train.export import load_zlab
+
+    drafter, args = load_zlab(path)
+    drafter.attach_target_head(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    drafter.to(device=device, dtype=target.dtype).eval().requires_grad_(False)
+    return drafter, args
+
+
+def _stop_token_ids(tokenizer, target) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def _write_unit(stage: StageDir, unit: Unit, records: list[ResponseRecord], skipped: dict[str, int]) -> None:
+    path = stage.shard_path(unit.name, "jsonl")
+    with AtomicFile(path) as tmp:
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps(r.to_dict()) + "\n")
+    stage.finish_unit(unit.name, [path], responses=len(records), new_tokens=sum(r.num_new_tokens for r in records),
+                      skipped=skipped)
+
+
+def read_unit(stage: StageDir, unit: Unit) -> list[ResponseRecord]:
+    path = stage.shard_path(unit.name, "jsonl")
+    return [ResponseRecord.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_size: int, header: dict) -> dict:
+    """Aggregate the unit shards into report.json's dict (every cell's numbers, see eval.report)."""
+    by_unit = {u: read_unit(stage, u) for u in units}
+    sidecars = stage.done_units()
+    cells = []
+    for u, recs in by_unit.items():
+        ar = by_unit.get(Unit(u.benchmark, "ar"))
+        cell = {"benchmark": u.benchmark, "method": u.method, "budget": u.budget, "label": u.label,
+                **summarize(recs, max_tau=block_size)}
+        cell["speedup"] = speedup(ar, recs) if ar is not None else None
+        cell["ar_match"] = None
+        if ar is not None and cfg.eval.temperature == 0:
+            ar_out = {(r.prompt_id, r.turn): r.output_ids for r in ar}
+            matched = [ar_out.get((r.prompt_id, r.turn)) == r.output_ids for r in recs]
+            cell["ar_match"] = sum(matched) / len(matched) if matched else None
+        cell["skipped"] = sidecars[u.name].get("skipped", {})
+        cells.append(cell)
+    return {**header, "cells": cells}
+
+
+def _log_wandb(cfg: RunConfig, report: dict, stage_path: Path) -> None:
+    w = cfg.train.wandb
+    if w.mode == "disabled":
+        return
+    import wandb
+
+    cols = ["benchmark", "method", "budget", "responses", "rounds", "new_tokens", "tau_mean", "tau_pooled",
+            "tokens_per_second", "speedup", "ar_match"]
+    run = wandb.init(mode=w.mode, project=w.project, entity=w.entity, name=f"{w.run_name or cfg.name}-eval",
+                     job_type="eval", dir=str(stage_path), config=json_ready(to_dict(cfg.eval)), reinit="create_new")
+    try:
+        cells = json_ready(report["cells"])
+        tau = tau_table(json_ready(report))
+        depth_rows = [[c["benchmark"], c["label"], d["depth"], d["rate"]] for c in cells for d in c["per_depth"]]
+        run.log({
+            "eval/cells": wandb.Table(columns=cols, data=[[c.get(k) for k in cols] for c in cells]),
+            "eval/tau_table": wandb.Table(columns=tau.headers, data=tau.rows),
+            "eval/per_depth": wandb.Table(columns=["benchmark", "method", "depth", "rate"], data=depth_rows),
+        })
+        for c in cells:
+            for key in ("tau_mean", "tau_pooled", "speedup", "tokens_per_second"):
+                run.summary[f"eval/{c['benchmark']}/{c['label']}/{key}"] = c.get(key)
+    finally:
+        run.finish()
+
+
+def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
+    started = time.time()
+    check_eval_config(cfg)
+    from transformers import AutoConfig
+
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tokenizer = load_tokenizer(location, cfg.target)
+    target_config = AutoConfig.from_pretrained(location, revision=cfg.target.revision,
+                                               trust_remote_code=cfg.target.trust_remote_code)
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    dpath = drafter_dir(cfg)
+    drafter_cfg = read_json(dpath / "config.json")
+    check_drafter_fits_target(drafter_cfg, target_config)
+    train_manifest = train_manifest_for(dpath)
+    trained_tok = trained_tokenizer_fingerprint(train_manifest) if train_manifest else None
+    if trained_tok is not None:
+        check_fingerprint({"tokenizer": tok_fp}, {"tokenizer": trained_tok},
+                          what=f"the drafter's tokenizer (train manifest beside {dpath})", producer="train")
+    else:
+        log.warning("no train manifest beside %s: the drafter's tokenizer cannot be checked against the target's", dpath)
+    d_sha = drafter_sha(dpath)
+    fingerprint = {"target": target_fingerprint(location, cfg.target), "tokenizer": tok_fp,
+                   "drafter": {"path": str(dpath), "sha": d_sha}, "enable_thinking": cfg.target.enable_thinking}
+    config_hash = section_hash(cfg.eval, cfg.target, fingerprint)
+
+    stage = StageDir(cfg.run_dir, "eval")
+    if not stage.begin(config_hash, force=force):
+        log.info("eval already complete for this config: %s", stage.path)
+        report = read_json(stage.path / "report.json")
+        summary("eval", "\n" + tau_table(report).markdown())
+        return stage.manifest()
+
+    tree_reason = tree_unsupported_reason(target_config)
+    units, skipped_methods = plan_units(cfg, tree_reason)
+    for s in skipped_methods:
+        log.warning("skipping %s: %s", cell_label(s["method"], s["budget"]), s["reason"])
+    benchmarks = {b.name: load_benchmark(b) for b in cfg.eval.benchmarks}
+    for lb in benchmarks.values():
+        if lb.skipped:
+            log.warning("%s: skipped %s of %d records read from %s", lb.name, dict(lb.skipped), lb.read, lb.path)
+        if not lb.prompts:
+            raise StageError(f"eval benchmark {lb.name!r}: no usable prompt in {lb.path} ({dict(lb.skipped)})")
+
+    mine = [u for u in units_for_rank(units, ranks) if not stage.unit_done(u.name)]
+    block_size = int(drafter_cfg.get("block_size") or cfg.drafter.block_size)
+    if mine:
+        _run_units(cfg, stage, mine, benchmarks, location, tokenizer, target_config, dpath, block_size)
+
+    done = stage.done_units()
+    missing = [u.name for u in units if u.name not in done]
+    if missing:
+        log.info("rank %d/%d finished its units; %d of %d units still running elsewhere (%s); "
+                 "the rank that finishes last writes the report", ranks.rank, ranks.world_size,
+                 len(missing), len(units), ", ".join(missing[:4]))
+        return {"stage": "eval", "complete": False, "missing_units": missing}
+
+    header = {
+        "run": cfg.name,
+        "target": {"model": cfg.target.model, "location": location, "model_type": fingerprint["target"]["model_type"],
+                   "layers": fingerprint["target"]["num_hidden_layers"]},
+        "drafter": {"path": str(dpath), "sha": d_sha, "block_size": block_size,
+                    "target_layer_ids": (drafter_cfg.get("dflash_config") or {}).get("target_layer_ids"),
+                    "num_layers": drafter_cfg.get("num_hidden_layers")},
+        "settings": {"temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
+                     "enable_thinking": cfg.target.enable_thinking, "device": cfg.target.device,
+                     "dtype": cfg.target.dtype, "seed": cfg.eval.seed, "budgets": cfg.eval.budgets,
+                     "world_size": ranks.world_size},
+        "benchmarks": {n: {"path": b.path, "prompts": len(b.prompts), "read": b.read, "skipped": dict(b.skipped),
+                           "examples": b.examples} for n, b in benchmarks.items()},
+        "skipped_methods": skipped_methods,
+    }
+    report = build_report(cfg, stage, units, block_size=block_size, header=header)
+    table = write_report(report, stage.path)
+    _log_wandb(cfg, report, stage.path)
+    counts: dict[str, int] = {"units": len(units), "responses": sum(c["responses"] for c in report["cells"]),
+                              "new_tokens": sum(c["new_tokens"] for c in report["cells"])}
+    for c in report["cells"]:
+        for reason, n in c["skipped"].items():
+            counts[f"skipped.{reason}"] = counts.get(f"skipped.{reason}", 0) + n
+    manifest = stage.write_manifest(config_hash=config_hash, fingerprint=fingerprint, counts=counts, started=started,
+                                    inputs={"drafter": {"path": str(dpath), "sha": d_sha}},
+                                    extra={"report": ["report.json", "report.md", "report.html"],
+                                           "skipped_methods": skipped_methods})
+    summary("eval", f"τ (per-response mean) and speedup over AR — {stage.path / 'report.md'}\n{table}")
+    return manifest
+
+
+def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: dict[str, LoadedBenchmark],
+               location: str, tokenizer, target_config, dpath: Path, block_size: int) -> None:
+    import torch
+
+    from eval.decode import decode
+
+    target = load_target(location, cfg.target)
+    drafter, _ = _load_drafter(dpath, target, target.device)
+    stop = _stop_token_ids(tokenizer, target)
+    text = getattr(target_config, "text_config", None) or target_config
+    max_prompt = int(getattr(text, "max_position_embeddings", 1 << 30)) - cfg.eval.max_new_tokens - block_size
+    warm_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Warmup"}],
+                               enable_thinking=cfg.target.enable_thinking)
+    total = sum(len(benchmarks[u.benchmark].prompts) for u in units)
+    bar = progress(total=total, desc="eval", unit="prompt")
+    for unit in units:
+        def generate(ids: list[int], max_new: int = cfg.eval.max_new_tokens):
+            torch.manual_seed(cfg.eval.seed)
+            return decode(unit.method, target, drafter, ids, max_new_tokens=max_new, budget=unit.budget,
+                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, stop_token_ids=stop)
+
+        if cfg.eval.warmup_tokens > 0:
+            generate(warm_ids, min(cfg.eval.warmup_tokens, cfg.eval.max_new_tokens))
+        records: list[ResponseRecord] = []
+        skipped: dict[str, int] = {}
+        for prompt in benchmarks[unit.benchmark].prompts:
+            turns = run_conversation(prompt, tokenizer, generate, enable_thinking=cfg.target.enable_thinking,
+                                     max_prompt_tokens=max_prompt)
+            for turn, item in enumerate(turns):
+                if isinstance(item, str):
+                    skipped[item] = skipped.get(item, 0) + 1
+                    continue
+                ids, result = item
+                records.append(response_record(result, prompt_id=prompt.id, turn=turn, prompt_tokens=len(ids),
+                                               block_size=block_size, method=unit.method, budget=unit.budget))
+            bar.update(1)
+        _write_unit(stage, unit, records, skipped)
+        log.info("%s: %d responses, %d new tokens", unit.name, len(records), sum(r.num_new_tokens for r in records))
+    bar.close()
