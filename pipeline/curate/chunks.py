@@ -30,7 +30,7 @@ from pipeline.curate.sources import Chunk, read_chunk
 from pipeline.log import progress
 from pipeline.runner import AtomicFile, StageDir
 
-MIN_RECORDS_PER_WORKER = 20000  # below this, starting worker processes costs more than it saves
+MIN_RECORDS_PER_WORKER = 10000  # below this, starting worker processes costs more than it saves
 EXAMPLES_PER_REASON = 3  # examples kept per drop reason (per chunk; the report keeps the first overall)
 EXCERPT_CHARS = 160
 

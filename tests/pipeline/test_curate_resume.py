@@ -1,0 +1,132 @@
+"""Stage contract of curate: kill -9 at any point and re-run gives byte-identical output with nothing
+lost or duplicated; a finished stage re-runs as a no-op; another config is refused without --force."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipeline.config import load_config
+from pipeline.curate.stage import run_curate
+from pipeline.curate.synthetic import write_synthetic
+from pipeline.runner import StageError, read_json, sha256_file
+
+REPO = Path(__file__).resolve().parents[2]
+N = 30000
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    root = tmp_path_factory.mktemp("curate_resume")
+    return root, write_synthetic(root / "data", N, seed=3)
+
+
+def write_config(root: Path, name: str, sources: list, **curate) -> Path:
+    data = {"name": name, "runs_dir": str(root / "runs"),
+            "curate": {"sources": sources, "total": 25000, "eval_size": 300, "read_chunk": 2500,
+                       "shard_size": 800, **curate}}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start_cli(config: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, DRAFTER_NO_PROGRESS="1")
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "curate", "--config", str(config), *extra],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def kill_when(proc: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
+    """SIGKILL the CLI and its worker processes as soon as `ready()` holds."""
+    deadline = time.time() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"curate finished before {what}: {proc.stderr.read().decode()[-2000:]}")
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def output(run_dir: Path) -> dict[str, str]:
+    shards = run_dir / "curate" / "shards"
+    return {p.name: sha256_file(p) for p in sorted(shards.glob("*.parquet"))}
+
+
+def all_ids(run_dir: Path) -> list[str]:
+    shards = sorted((run_dir / "curate" / "shards").glob("*.parquet"))
+    return [i for p in shards for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()]
+
+
+@pytest.mark.slow
+def test_kill_9_while_reading_and_while_writing_then_resume_gives_identical_output(synthetic):
+    root, data = synthetic
+    sources = data["sources"]
+    # the reference: one uninterrupted run, in this process, one worker
+    ref_cfg = load_config(write_config(root, "ref", sources, num_workers=1))
+    ref_manifest = run_curate(ref_cfg)
+    reference = output(ref_cfg.run_dir)
+    assert len(reference) == 32 + 1  # 25000/800 train shards + 1 eval shard
+    ids = all_ids(ref_cfg.run_dir)
+    assert len(ids) == len(set(ids)) == 25300
+
+    # killed during the reading phase, after the first chunk was checkpointed (2 workers this time)
+    cfg_path = write_config(root, "killed_read", sources, num_workers=2)
+    stage = root / "runs" / "killed_read" / "curate"
+    proc = start_cli(cfg_path)
+    kill_when(proc, lambda: any((stage / "work" / "shards").glob("*.done.json")), "a chunk was done")
+    done_chunks = len(list((stage / "work" / "shards").glob("*.done.json")))
+    assert 1 <= done_chunks < 12 and not (stage / "manifest.json").exists()
+    proc = start_cli(cfg_path)
+    assert proc.wait() == 0, proc.stderr.read().decode()[-2000:]
+    assert output(stage.parent) == reference
+
+    # killed during the writing phase, after the first output shard was done
+    cfg_path = write_config(root, "killed_write", sources, num_workers=1)
+    stage = root / "runs" / "killed_write" / "curate"
+    proc = start_cli(cfg_path)
+    kill_when(proc, lambda: (stage / "shards" / "train-00000.done.json").exists(), "an output shard was done")
+    written = len(list((stage / "shards").glob("*.done.json")))
+    assert 1 <= written < len(reference) and not (stage / "manifest.json").exists()
+    proc = start_cli(cfg_path)
+    assert proc.wait() == 0, proc.stderr.read().decode()[-2000:]
+    assert output(stage.parent) == reference
+    manifest = read_json(stage / "manifest.json")
+    assert manifest["counts"] == ref_manifest["counts"]
+    assert {f["name"]: f["sha256"] for f in manifest["files"]} == reference
+    assert not (stage / "work").exists()  # the work files are removed once the manifest is written
+
+
+@pytest.mark.slow
+def test_finished_stage_reruns_as_a_noop_and_refuses_another_config(synthetic):
+    root, data = synthetic
+    sources = [dict(s, max_samples=4000) for s in data["sources"]]
+    cfg = load_config(write_config(root, "noop", sources, total=8000, eval_size=50))
+    run_curate(cfg)
+    stage = cfg.run_dir / "curate"
+
+    def files():  # config.yaml is the CLI's copy of the resolved config, rewritten on every call
+        return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in stage.rglob("*")
+                if p.is_file() and p.name != "config.yaml"}
+
+    before = files()
+    proc = start_cli(root / "noop.yaml")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"already complete" in out
+    assert files() == before
+
+    changed = load_config(write_config(root, "noop", sources, total=7000, eval_size=50))
+    with pytest.raises(StageError, match="made with another config.*--force"):
+        run_curate(changed)
+    assert run_curate(changed, force=True)["counts"]["train"] == 7000
