@@ -114,6 +114,19 @@ def load_rng(path: Path, device: torch.device) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor in name order: equal iff the weights are equal.
+    Used to prove that all data-parallel replicas end a run with identical weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 # ----------------------------------------------------------------------------------------------
 # Save / load
 # ----------------------------------------------------------------------------------------------

@@ -248,6 +248,8 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     last_saved = step if latest else -1
     bar = progress(total=n_total, desc="train", unit="step", disable=None if dist.is_main else True)
     bar.update(step)
+    if step == 0 and tcfg.eval_every:
+        run_eval(0)  # the untrained drafter: the baseline of the held-out curve
     window_t, window_tokens, window_flops = time.time(), 0.0, 0.0
     while step < n_total:
         steps = plan(epoch)
@@ -292,6 +294,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     if last_saved != step:
         save({**plan_state, "global_step": step, "epoch": epoch, "step_in_epoch": start, "tokens_seen": tokens_seen})
     export_info = _export(engine, args, stage.path / "export", tcfg.zero_stage, dist.is_main)
+    replicas = _replica_digests(engine, stage.path, rank, world, tcfg.zero_stage)
     manifest = None
     if dist.is_main:
         last_train = [r for r in logger.jsonl.rows() if r.get("kind") == "train"]
@@ -300,7 +303,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
             counts={"steps": step, "train_samples": int(len(train_idx)), "eval_samples": int(len(eval_idx)),
                     "skipped.too_short": skipped, "tokens_seen": int(tokens_seen)},
             started=started,
-            extra={"export": export_info, "world_size": world, "final_eval": final_eval,
+            extra={"export": export_info, "world_size": world, "replica_digests": replicas, "final_eval": final_eval,
                    "final_train": last_train[-1] if last_train else None},
         )
         logger.finish()
@@ -308,6 +311,35 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
         summary("train", f"{step} steps on {world} rank(s){fe}; export at {stage.path / 'export'}")
     barrier()
     return manifest if manifest is not None else stage.manifest()
+
+
+def _replica_digests(engine, train_dir: Path, rank: int, world: int, zero_stage: int) -> list[str]:
+    """Every rank hashes the weights it holds and writes ranks/rank-XXXXX.json; a mismatch between data-parallel
+    replicas (which ZeRO 0-2 keep in sync) fails the stage. ZeRO-3 ranks hold shards, so they hash the gathered
+    parameters. Returns the digests in rank order."""
+    import contextlib
+
+    from pipeline.runner import atomic_write_json
+    from train.checkpoint import weights_digest
+
+    drafter = engine.module.drafter
+    gather = contextlib.nullcontext()
+    if zero_stage == 3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None)
+    with gather:
+        digest = weights_digest(drafter.state_dict())
+    atomic_write_json(train_dir / "ranks" / f"rank-{rank:05d}.json", {"rank": rank, "world_size": world,
+                                                                      "weights_sha256": digest})
+    digests = [None] * world
+    if world > 1:
+        torch.distributed.all_gather_object(digests, digest)
+    else:
+        digests = [digest]
+    if len(set(digests)) != 1:
+        raise StageError(f"data-parallel replicas ended with different weights: {digests}")
+    return digests
 
 
 def _features_fn(target, args, device, dtype, batch_to):

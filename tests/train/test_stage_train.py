@@ -1,0 +1,164 @@
+"""The train stage end to end on the tiny config: real DeepSpeed (gloo on CPU), the real feature store written
+with features of the real tiny random Qwen3 target, real W&B (offline). Fingerprint refusal, logging, export
+round trip, online == offline. (Two ranks: test_deepspeed_two_ranks.py; kill -9: test_resume_kill9.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import make_config
+
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+FAST = ["train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.save_every=3",
+        "train.micro_batch_tokens=512", "train.num_workers=0"]
+
+
+@pytest.fixture(autouse=True)
+def _dist_env(monkeypatch):
+    """In-process runs export the torch rendezvous variables; give them back after each test."""
+    from train.engine import free_port
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+
+
+def _samples(n: int, seed: int, lo: int = 48, hi: int = 160) -> list[dict]:
+    """Token sequences that repeat a short random motif (learnable), loss on the last three quarters."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(lo, hi))
+        motif = rng.integers(3, 40, size=int(rng.integers(3, 7)))
+        ids = torch.tensor(np.resize(motif, length), dtype=torch.long)
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[length // 4 :] = True
+        out.append({"id": f"synthetic/{i}", "input_ids": ids, "loss_mask": mask})
+    return out
+
+
+def write_extract_stage(cfg, n: int = 32, seed: int = 0, storage: str = "float32", **fp_overrides) -> list[dict]:
+    """A finished extract stage for `cfg`: the tiny target's real tap features of synthetic samples."""
+    from transformers import AutoConfig
+
+    from extract.layers import forward_taps
+    from extract.store import write_feature_store
+    from pipeline.target import load_target, load_tokenizer, materialize_target
+    from train.stage import expected_feature_fingerprint
+
+    loc = materialize_target(cfg.target, cfg.cache_dir)
+    fp = expected_feature_fingerprint(cfg, loc, load_tokenizer(loc, cfg.target), AutoConfig.from_pretrained(loc))
+    fp = {**fp, "storage_dtype": storage, **fp_overrides}
+    target = load_target(loc, cfg.target, device=torch.device("cpu"))
+    samples = _samples(n, seed)
+    for s in samples:
+        s["features"] = forward_taps(target, s["input_ids"][None], fp["layer_ids"])[0]
+    write_feature_store(cfg.run_dir / "extract", samples, fingerprint=fp, shard_tokens=1500)
+    return samples
+
+
+def write_tokenize_stage(cfg, samples: list[dict]) -> None:
+    """A finished tokenize stage (design.md contract) holding `samples`' ids, tokens and loss masks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.runner import StageDir
+    from pipeline.target import load_tokenizer, materialize_target, target_fingerprint, tokenizer_fingerprint
+
+    loc = materialize_target(cfg.target, cfg.cache_dir)
+    stage = StageDir(cfg.run_dir, "tokenize")
+    stage.begin("test-tokenize", force=True)
+    rows = [{"id": s["id"], "input_ids": s["input_ids"].tolist(), "loss_mask": s["loss_mask"].to(torch.uint8).tolist(),
+             "num_tokens": len(s["input_ids"]), "num_loss_tokens": int(s["loss_mask"].sum())} for s in samples]
+    path = stage.shard_path("00000", "parquet")
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([
+        ("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
+        ("num_tokens", pa.int32()), ("num_loss_tokens", pa.int32())])), path)
+    stage.finish_unit("00000", [path], written=len(rows))
+    fp = {"target": target_fingerprint(loc, cfg.target), "tokenizer": tokenizer_fingerprint(load_tokenizer(loc, cfg.target)),
+          "enable_thinking": cfg.target.enable_thinking, "max_len": cfg.regen.max_len}
+    stage.write_manifest(config_hash="test-tokenize", fingerprint=fp, started=time.time(), counts={"written": len(rows)})
+
+
+def rows(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def test_train_refuses_features_extracted_from_other_layers(tmp_path):
+    from pipeline.runner import FingerprintMismatch
+    from train.stage import run_train
+
+    cfg = make_config(tmp_path, overrides=FAST)
+    write_extract_stage(cfg, n=4, layer_ids=[0, 2, 4])
+    with pytest.raises(FingerprintMismatch, match="layer_ids"):
+        run_train(cfg)
+    assert not (cfg.run_dir / "train" / "manifest.json").exists()
+
+
+def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_back(tmp_path):
+    from safetensors.torch import load_file
+
+    from train.checkpoint import weights_digest
+    from train.export import load_zlab
+    from train.stage import run_train
+
+    cfg = make_config(tmp_path, overrides=FAST)
+    write_extract_stage(cfg)
+    manifest = run_train(cfg)
+
+    train_rows, eval_rows = rows(cfg.run_dir), rows(cfg.run_dir, "eval")
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
+    B = cfg.drafter.block_size
+    for key in ["loss", "lr", "grad_norm", "tokens_per_s", "tau_hat", "accept_len"] + [f"acc_{k}" for k in range(1, B)]:
+        assert all(np.isfinite(r[key]) for r in train_rows), key
+    assert [r["step"] for r in eval_rows] == [3, 6]
+    assert all(1.0 <= r["tau_hat"] <= B for r in eval_rows)
+    assert train_rows[0]["lr"] == pytest.approx(cfg.train.lr)  # 4% warmup of 6 steps = 1 step
+    assert list((cfg.run_dir / "train" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+    drafter, args = load_zlab(cfg.run_dir / "train" / "export")
+    assert args.target_layer_ids == manifest["fingerprint"]["features"]["layer_ids"] == [1, 3, 5]
+    assert args.mask_token_id == manifest["fingerprint"]["drafter"]["mask_token_id"]
+    exported = load_file(str(cfg.run_dir / "train" / "export" / "model.safetensors"))
+    assert weights_digest(exported) == manifest["replica_digests"][0]
+    assert manifest["export"]["verified"] and manifest["counts"]["steps"] == 6
+    assert run_train(cfg)["finished_at"] == manifest["finished_at"]  # same config again: a no-op
+
+
+def test_online_features_give_the_same_loss_curve_as_stored_features(tmp_path):
+    """Same data, seed and plan: online (target taps inside the step) and offline (stored fp32 features) runs log
+    the same loss at every step."""
+    from train.stage import run_train
+
+    overrides = FAST + ["train.max_steps=3", "train.eval_every=0", "train.save_every=0"]
+    offline = make_config(tmp_path / "offline", overrides=overrides)
+    samples = write_extract_stage(offline, n=16)
+    run_train(offline)
+    online = make_config(tmp_path / "online", overrides=overrides + ["train.online=true"])
+    write_tokenize_stage(online, samples)
+    manifest = run_train(online)
+    assert manifest["fingerprint"]["features"]["source"] == "online"
+    a, b = rows(offline.run_dir), rows(online.run_dir)
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), ra["step"]
+        assert rb["acc"] == pytest.approx(ra["acc"], abs=1e-9)
+
+
+def subprocess_env() -> dict:
+    # not this process's rendezvous, nor its wandb-core service (a killed run would keep its run id "in use" there)
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and k != "WANDB_SERVICE"}
+    env.update(DS_ACCELERATOR="cpu", DRAFTER_NO_PROGRESS="1", WANDB_MODE="offline", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
