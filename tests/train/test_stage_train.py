@@ -122,7 +122,7 @@ def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_bac
     B = cfg.drafter.block_size
     for key in ["loss", "lr", "grad_norm", "tokens_per_s", "tau_hat", "accept_len"] + [f"acc_{k}" for k in range(1, B)]:
         assert all(np.isfinite(r[key]) for r in train_rows), key
-    assert [r["step"] for r in eval_rows] == [3, 6]
+    assert [r["step"] for r in eval_rows] == [0, 3, 6]
     assert all(1.0 <= r["tau_hat"] <= B for r in eval_rows)
     assert train_rows[0]["lr"] == pytest.approx(cfg.train.lr)  # 4% warmup of 6 steps = 1 step
     assert list((cfg.run_dir / "train" / "wandb").glob("offline-run-*/run-*.wandb"))
