@@ -11,7 +11,8 @@ tokens(prompt_k) must extend the sequence built so far and be a prefix of tokens
 template is not prefix-stable, e.g. it rewrites earlier turns, and the sample is dropped with that reason);
 the turn's tokens are tokens(full_k)[len(tokens(prompt_k)):], supervised up to and including the first
 end-of-turn id (what the target generated, e.g. `...<|im_end|>`), unsupervised after it (template glue
-such as the newline after <|im_end|>).
+such as the newline after <|im_end|>). A turn cut by max_new_tokens (regen metadata finish 'length')
+keeps its end-of-turn id unsupervised: the target did not write it there.
 
 Then: truncate to `regen.max_len`; drop samples with fewer than `regen.min_loss_tokens`
 (default 2 * drafter.block_size) supervised tokens. Every drop is counted under its reason:
@@ -57,14 +58,17 @@ class Dropped(ValueError):
         self.detail = detail
 
 
-def assistant_loss_mask(tokenizer, messages: list[dict], *, enable_thinking: bool,
-                        end_of_turn: set[int]) -> tuple[list[int], list[int]]:
+def assistant_loss_mask(tokenizer, messages: list[dict], *, enable_thinking: bool, end_of_turn: set[int],
+                        ended: list[bool] | None = None) -> tuple[list[int], list[int]]:
     """messages -> (input_ids [S], loss_mask [S] in {0,1}); 1 exactly on the assistant turns' tokens
-    including each turn's end-of-turn id. Raises Dropped (no_assistant_turn, template_not_prefix_stable,
-    no_end_of_turn_token)."""
+    including each turn's end-of-turn id, except where `ended[k]` is False (turn k was cut by
+    max_new_tokens: the target never wrote its end-of-turn id, the template did). Raises Dropped
+    (no_assistant_turn, template_not_prefix_stable, no_end_of_turn_token)."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise Dropped("no_assistant_turn")
+    if ended is None or len(ended) != len(turns):
+        ended = [True] * len(turns)
     ids: list[int] = []
     mask: list[int] = []
     for k, i in enumerate(turns):
@@ -80,9 +84,19 @@ def assistant_loss_mask(tokenizer, messages: list[dict], *, enable_thinking: boo
         end = next((j for j, t in enumerate(turn) if t in end_of_turn), None)
         if end is None:
             raise Dropped("no_end_of_turn_token", f"turn {k}: no end-of-turn id {sorted(end_of_turn)} in the turn")
-        mask += [0] * (len(prompt) - len(ids)) + [1] * (end + 1) + [0] * (len(turn) - end - 1)
+        mask += [0] * (len(prompt) - len(ids)) + [1] * end + [int(ended[k])] + [0] * (len(turn) - end - 1)
         ids = full
     return ids, mask
+
+
+def turn_ended(row: dict) -> list[bool] | None:
+    """Per assistant turn: did the target end it itself (finish 'stop')? From regen's metadata; None when
+    unknown (dataset answers of regen.backend=none end where the dataset ends them)."""
+    try:
+        reasons = json.loads(row.get("metadata") or "{}").get("regen", {}).get("finish_reasons")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return [r == "stop" for r in reasons] if reasons else None
 
 
 def min_loss_tokens(cfg: RunConfig) -> int:
@@ -116,7 +130,7 @@ def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: R
     for row in rows:
         try:
             ids, mask = assistant_loss_mask(tokenizer, row["messages"] or [], end_of_turn=end_of_turn,
-                                            enable_thinking=cfg.target.enable_thinking)
+                                            enable_thinking=cfg.target.enable_thinking, ended=turn_ended(row))
             if len(ids) > cfg.regen.max_len:
                 ids, mask = ids[: cfg.regen.max_len], mask[: cfg.regen.max_len]
                 truncated += 1

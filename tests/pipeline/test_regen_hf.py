@@ -1,0 +1,94 @@
+"""The hf backend: the static-cache fast path equals model.generate for greedy decoding, padded vocab rows
+are never generated, per-request limits and stop ids hold, sampling is seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import TargetConfig
+from pipeline.conversation import end_of_turn_ids, prompt_ids, strip_reasoning
+from pipeline.generate_hf import HFGenerator
+from pipeline.generation import Sampling
+from pipeline.target import build_byte_tokenizer, load_target, load_tokenizer, materialize_target
+from tests.conftest import CACHE, REPO
+
+TEXTS = ["hello there", "What is 2+2? Explain in detail, step by step.", "x",
+         "Write a short poem about the sea, the sky and the birds that fly between them.",
+         "Summarize: the quick brown fox jumps over the lazy dog."]
+
+
+@pytest.fixture(scope="module")
+def target():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # overhead-bound tiny model on a shared 2-core machine
+    tcfg = TargetConfig(model="random:qwen3", device="cpu", dtype="float32",
+                        random_init=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         intermediate_size=256, num_hidden_layers=4))
+    location = materialize_target(tcfg, CACHE)
+    tok = load_tokenizer(location, tcfg)
+    prompts = [prompt_ids(tok, [{"role": "user", "content": t}], enable_thinking=False) for t in TEXTS]
+    yield load_target(location, tcfg), tok, end_of_turn_ids(tok, location), prompts
+    torch.set_num_threads(threads)
+
+
+def _gen(target, decode: str, batch_size: int, sampling=Sampling()):
+    model, tok, stop, _ = target
+    return HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=sampling,
+                       batch_size=batch_size, decode=decode)
+
+
+def test_static_cache_decode_equals_generate_token_for_token_for_greedy(target):
+    prompts = target[3]
+    limits = [40, 40, 12, 40, 33]
+    reference = _gen(target, "generate", 1).generate(prompts, limits)  # unbatched: no padding at all
+    for decode, batch_size in [("generate", 5), ("static", 5), ("static", 2), ("static", 1)]:
+        outs = _gen(target, decode, batch_size).generate(prompts, limits)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (decode, batch_size)
+        assert [o.finish_reason for o in outs] == [r.finish_reason for r in reference]
+    assert {r.finish_reason for r in reference} == {"stop", "length"}  # both endings are exercised
+    assert len({len(r.token_ids) for r in reference}) > 2
+
+
+def test_padded_vocab_rows_are_never_generated(target):
+    model, tok, _, prompts = target
+    assert model.config.vocab_size > len(tok)
+    free = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=model.config.vocab_size, stop_ids=target[2],
+                       sampling=Sampling(), batch_size=5, decode="generate")
+    unrestricted = free.generate(prompts, [40] * len(prompts))  # the random target does pick padded rows
+    assert max(t for o in unrestricted for t in o.token_ids) >= len(tok)
+    for decode in ("generate", "static"):
+        outs = _gen(target, decode, 5).generate(prompts, [40] * len(prompts))
+        assert max(t for o in outs for t in o.token_ids) < len(tok)
+
+
+def test_limits_stop_ids_and_seeded_sampling(target):
+    prompts = target[3]
+    stop = set(target[2])
+    outs = _gen(target, "static", 5).generate(prompts, [1, 5, 9, 3, 7])
+    for o, limit in zip(outs, [1, 5, 9, 3, 7]):
+        assert len(o.token_ids) <= limit
+        assert (o.finish_reason == "stop") == (o.token_ids[-1] in stop)
+        assert not stop & set(o.token_ids[:-1])
+    hot = Sampling(temperature=1.0, top_p=0.9, top_k=50)
+    a = _gen(target, "static", 5, hot).generate(prompts, [20] * 5, seeds=[7] * 5)
+    b = _gen(target, "static", 5, hot).generate(prompts, [20] * 5, seeds=[7] * 5)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert max(t for o in a for t in o.token_ids) < len(target[1])
+    greedy = _gen(target, "static", 5).generate(prompts, [20] * 5)
+    top1 = _gen(target, "static", 5, Sampling(temperature=0.7, top_k=1)).generate(prompts, [20] * 5, seeds=[1] * 5)
+    assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
+
+
+def test_thinking_flag_reaches_the_chat_template_and_reasoning_can_be_stripped():
+    tok = build_byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m.role + ': ' + m.content + '<|im_end|>' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'assistant: ' }}"
+                         "{% if not enable_thinking %}{{ '<think></think>' }}{% endif %}{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    off = tok.decode(prompt_ids(tok, msgs, enable_thinking=False))
+    on = tok.decode(prompt_ids(tok, msgs, enable_thinking=True))
+    assert off.endswith("assistant: <think></think>") and on.endswith("assistant: ")
+    assert strip_reasoning("<think>\nplan\n</think>\n\nThe answer is 4.") == "The answer is 4."
+    assert strip_reasoning("<think>cut off by max_new_tokens") == ""
+    assert strip_reasoning("no reasoning") == "no reasoning"
