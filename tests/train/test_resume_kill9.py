@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from tests.conftest import CACHE, REPO, make_config
 from tests.train.test_stage_train import _dist_env, rows, subprocess_env, write_extract_stage  # noqa: F401
@@ -26,12 +25,7 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_loss_curve(tmp_path)
 
     straight = make_config(tmp_path / "straight", overrides=COMMON)
     write_extract_stage(straight, n=48)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the subprocesses below run with OMP_NUM_THREADS=1: same float reduction order
-    try:
-        run_train(straight)  # the uninterrupted reference, in this process
-    finally:
-        torch.set_num_threads(threads)
+    run_train(straight)  # the uninterrupted reference, in this process (1 thread, like the subprocesses)
 
     killed = make_config(tmp_path / "killed", overrides=COMMON)
     shutil.copytree(straight.run_dir / "extract", killed.run_dir / "extract")

@@ -22,12 +22,18 @@ FAST = ["train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.s
 
 @pytest.fixture(autouse=True)
 def _dist_env(monkeypatch):
-    """In-process runs export the torch rendezvous variables; give them back after each test."""
+    """In-process runs export the torch rendezvous variables: give them back after each test. One intra-op
+    thread, like the subprocesses (OMP_NUM_THREADS=1): identical float reductions, and no thread thrashing on a
+    shared 2-core machine (a tiny linear is ~50x slower with 2 threads when the cores are busy)."""
     from train.engine import free_port
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())}.items():
         monkeypatch.setenv(k, v)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _samples(n: int, seed: int, lo: int = 48, hi: int = 160) -> list[dict]:
