@@ -219,6 +219,8 @@ def build_engine(model: torch.nn.Module, tcfg: TrainConfig, *, total_steps: int,
     if not trainable:
         raise ValueError("the drafter has no trainable parameters")
     model.to(device)
+    if tcfg.precision == "bf16":
+        _cast_float_buffers(model, torch.bfloat16)  # DeepSpeed casts parameters only; the frozen head is a buffer
     optimizer = build_optimizer(trainable, tcfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(total_steps, tcfg.warmup_ratio))
     engine, optimizer, _, scheduler = deepspeed.initialize(
@@ -226,6 +228,13 @@ def build_engine(model: torch.nn.Module, tcfg: TrainConfig, *, total_steps: int,
         config=deepspeed_config(tcfg, world_size=world_size, device=device), dist_init_required=False,
     )
     return engine, optimizer, scheduler
+
+
+def _cast_float_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.to(dtype)
 
 
 def current_lr(engine) -> float:

@@ -125,6 +125,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     from train.data import (EVAL_EPOCH, MicroBatchDataset, batch_to, heldout_split, make_loader, plan_epoch,
                             plan_eval, rank_micro_batches, total_steps)
     from train.engine import barrier, build_engine, current_lr, eval_step, init_distributed, train_step, TrainForward
+    from train.loss import default_gamma
     from train.metrics import DrafterShape, MetricsLogger, peak_flops
     from train.model import DFlashDrafter, DrafterArgs
     from transformers import AutoConfig
@@ -202,7 +203,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     engine, _, _ = build_engine(TrainForward(drafter), tcfg, total_steps=n_total, world_size=world, device=device)
     compute_dtype = next(engine.module.parameters()).dtype
     attention = tcfg.attention
-    gamma, chunk = tcfg.loss_gamma, tcfg.ce_chunk_tokens
+    gamma, chunk = (tcfg.loss_gamma or default_gamma(args.block_size)), tcfg.ce_chunk_tokens
     shape = DrafterShape.from_args(args)
     peak = peak_flops(device, tcfg.precision)
     features_of = _features_fn(target, args, device, compute_dtype, batch_to)

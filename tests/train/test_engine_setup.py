@@ -1,0 +1,157 @@
+"""DeepSpeed setup: rendezvous variables from torchrun / SLURM / nothing, the LR schedule, the DeepSpeed config,
+fp32 master weights under bf16, and the globally normalised loss under gradient accumulation (real DeepSpeed
+engines on CPU, one process)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.config import TrainConfig
+from tests.train.test_stage_train import _dist_env  # noqa: F401  (autouse: rendezvous vars + 1 thread)
+from train.engine import (build_engine, cosine_with_warmup, deepspeed_config, first_slurm_host, init_distributed,
+                          resolve_dist_env, train_step, warmup_steps, TrainForward)
+
+
+def test_slurm_task_variables_become_torch_rendezvous_variables():
+    env = {"SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "SLURM_JOB_ID": "424242",
+           "SLURM_JOB_NODELIST": "gpu-[007-008]"}
+    d = resolve_dist_env(env)
+    assert (d.rank, d.world_size, d.local_rank, d.source) == (13, 16, 5, "slurm")
+    assert d.master_addr == "gpu-007"
+    assert d.master_port == 20000 + 424242 % 20000  # the same on every task without talking
+    assert resolve_dist_env({**env, "MASTER_ADDR": "head", "MASTER_PORT": "1234"}).master_addr == "head"
+
+
+def test_torchrun_variables_win_over_slurm_and_nothing_means_one_local_process():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+           "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    d = resolve_dist_env(env)
+    assert (d.rank, d.world_size, d.local_rank, d.master_addr, d.master_port, d.source) == (3, 8, 3, "10.0.0.1", 29500,
+                                                                                           "torchrun")
+    single = resolve_dist_env({})
+    assert (single.rank, single.world_size, single.source, single.master_addr) == (0, 1, "single", "127.0.0.1")
+    assert 0 < single.master_port < 65536
+
+
+@pytest.mark.parametrize("nodelist,first", [("node01", "node01"), ("gpu[003-005,010],cpu1", "gpu003"),
+                                            ("a[7],b[1-2]", "a7"), ("rack1-n[12-14]-ib", "rack1-n12-ib")])
+def test_first_host_of_a_slurm_node_list(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_lr_warms_up_linearly_then_decays_to_zero_on_a_cosine():
+    total = 100
+    f = cosine_with_warmup(total, 0.04)
+    assert warmup_steps(total, 0.04) == 4
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0 and f(total) == 0.0
+    assert f(4 + 48) == pytest.approx(0.5)  # half way through the decay
+    decay = [f(s) for s in range(4, total + 1)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    assert cosine_with_warmup(10, 0.0)(0) == 1.0
+
+
+def test_deepspeed_config_carries_zero_stage_clipping_accumulation_and_precision():
+    cfg = deepspeed_config(TrainConfig(zero_stage=3, grad_accum=4, precision="bf16", grad_clip=1.0), world_size=8,
+                           device=torch.device("cpu"))
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["gradient_clipping"] == 1.0
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["train_batch_size"] == 32
+    assert cfg["bf16"]["enabled"] and cfg["data_types"]["grad_accum_dtype"] == "fp32"
+    assert not deepspeed_config(TrainConfig(precision="fp32", zero_stage=0), world_size=1,
+                                device=torch.device("cpu"))["bf16"]["enabled"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Real engines
+# ----------------------------------------------------------------------------------------------
+
+D, V, B, MASK = 32, 64, 8, 60
+
+
+def _drafter(seed: int = 0):
+    from train.model import DFlashDrafter, DrafterArgs
+
+    args = DrafterArgs(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=V, block_size=B,
+                       mask_token_id=MASK, target_layer_ids=[0, 1], num_target_layers=4)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(args)
+    g = torch.Generator().manual_seed(99)
+    drafter.attach_target_head(torch.randn(V, D, generator=g), torch.randn(V, D, generator=g))
+    return drafter
+
+
+def _micro_batches():
+    """Two micro-batches of very different size, and the same three samples packed into one."""
+    from train.data import collate
+
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for i, n in enumerate([40, 17, 30]):
+        samples.append({"id": f"x/{i}", "input_ids": torch.randint(0, 50, (n,), generator=g),
+                        "loss_mask": torch.rand(n, generator=g) > 0.2, "features": torch.randn(n, 2 * D, generator=g)})
+    kw = dict(block_size=B, num_anchors=6, mask_token_id=MASK, seed=0, epoch=0)
+    return [collate(samples[:1], **kw), collate(samples[1:], **kw)], [collate(samples, **kw)]
+
+
+def _features_of(mb):
+    return mb["features"], mb["batch"]
+
+
+def _reference_grad_norm(micro_batches) -> float:
+    """Plain PyTorch: gradient of sum(w * CE) / sum(w) over all micro-batches."""
+    from train.loss import dflash_loss, label_weights
+
+    drafter = _drafter()
+    total_w = sum(float(label_weights(mb["batch"]).sum()) for mb in micro_batches)
+    for mb in micro_batches:
+        hidden = drafter.forward_train(mb["features"], mb["batch"], "dense")
+        loss, _ = dflash_loss(hidden, drafter.lm_head_weight, mb["batch"], normalizer=total_w)
+        loss.backward()
+    return float(torch.stack([p.grad.norm() for p in drafter.parameters()]).norm())
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_accumulated_micro_batches_give_the_gradient_of_one_globally_normalised_batch(zero_stage):
+    init_distributed()
+    two, one = _micro_batches()
+    expected = _reference_grad_norm(two)
+    weights = {}
+    for name, mbs in (("accumulated", two), ("packed", one)):
+        tcfg = TrainConfig(zero_stage=zero_stage, precision="fp32", grad_accum=len(mbs), grad_clip=1e9, lr=1e-2)
+        engine, _, _ = build_engine(TrainForward(_drafter()), tcfg, total_steps=10, world_size=1,
+                                    device=torch.device("cpu"))
+        stats, grad_norm = train_step(engine, mbs, _features_of, gamma=None, chunk_rows=16, attention="dense",
+                                      world_size=1, device=torch.device("cpu"))
+        assert grad_norm == pytest.approx(expected, rel=1e-4), name
+        assert engine.global_steps == 1
+        weights[name] = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        weights[name + "_loss"] = stats.loss
+    assert weights["accumulated_loss"] == pytest.approx(weights["packed_loss"], rel=1e-5)
+    for k in weights["packed"]:
+        torch.testing.assert_close(weights["accumulated"][k], weights["packed"][k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_bf16_training_keeps_fp32_master_weights_and_optimizer_state(zero_stage):
+    init_distributed()
+    _, one = _micro_batches()
+    tcfg = TrainConfig(zero_stage=zero_stage, precision="bf16", grad_accum=1)
+    engine, _, _ = build_engine(TrainForward(_drafter()), tcfg, total_steps=10, world_size=1,
+                                device=torch.device("cpu"))
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+    assert engine.module.drafter.lm_head_weight.dtype == torch.bfloat16
+
+    def features_of(mb):
+        return mb["features"].to(torch.bfloat16), mb["batch"]
+
+    stats, grad_norm = train_step(engine, one, features_of, gamma=None, chunk_rows=16, attention="dense",
+                                  world_size=1, device=torch.device("cpu"))
+    assert math.isfinite(stats.loss) and math.isfinite(grad_norm)
+    # what the torch AdamW actually stepped: DeepSpeed's fp32 master copies (flat partitions), with fp32 moments
+    stepped = [(p, s) for p, s in engine.basic_optimizer.state.items() if "exp_avg" in s]
+    assert stepped and all(p.dtype == torch.float32 and s["exp_avg"].dtype == torch.float32 for p, s in stepped)
+    assert sum(p.numel() for p, _ in stepped) == sum(p.numel() for p in engine.module.parameters())
