@@ -87,7 +87,7 @@ class CurateConfig:
     minhash_perm: int = doc("MinHash permutations", 64)
     shard_size: int = doc("conversations per output parquet shard", 50000)
     max_error_rate: float = doc("fail the job if more than this fraction of raw records is malformed", 0.05)
-    read_chunk: int = doc("raw records per reading unit (read + clean + hash; the unit of resume)", 50000)
+    read_chunk: int = doc("raw records per reading unit (read + clean + hash; the unit of resume)", 20000)
     num_workers: int = doc("processes that read, clean and hash chunks (0 = one per CPU core)", 0)
 
 

@@ -100,9 +100,10 @@ def render_report(stats: dict) -> str:
     out += ["", "## Lengths", "",
             "| split | conversations | mean chars | p50 | p90 | p99 | max |", "|---|---:|---:|---:|---:|---:|---:|"]
     for split in ("train", "eval"):
-        s = stats["lengths"][split]["summary"]
-        if s["n"]:
-            out.append(f"| {split} | {s['n']} | {s['mean']} | {s['p50']} | {s['p90']} | {s['p99']} | {s['max']} |")
+        for what, key in (("", "summary"), (" (prompt side)", "prompt_summary")):
+            s = stats["lengths"][split][key]
+            if s["n"]:
+                out.append(f"| {split}{what} | {s['n']} | {s['mean']} | {s['p50']} | {s['p90']} | {s['p99']} | {s['max']} |")
     for split in ("train", "eval"):
         out += ["", f"Characters per conversation ({split}):", "", "```",
                 histogram_text(stats["lengths"][split]["chars"]), "```"]

@@ -19,7 +19,7 @@ import math
 import shutil
 import time
 from collections import Counter
-from pathlib import Path
+from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
@@ -68,31 +68,22 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
                           f"-> {stage.shards}; report: {stage.path / 'report.md'}")
         return m
     timings: dict[str, float] = {}
-    tick = time.time()
-
-    chunks = plan_chunks(cfg.curate)
-    timings["plan"] = time.time() - tick
-    tick = time.time()
-    sidecars = read_chunks(chunks, cfg.curate, work, default_workers(cfg.curate))
-    timings["read"] = time.time() - tick
-    _check_error_rate(cfg, sidecars)
-
-    tick = time.time()
-    pool = WorkPool(work, chunks, len(cfg.curate.sources))
-    exact_of, near_of = _dedup(cfg, pool, work)
-    timings["dedup"] = time.time() - tick
-
-    tick = time.time()
-    unique = (exact_of < 0) & (near_of < 0)
-    pools = [np.flatnonzero(unique & (pool.source_of_row == i)) for i in range(len(cfg.curate.sources))]
     c = cfg.curate
-    sel = select(pools, [s.name for s in c.sources], [s.weight for s in c.sources],
-                 total=c.total, eval_size=c.eval_size, seed=cfg.seed)
-    timings["select"] = time.time() - tick
-
-    tick = time.time()
-    shards = _write_shards(stage, pool, sel, c.shard_size, [s.name for s in c.sources])
-    timings["write"] = time.time() - tick
+    names = [s.name for s in c.sources]
+    with _phase(timings, "plan"):
+        chunks = plan_chunks(c)
+    with _phase(timings, "read"):
+        sidecars = read_chunks(chunks, c, work, default_workers(c))
+    _check_error_rate(cfg, sidecars)
+    with _phase(timings, "dedup"):
+        pool = WorkPool(work, chunks, len(names))
+        exact_of, near_of = _dedup(cfg, pool, work)
+    with _phase(timings, "select"):
+        unique = (exact_of < 0) & (near_of < 0)
+        pools = [np.flatnonzero(unique & (pool.source_of_row == i)) for i in range(len(names))]
+        sel = select(pools, names, [s.weight for s in c.sources], total=c.total, eval_size=c.eval_size, seed=cfg.seed)
+    with _phase(timings, "write"):
+        shards = _write_shards(stage, pool, sel, c.shard_size, names)
 
     stats = _stats(cfg, stage, chunks, sidecars, pool, exact_of, near_of, sel, shards, timings)
     atomic_write_json(stage.path / "stats.json", stats)
@@ -116,6 +107,15 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
                       f"({k['malformed']} malformed, {dropped} dropped, {k['repeats']} up-sampled copies) "
                       f"-> {stage.shards}; report: {report_path}")
     return manifest
+
+
+@contextmanager
+def _phase(timings: dict[str, float], name: str):
+    """Time one phase into `timings` and log it."""
+    tick = time.time()
+    yield
+    timings[name] = time.time() - tick
+    log.info(f"{name}: {timings[name]:.1f} s")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,10 +317,10 @@ def _stats(cfg: RunConfig, stage: StageDir, chunks: list[Chunk], sidecars: dict[
         "repeats": sum(m.repeats for m in sel.sources), "not_selected": sum(m.not_selected for m in sel.sources),
         **{f"dropped.{r}": int(total_counts.get(f"dropped.{r}", 0)) for r in DROP_REASONS},
     }
-    chars, turns = pool.numpy("chars"), pool.numpy("turns")
+    chars, prompt_chars, turns = pool.numpy("chars"), pool.numpy("prompt_chars"), pool.numpy("turns")
     lengths = {
-        split: {"summary": length_summary(chars[rows]), "chars": histogram(chars[rows], CHAR_EDGES),
-                "turns": histogram(turns[rows], [1, 2, 3, 4, 5, 7, 9, 13, 17])}
+        split: {"summary": length_summary(chars[rows]), "prompt_summary": length_summary(prompt_chars[rows]),
+                "chars": histogram(chars[rows], CHAR_EDGES), "turns": histogram(turns[rows], [1, 2, 3, 4, 5, 7, 9, 13, 17])}
         for split, rows in (("train", sel.train_rows), ("eval", sel.eval_rows))
     }
     from datasketch import MinHashLSH
