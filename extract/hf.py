@@ -1,0 +1,261 @@
+"""The `hf` extraction backend: transformers forward up to the deepest tapped layer, straight into shards.
+
+Per unit (one shard) the samples arrive sorted by length, longest first.  They are cut into batches
+whose padded size ``B * S_max`` fits ``extract.tokens_per_batch``; each batch is right-padded with no
+attention mask (pads follow the real tokens, so a causal model — attention or Gated DeltaNet — computes
+the real tokens exactly as it would unbatched), run through `extract.layers.forward_taps` (no later
+layers, no final norm, no LM head), gathered to the real tokens ``[T, n*D]`` on the device, encoded to
+the storage dtype on the device (fp8 halves the copy too) and handed to `DiskSink`:
+
+    GPU compute stream ──► copy stream: D2H into a pinned staging buffer ──► writer threads: pwrite
+                                                                        └──► hash thread: sha256 in order
+
+The GPU never waits for the disk unless every staging buffer is still being written (back-pressure).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from extract.layers import forward_taps
+from extract.store import ShardWriter, as_bytes, encode_features
+from pipeline.config import ExtractConfig, TargetConfig
+from pipeline.log import get_logger
+from pipeline.target import load_target, resolve_device, resolve_dtype
+
+log = get_logger("extract.hf")
+
+WRITE_CHUNK_BYTES = 64 << 20  # one pwrite job; several run in parallel on the writer threads
+
+
+def plan_batches(lengths: Sequence[int], tokens_per_batch: int) -> list[tuple[int, int]]:
+    """Cut samples sorted longest-first into ``[start, end)`` batches with ``count * longest <= budget``.
+
+    A sample longer than the budget forms a batch of its own.
+    """
+    lengths = [int(x) for x in lengths]
+    if any(b > a for a, b in zip(lengths, lengths[1:])):
+        raise ValueError("plan_batches needs lengths sorted longest first")
+    out, i = [], 0
+    while i < len(lengths):
+        longest, j = lengths[i], i + 1
+        while j < len(lengths) and (j - i + 1) * longest <= tokens_per_batch:
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Device -> disk
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    writer: ShardWriter
+    token_start: int
+    data: torch.Tensor  # CPU bytes (uint8) of the encoded features, token-major
+    scales: torch.Tensor | None  # CPU float32 [T, n] (fp8)
+    event: object  # torch.cuda.Event or None
+    buffer: object  # staging buffer to give back, or None
+    remaining: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class DiskSink:
+    """Moves encoded feature batches from the device into shard files without stalling the device.
+
+    ``submit`` queues an async D2H copy (CUDA) into one of ``staging_buffers`` pinned buffers and returns;
+    writer threads ``pwrite`` the bytes in parallel chunks, one hash thread feeds them in token order to
+    the shard's streaming sha256.  A buffer is reused once its bytes are written and hashed.  On CPU the
+    encoded tensors are written directly (no staging), with at most ``staging_buffers`` batches in flight.
+    """
+
+    def __init__(self, device: torch.device, *, writer_threads: int = 4, staging_buffers: int = 3):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pool = ThreadPoolExecutor(max_workers=max(1, writer_threads), thread_name_prefix="extract-write")
+        self.hash_queue: queue.Queue = queue.Queue()
+        self.free: queue.Queue = queue.Queue()
+        self.slots = threading.Semaphore(max(1, staging_buffers))
+        self.num_buffers = max(1, staging_buffers)
+        self.allocated = 0
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pending: dict[int, int] = {}  # id(writer) -> jobs not finished
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.hasher = threading.Thread(target=self._hash_loop, name="extract-hash", daemon=True)
+        self.hasher.start()
+
+    # -- main thread -----------------------------------------------------------------------------
+    def _staging(self, data_bytes: int, scale_bytes: int):
+        """A free pinned buffer big enough, allocating up to ``num_buffers`` (grown when too small)."""
+        if self.allocated < self.num_buffers and self.free.empty():
+            self.allocated += 1
+            return self._alloc(data_bytes, scale_bytes)
+        buf = self.free.get()
+        if buf[0].numel() < data_bytes or buf[1].numel() < scale_bytes:
+            return self._alloc(data_bytes, scale_bytes)  # the old one is dropped
+        return buf
+
+    @staticmethod
+    def _alloc(data_bytes: int, scale_bytes: int):
+        return (torch.empty(data_bytes, dtype=torch.uint8, pin_memory=True),
+                torch.empty(max(scale_bytes, 4) // 4, dtype=torch.float32, pin_memory=True))
+
+    def submit(self, writer: ShardWriter, token_start: int, data: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Queue ``data [T, n, D]`` (storage dtype, on the device) for tokens ``token_start..`` of ``writer``."""
+        self._raise_if_failed()
+        raw = data.reshape(-1).view(torch.uint8)
+        if self.cuda:
+            buf = self._staging(raw.numel(), 0 if scales is None else scales.numel() * 4)
+            host = buf[0][: raw.numel()]
+            host_scales = None if scales is None else buf[1][: scales.numel()].view(scales.shape)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                host.copy_(raw, non_blocking=True)
+                if scales is not None:
+                    host_scales.copy_(scales, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            raw.record_stream(self.copy_stream)
+            if scales is not None:
+                scales.record_stream(self.copy_stream)
+        else:
+            self.slots.acquire()
+            buf, host, host_scales, event = None, raw, scales, None
+        job = _Job(writer, token_start, host, host_scales, event, buf)
+        with self.cond:
+            self.pending[id(writer)] = self.pending.get(id(writer), 0) + 1
+        self.hash_queue.put(job)
+
+    def drain(self, writer: ShardWriter) -> None:
+        """Block until every submitted batch of ``writer`` is written and hashed."""
+        with self.cond:
+            while self.pending.get(id(writer), 0) and self.error is None:
+                self.cond.wait(timeout=1.0)
+            self.pending.pop(id(writer), None)
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        self.hash_queue.put(None)
+        self.hasher.join()
+        self.pool.shutdown(wait=True)
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("writing features failed") from self.error
+
+    # -- background threads ----------------------------------------------------------------------
+    def _hash_loop(self) -> None:
+        """In submission order: wait for the copy, fan the bytes out to the writers, hash them."""
+        while (job := self.hash_queue.get()) is not None:
+            try:
+                if job.event is not None:
+                    job.event.synchronize()
+                L = job.writer.layout
+                if job.scales is not None:
+                    job.writer.set_scales(job.token_start, job.scales)
+                raw = job.data.numpy()
+                start = L.features_offset(job.token_start)
+                chunks = [(a, min(a + WRITE_CHUNK_BYTES, raw.nbytes)) for a in range(0, raw.nbytes, WRITE_CHUNK_BYTES)]
+                job.remaining = len(chunks) + 1
+                for a, b in chunks:
+                    self.pool.submit(self._write, job, raw[a:b], start + a)
+                job.writer.hash_features(raw)
+                self._part_done(job)
+            except BaseException as e:  # noqa: BLE001 — surfaced in the main thread
+                self._fail(e)
+
+    def _write(self, job: _Job, raw: np.ndarray, offset: int) -> None:
+        try:
+            job.writer.pwrite(offset, raw)
+            self._part_done(job)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _part_done(self, job: _Job) -> None:
+        with job.lock:
+            job.remaining -= 1
+            last = job.remaining == 0
+        if not last:
+            return
+        if job.buffer is not None:
+            self.free.put(job.buffer)
+        else:
+            self.slots.release()
+        with self.cond:
+            self.pending[id(job.writer)] -= 1
+            self.cond.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        with self.cond:
+            self.error = self.error or e
+            self.cond.notify_all()
+
+
+# ----------------------------------------------------------------------------------------------
+# The backend
+# ----------------------------------------------------------------------------------------------
+
+
+class HFExtractor:
+    """Loads the target once; ``extract_unit`` fills one shard writer with the features of its samples."""
+
+    streams_hash = True  # ShardWriter(stream_hash=True): the sha256 comes from the bytes in flight
+
+    def __init__(self, location: str, tcfg: TargetConfig, ecfg: ExtractConfig, layer_ids: Sequence[int], *,
+                 model=None, device: torch.device | None = None):
+        self.device = device or resolve_device(tcfg.device)
+        self.dtype = resolve_dtype(tcfg.dtype, self.device)
+        self.model = model if model is not None else load_target(location, tcfg, device=self.device, dtype=self.dtype)
+        self.layer_ids = list(layer_ids)
+        self.ecfg = ecfg
+        self.sink = DiskSink(self.device, writer_threads=ecfg.writer_threads, staging_buffers=ecfg.staging_buffers)
+        self.tokens_done = 0
+
+    def features(self, input_ids: Sequence[np.ndarray]) -> torch.Tensor:
+        """Packed features ``[sum(S_i), n*D]`` (compute dtype, on the device) of a batch of samples."""
+        lengths = [len(x) for x in input_ids]
+        B, S = len(lengths), max(lengths)
+        host = torch.zeros(B, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        for b, ids in enumerate(input_ids):
+            host[b, : lengths[b]] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        feats = forward_taps(self.model, host.to(self.device, non_blocking=True), self.layer_ids)
+        flat = feats.reshape(B * S, -1)
+        if all(n == S for n in lengths):
+            return flat
+        index = np.concatenate([b * S + np.arange(n) for b, n in enumerate(lengths)])
+        idx = torch.from_numpy(index)
+        if self.device.type == "cuda":
+            idx = idx.pin_memory()
+        return flat.index_select(0, idx.to(self.device, non_blocking=True))
+
+    def extract_unit(self, writer: ShardWriter, input_ids: Sequence[np.ndarray], progress=None) -> None:
+        """Write the features of ``input_ids`` (the writer's samples, in its order: longest first)."""
+        L = writer.layout
+        lengths = [len(x) for x in input_ids]
+        for a, b in plan_batches(lengths, self.ecfg.tokens_per_batch):
+            packed = self.features(input_ids[a:b])
+            data, scales = encode_features(packed, L.num_taps, L.storage_dtype)
+            self.sink.submit(writer, int(writer.sample_offsets[a]), data, scales)
+            n = int(writer.sample_offsets[b] - writer.sample_offsets[a])
+            self.tokens_done += n
+            if progress is not None:
+                progress.update(n)
+        self.sink.drain(writer)
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+__all__ = ["HFExtractor", "DiskSink", "plan_batches", "as_bytes"]

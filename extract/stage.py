@@ -1,0 +1,403 @@
+"""`drafter extract`: tokenized samples -> target features at the tapped layers, in the format of store.py.
+
+Steps (the stage contract of docs/design.md):
+  1. refuse tokenize output whose target/tokenizer fingerprint differs from this config;
+  2. plan units deterministically from the sample lengths alone: sort by length (longest first, ties by
+     tokenize order) and cut into runs of about ``extract.shard_tokens`` tokens — every rank computes
+     the same plan and takes ``units_for_rank`` of it;
+  3. for each unit not done: read its samples, drop bad ones (counted with a reason), write the shard in
+     place inside an ``AtomicFile`` (temp + fsync + rename), then the sidecar with sha256 and counts;
+  4. one rank: write index.parquet + manifest.  Several ranks: ``drafter extract --merge`` does that once
+     every unit is done.
+
+kill -9 at any point loses at most the unit in flight: its temp file is removed on the next start and
+the unit is redone; finished units are skipped by their sidecars.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from extract.layers import LAYER_CONVENTION, resolve_layer_ids
+from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, finalize_store
+from pipeline.config import RunConfig, section_hash
+from pipeline.log import get_logger, progress, summary
+from pipeline.runner import (
+    AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint, human_bytes, input_ref,
+    units_for_rank,
+)
+
+log = get_logger("extract")
+
+MAX_FAILURE_EXAMPLES = 5
+
+
+# ----------------------------------------------------------------------------------------------
+# Input: the tokenize stage's parquet shards
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenizedIndex:
+    """What planning needs from the tokenize output: one entry per sample, in tokenize order."""
+
+    files: list[Path]
+    file_of: np.ndarray  # int32 [N] which parquet file
+    row_in_file: np.ndarray  # int64 [N]
+    ids: list[str]
+    lengths: np.ndarray  # int64 [N]
+
+
+def read_tokenized_index(tok_stage: StageDir, max_samples: int | None = None) -> TokenizedIndex:
+    """Ids and lengths of every tokenized sample (reads only the small columns)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    files = sorted(tok_stage.shards.glob("*.parquet"))
+    if not files:
+        raise StageError(f"no tokenized shards in {tok_stage.shards}")
+    file_of, rows, ids, lengths = [], [], [], []
+    for k, f in enumerate(files):
+        schema = pq.read_schema(f)
+        missing = {"id", "input_ids", "loss_mask"} - set(schema.names)
+        if missing:
+            raise StageError(f"{f}: missing columns {sorted(missing)} (tokenize contract: id, input_ids, loss_mask)")
+        if "num_tokens" in schema.names:
+            t = pq.read_table(f, columns=["id", "num_tokens"])
+            n = t.column("num_tokens").to_numpy()
+        else:
+            t = pq.read_table(f, columns=["id", "input_ids"])
+            n = pc.list_value_length(t.column("input_ids")).to_numpy(zero_copy_only=False)
+        ids += t.column("id").to_pylist()
+        lengths.append(np.asarray(n, dtype=np.int64))
+        file_of.append(np.full(len(n), k, dtype=np.int32))
+        rows.append(np.arange(len(n), dtype=np.int64))
+        if max_samples is not None and len(ids) >= max_samples:
+            break
+    index = TokenizedIndex(files, np.concatenate(file_of), np.concatenate(rows), ids, np.concatenate(lengths))
+    if max_samples is not None:
+        index.file_of, index.row_in_file = index.file_of[:max_samples], index.row_in_file[:max_samples]
+        index.ids, index.lengths = index.ids[:max_samples], index.lengths[:max_samples]
+    return index
+
+
+def read_samples(index: TokenizedIndex, rows: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """``{row: (input_ids int32 [S], loss_mask uint8 [S])}`` for the requested global rows."""
+    import pyarrow.parquet as pq
+
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    rows = np.asarray(rows)
+    for k in np.unique(index.file_of[rows]):
+        mine = rows[index.file_of[rows] == k]
+        table = pq.read_table(index.files[k], columns=["input_ids", "loss_mask"]).take(index.row_in_file[mine])
+        ids_col, mask_col = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
+        for j, r in enumerate(mine):
+            a, m = ids_col[j].values, mask_col[j].values
+            out[int(r)] = (np.asarray(a.to_numpy(zero_copy_only=False), dtype=np.int32),
+                           np.asarray(m.to_numpy(zero_copy_only=False), dtype=np.uint8))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    rows: tuple[int, ...]  # global tokenize rows, longest first
+    tokens: int
+
+
+def plan_units(lengths: np.ndarray, keep: np.ndarray, shard_tokens: int) -> list[Unit]:
+    """Deterministic units: kept samples sorted longest first (ties: tokenize order), cut every ~shard_tokens."""
+    rows = np.flatnonzero(keep)
+    order = rows[np.lexsort((rows, -lengths[rows]))]
+    units, cur, tok = [], [], 0
+    for r in order:
+        cur.append(int(r))
+        tok += int(lengths[r])
+        if tok >= shard_tokens:
+            units.append(Unit(f"{len(units):05d}", tuple(cur), tok))
+            cur, tok = [], 0
+    if cur:
+        units.append(Unit(f"{len(units):05d}", tuple(cur), tok))
+    return units
+
+
+def screen_index(index: TokenizedIndex) -> tuple[np.ndarray, dict[str, int], dict[str, list]]:
+    """Samples planning can reject from ids/lengths alone: empty, duplicate id. Returns (keep, counts, examples)."""
+    keep = np.ones(len(index.ids), dtype=bool)
+    counts: dict[str, int] = {}
+    examples: dict[str, list] = {}
+
+    def drop(i: int, reason: str):
+        keep[i] = False
+        counts[reason] = counts.get(reason, 0) + 1
+        examples.setdefault(reason, [])
+        if len(examples[reason]) < MAX_FAILURE_EXAMPLES:
+            examples[reason].append(index.ids[i])
+
+    seen: set[str] = set()
+    for i, (sid, n) in enumerate(zip(index.ids, index.lengths)):
+        if n <= 0:
+            drop(i, "empty")
+        elif sid in seen:
+            drop(i, "duplicate_id")
+        else:
+            seen.add(sid)
+    return keep, counts, examples
+
+
+def check_sample(input_ids: np.ndarray, loss_mask: np.ndarray, vocab_rows: int) -> str | None:
+    """The reason a sample cannot be extracted, or None."""
+    if len(input_ids) == 0:
+        return "empty"
+    if len(input_ids) != len(loss_mask):
+        return "mask_length_mismatch"
+    if input_ids.min() < 0 or input_ids.max() >= vocab_rows:
+        return "token_id_out_of_range"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Context shared by run, merge and verify
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExtractContext:
+    location: str
+    layer_ids: list[int]
+    num_layers: int
+    hidden_size: int
+    vocab_rows: int
+    fingerprint: dict
+    config_hash: str
+    tok_stage: StageDir
+    tok_manifest: dict
+
+
+def extract_context(cfg: RunConfig) -> ExtractContext:
+    """Resolve the target, the taps and the fingerprint; refuse a tokenize output made for another target."""
+    from transformers import AutoConfig
+
+    from pipeline.target import load_tokenizer, materialize_target, target_fingerprint, tokenizer_fingerprint
+
+    tok_stage = StageDir(cfg.run_dir, "tokenize")
+    tok_manifest = tok_stage.manifest()
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tokenizer = load_tokenizer(location, cfg.target)
+    target_fp = target_fingerprint(location, cfg.target)
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    check_fingerprint({"target": target_fp, "tokenizer": tok_fp}, tok_manifest.get("fingerprint", {}),
+                      what=f"tokenize output {tok_stage.path}", producer="tokenize")
+    hf_cfg = AutoConfig.from_pretrained(location, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+    text = getattr(hf_cfg, "text_config", None) or hf_cfg
+    e = cfg.extract
+    try:
+        layer_ids = resolve_layer_ids(e.layer_ids, e.num_taps, text.num_hidden_layers)
+    except ValueError as err:
+        from pipeline.config import ConfigError
+
+        raise ConfigError(f"extract.layer_ids: {err}") from err
+    fingerprint = {
+        "target": target_fp,
+        "tokenizer": tok_fp,
+        "layer_ids": layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "hidden_size": int(text.hidden_size),
+        "storage_dtype": e.storage_dtype,
+    }
+    target_out = {k: v for k, v in vars(cfg.target).items() if k != "device"}  # same features on any device
+    config_hash = section_hash(target_out, fingerprint, tok_manifest["config_hash"],
+                               {"backend": e.backend, "shard_tokens": e.shard_tokens, "max_samples": e.max_samples})
+    return ExtractContext(location, layer_ids, int(text.num_hidden_layers), int(text.hidden_size),
+                          int(text.vocab_size), fingerprint, config_hash, tok_stage, tok_manifest)
+
+
+def make_backend(cfg: RunConfig, ctx: ExtractContext, backend: str | None = None, *, max_len: int = 4096):
+    """The extraction backend (`hf` or `vllm`); ``max_len`` = longest sample it will see (vLLM sizes its engine)."""
+    backend = backend or cfg.extract.backend
+    if backend == "hf":
+        from extract.hf import HFExtractor
+
+        return HFExtractor(ctx.location, cfg.target, cfg.extract, ctx.layer_ids)
+    if backend == "vllm":
+        from extract.vllm import VLLMExtractor
+
+        return VLLMExtractor(ctx.location, cfg.target, cfg.extract, ctx.layer_ids, max_len=max_len)
+    raise StageError(f"extract.backend: unknown backend {backend!r}")
+
+
+def check_disk_space(cfg: RunConfig, path: Path, remaining_tokens: int) -> int:
+    """Refuse to start without room for this rank's remaining shards. Returns the bytes needed.
+
+    Bytes per token come from `pipeline.plan.estimate` (the same number `drafter plan` prints)."""
+    from pipeline.plan import estimate
+
+    per_token = estimate(cfg)["feature_bytes_per_token"]
+    need = int(remaining_tokens * per_token * 1.01) + (64 << 20)  # + headers/index slack
+    path.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise StageError(
+            f"not enough disk space for extract at {path}: this rank's remaining {remaining_tokens:,} tokens x "
+            f"{per_token:,} bytes/token need {human_bytes(need)}, only {human_bytes(free)} free. "
+            "Point runs_dir to a larger disk, use extract.storage_dtype=fp8 (half the bytes), split the work over "
+            "machines (--rank/--world-size), or train online (train.online=true)."
+        )
+    return need
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+# ----------------------------------------------------------------------------------------------
+
+
+def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
+    """Extract this rank's units; with one rank also write the index and manifest. Returns the manifest
+    (one rank) or this rank's summary (several ranks)."""
+    started = time.time()
+    ctx = extract_context(cfg)
+    stage = StageDir(cfg.run_dir, "extract")
+    if not stage.begin(ctx.config_hash, force=force):
+        log.info("extract is already complete with this config: %s", stage.path)
+        return stage.manifest()
+    index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
+    keep, _, _ = screen_index(index)
+    units = plan_units(index.lengths, keep, cfg.extract.shard_tokens)
+    mine = units_for_rank(units, ranks)
+    todo = [u for u in mine if stage.unit_done(u.name) is None]
+    remaining = sum(u.tokens for u in todo)
+    need = check_disk_space(cfg, stage.path, remaining)
+    log.info("%d units (%d for rank %d/%d, %d to do: %s tokens, %s)", len(units), len(mine), ranks.rank,
+             ranks.world_size, len(todo), f"{remaining:,}", human_bytes(need))
+    if todo:
+        backend = make_backend(cfg, ctx, max_len=max(int(index.lengths[u.rows[0]]) for u in todo))
+        try:
+            bar = progress(total=remaining, desc=f"extract rank {ranks.rank}", unit="tok")
+            for unit in todo:
+                extract_unit(stage, ctx, cfg, backend, index, unit, bar)
+            bar.close()
+        finally:
+            backend.close()
+    rank_summary = {"rank": ranks.rank, "world_size": ranks.world_size, "units": [u.name for u in mine],
+                    "tokens": int(sum(u.tokens for u in mine)), "seconds": round(time.time() - started, 3)}
+    atomic_write_json(stage.path / "ranks" / f"rank-{ranks.rank:05d}.json", rank_summary)
+    if ranks.is_split:
+        summary("extract", f"rank {ranks.rank}/{ranks.world_size}: {len(mine)} units done; "
+                           "run `drafter extract --merge` once every rank has finished")
+        return rank_summary
+    return _finalize(cfg, ctx, stage, index, units, started)
+
+
+def extract_unit(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, index: TokenizedIndex, unit: Unit, bar=None) -> dict:
+    """Read, check, extract and record one unit (shard)."""
+    data = read_samples(index, np.asarray(unit.rows))
+    rows, failed, examples = [], {}, {}
+    for r in unit.rows:
+        reason = check_sample(*data[r], ctx.vocab_rows)
+        if reason is None:
+            rows.append(r)
+        else:
+            failed[reason] = failed.get(reason, 0) + 1
+            examples.setdefault(reason, [])
+            if len(examples[reason]) < MAX_FAILURE_EXAMPLES:
+                examples[reason].append(index.ids[r])
+            if bar is not None:
+                bar.update(int(index.lengths[r]))
+    final = stage.shard_path(unit.name, SHARD_EXT)
+    files = []
+    digest = None
+    if rows:
+        with AtomicFile(final) as tmp:
+            writer = ShardWriter(
+                tmp, [index.ids[r] for r in rows], [data[r][0] for r in rows], [data[r][1] for r in rows],
+                num_taps=len(ctx.layer_ids), hidden_size=ctx.hidden_size, storage_dtype=cfg.extract.storage_dtype,
+                metadata={"rows": rows, "layer_ids": ctx.layer_ids, "layer_convention": LAYER_CONVENTION},
+                stream_hash=getattr(backend, "streams_hash", False),
+            )
+            try:
+                backend.extract_unit(writer, [data[r][0] for r in rows], progress=bar)
+            finally:
+                digest = writer.close()
+        files = [final]
+    counts = {"samples": len(rows), "tokens": int(sum(len(data[r][0]) for r in rows)),
+              "loss_tokens": int(sum(int(data[r][1].sum()) for r in rows)), "failed": failed,
+              "failure_examples": examples}
+    if digest is not None:  # the bytes were hashed on their way to disk: no read-back
+        record = {"unit": unit.name, "files": [{"name": final.name, "bytes": final.stat().st_size, "sha256": digest}],
+                  **counts}
+        atomic_write_json(stage.sidecar_path(unit.name), record)
+        return record
+    return stage.finish_unit(unit.name, files, **counts)
+
+
+def _finalize(cfg: RunConfig, ctx: ExtractContext, stage: StageDir, index: TokenizedIndex, units: list[Unit],
+              started: float) -> dict:
+    """All units done: index + manifest (counts account for every input sample)."""
+    missing = [u.name for u in units if stage.unit_done(u.name) is None]
+    if missing:
+        raise StageError(f"extract: {len(missing)} of {len(units)} units are not done yet "
+                         f"(first: {missing[:5]}); run the missing ranks again, then --merge")
+    _, screened, screen_examples = screen_index(index)
+    done = {u.name: stage.unit_done(u.name) for u in units}
+    counts: dict[str, int] = {"input": len(index.ids), "written": 0, "tokens": 0, "loss_tokens": 0}
+    examples: dict[str, list] = {k: list(v) for k, v in screen_examples.items()}
+    for reason, n in screened.items():
+        counts[f"dropped.{reason}"] = n
+    for info in done.values():
+        counts["written"] += info["samples"]
+        counts["tokens"] += info["tokens"]
+        counts["loss_tokens"] += info["loss_tokens"]
+        for reason, n in info.get("failed", {}).items():
+            counts[f"dropped.{reason}"] = counts.get(f"dropped.{reason}", 0) + n
+        for reason, ex in info.get("failure_examples", {}).items():
+            examples.setdefault(reason, []).extend(ex[: MAX_FAILURE_EXAMPLES - len(examples.get(reason, []))])
+    dropped = sum(v for k, v in counts.items() if k.startswith("dropped."))
+    if counts["written"] + dropped != counts["input"]:
+        raise StageError(f"extract: written {counts['written']} + dropped {dropped} != input {counts['input']}")
+    shard_names = [f"{u.name}.{SHARD_EXT}" for u in units if done[u.name]["files"]]
+    manifest = finalize_store(
+        stage, shard_names=shard_names, config_hash=ctx.config_hash, fingerprint=ctx.fingerprint, started=started,
+        inputs={"tokenize": input_ref(ctx.tok_stage)}, counts=counts,
+        extra={"backend": cfg.extract.backend, "failure_examples": examples,
+               "bytes_per_token": bytes_per_token(len(ctx.layer_ids), ctx.hidden_size, cfg.extract.storage_dtype)},
+    )
+    summary("extract", f"{counts['written']:,} samples, {counts['tokens']:,} tokens, layers {ctx.layer_ids} "
+                       f"({cfg.extract.storage_dtype}), {human_bytes(manifest['total_bytes'])}, dropped {dropped} "
+                       f"-> {stage.path}")
+    return manifest
+
+
+def merge_ranks(cfg: RunConfig) -> dict:
+    """After a split run: check every unit is done, then write index.parquet + manifest (idempotent)."""
+    started = time.time()
+    ctx = extract_context(cfg)
+    stage = StageDir(cfg.run_dir, "extract")
+    if stage.is_complete():
+        m = stage.manifest()
+        if m.get("config_hash") == ctx.config_hash:
+            log.info("extract is already merged: %s", stage.path)
+            return m
+    state = stage.path / "state.json"
+    if not state.exists():
+        raise StageError(f"nothing to merge at {stage.path}: run `drafter extract` (all ranks) first")
+    from pipeline.runner import read_json
+
+    if read_json(state).get("config_hash") != ctx.config_hash:
+        raise StageError(f"{stage.path} holds work from another config; re-run extract with this config (--force)")
+    index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
+    keep, _, _ = screen_index(index)
+    units = plan_units(index.lengths, keep, cfg.extract.shard_tokens)
+    ranks = sorted(p.name for p in (stage.path / "ranks").glob("rank-*.json"))
+    started = min([started] + [p.stat().st_mtime for p in (stage.path / "ranks").glob("rank-*.json")])
+    log.info("merging %d units from %d rank summaries", len(units), len(ranks))
+    return _finalize(cfg, ctx, stage, index, units, started)
