@@ -76,3 +76,28 @@ def write_tokenize_stage(cfg, lengths, *, seed: int = 0, shard_rows: int = 16, f
 def tokenize_stage():
     """tokenize_stage(cfg, lengths, **kw) -> StageDir of a fake, finished tokenize stage."""
     return write_tokenize_stage
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The shared 2-core machine makes multi-threaded OpenMP 30x slower under load; one thread is steady."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# A random target whose layers change the residual stream as much as a trained model's do (adjacent-layer
+# cosine ~0.95, like SmolLM2): with the default init the x50 embeddings dominate and neighbouring layers
+# are nearly identical (cosine > 0.9995), which would hide an off-by-one.
+DISTINCT_LAYERS = "target.random_init={initializer_range: 0.2}"
+
+
+def extract_config(tmp_path, *overrides):
+    """configs/tiny.yaml under tmp_path with small extract batches/shards."""
+    from tests.conftest import make_config
+
+    return make_config(tmp_path, overrides=["extract.tokens_per_batch=600", "extract.shard_tokens=600",
+                                            "extract.verify_samples=6", *overrides])
