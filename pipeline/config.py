@@ -71,6 +71,7 @@ class SourceConfig:
     ] = doc("schema adapter; 'auto' detects it per record from its keys", "auto")
     split: str = doc("split for hub datasets", "train")
     subset: Optional[str] = doc("hub dataset config name", None)
+    data_files: Optional[str] = doc("hub dataset: load only these files of the repo (glob), e.g. one JSON of several", None)
     weight: float = doc("relative weight in the mixture (share of `curate.total`)", 1.0)
     max_samples: Optional[int] = doc("read at most this many raw records", None)
 
@@ -184,6 +185,7 @@ class TrainConfig:
     attention: Literal["auto", "flex", "dense"] = doc("mask backend: flex (GPU) or exact dense (CPU)", "auto")
     ce_chunk_tokens: int = doc("rows per chunk of the LM-head + cross-entropy (never the full logits)", 2048)
     activation_checkpointing: bool = doc("recompute draft layers in backward", False)
+    compile: bool = doc("torch.compile each draft layer step (GPU; static shapes per micro-batch size)", False)
     online: bool = doc("compute target features inside the step instead of reading shards", False)
     eval_fraction: float = doc("share of feature samples held out for eval metrics", 0.02)
     eval_every: int = doc("optimizer steps between held-out evaluations (0 = only at the end)", 200)

@@ -230,6 +230,14 @@ def build_engine(model: torch.nn.Module, tcfg: TrainConfig, *, total_steps: int,
     return engine, optimizer, scheduler
 
 
+def compile_layers(drafter: torch.nn.Module) -> None:
+    """torch.compile every draft decoder layer (attention + MLP over the block rows). Automatic dynamic shapes:
+    the varying packed-row lengths recompile once, not once per shape. Applied to the modules in place, so
+    parameter names, checkpoints and ZeRO hooks are unchanged."""
+    for layer in drafter.layers:
+        layer.compile()
+
+
 def _cast_float_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
         for name, buf in module._buffers.items():

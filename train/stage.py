@@ -124,7 +124,8 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     from train import checkpoint
     from train.data import (EVAL_EPOCH, MicroBatchDataset, batch_to, heldout_split, make_loader, plan_epoch,
                             plan_eval, rank_micro_batches, total_steps)
-    from train.engine import barrier, build_engine, current_lr, eval_step, init_distributed, train_step, TrainForward
+    from train.engine import (TrainForward, barrier, build_engine, compile_layers, current_lr, eval_step,
+                              init_distributed, train_step)
     from train.loss import default_gamma
     from train.metrics import DrafterShape, MetricsLogger, peak_flops
     from train.model import DFlashDrafter, DrafterArgs
@@ -192,6 +193,8 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     if cfg.drafter.init_from:
         _init_from(drafter, args, cfg.drafter.init_from)
     drafter.gradient_checkpointing = tcfg.activation_checkpointing
+    if tcfg.compile:
+        compile_layers(drafter)
     target = None
     if tcfg.online:
         target = load_target(location, cfg.target, device=device)
@@ -224,7 +227,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     logger = MetricsLogger(cfg, stage.path, resume_step=state["global_step"] if latest else None) if dist.is_main else None
     if dist.is_main:
         log.info("drafter %.1fM trainable params; %d train / %d held-out samples (%d too short); %d steps; "
-                 "%d ranks; ZeRO-%d %s", drafter.num_trainable_parameters() / 1e6, len(train_idx), len(eval_idx),
+                 "%d ranks; ZeRO-%d %s", sum(getattr(p, "ds_numel", p.numel()) for p in drafter.parameters()) / 1e6, len(train_idx), len(eval_idx),
                  skipped, n_total, world, tcfg.zero_stage, tcfg.precision)
 
     def run_eval(step: int) -> dict | None:
