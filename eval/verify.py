@@ -1,0 +1,90 @@
+"""Tree verification inputs (ddtree.md §2.7, §3.1): position ids and the 4-D attention mask, built on the device.
+
+One target forward verifies every node of a `eval.tree.Tree`:
+
+    input ids     [bonus, node_1 .. node_n]                     (1 + n rows, tree index order)
+    position ids  start + depth                                 siblings share a position (pitfall §6.1)
+    mask          [1, 1, 1+n, kv_len] additive (0 = visible, finfo.min = hidden), in the target dtype:
+                  key columns [0, past)           committed past: fully visible (every query is after it)
+                  key columns [past, past+1+n)    this tree: row i sees column past+j iff j is i or an ancestor of i
+                  key columns >= past+1+n         hidden (unused rows of a preallocated static cache)
+                  sliding-attention layers additionally hide keys whose *real* position is >= window behind
+                  the query's (pitfall §6.4).
+
+`past` is the committed cache length, which equals `start` (the bonus token's position).  It may be a host int
+(dynamic cache) or a 0-dim device tensor (static cache under CUDA graphs); nothing here reads it on the host.
+Work is a fixed number of tensor ops (no per-node host work): the ancestor table is built by pointer doubling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from eval.tree import Tree
+
+
+def verify_positions(tree: Tree, start) -> Tensor:
+    """Position ids [1, 1+n] = start + depth (start: int or 0-dim device tensor)."""
+    return (tree.depths + start).unsqueeze(0)
+
+
+def ancestor_table(parents: Tensor, depth_limit: int) -> Tensor:
+    """[N, 2^k] node ids: column m = the ancestor m steps up (the root's self-loop absorbs overshoot), k =
+    ceil(log2(L+1)), so columns cover distances 0..L. Built by doubling: k gathers, no loop over nodes."""
+    table = torch.arange(parents.shape[0], device=parents.device).unsqueeze(1)
+    jump = parents
+    for _ in range(max(1, math.ceil(math.log2(depth_limit + 1)))):
+        table = torch.cat([table, jump[table]], dim=1)
+        jump = jump[jump]
+    return table
+
+
+def ancestor_matrix(tree: Tree) -> Tensor:
+    """Bool [N, N]: vis[i, j] iff node j is node i or one of its ancestors (diagonal included; row 0 = {0})."""
+    N = tree.size
+    table = ancestor_table(tree.parents, tree.depth_limit)
+    vis = torch.zeros(N, N, dtype=torch.bool, device=tree.parents.device)
+    return vis.scatter_(1, table, True)
+
+
+def tree_attention_mask(tree: Tree, past, kv_len: int, dtype: torch.dtype, *,
+                        sliding_window: int | None = None) -> Tensor:
+    """Additive mask [1, 1, 1+n, kv_len] for verifying `tree` on top of `past` committed rows (layout above).
+
+    kv_len: key columns the attention sees (dynamic cache: past + 1 + n; static cache: its capacity).
+    sliding_window: if set, also hide keys at real position <= query position - window.
+    """
+    vis = ancestor_matrix(tree)
+    N = tree.size
+    device = vis.device
+    col = torch.arange(kv_len, device=device)
+    rel = col - past  # tree index of each key column (valid where 0 <= rel < N)
+    in_tree = (rel >= 0) & (rel < N)
+    tree_vis = vis.gather(1, rel.clamp(0, N - 1).unsqueeze(0).expand(N, kv_len)) & in_tree
+    visible = (col < past).unsqueeze(0) | tree_vis
+    if sliding_window is not None:
+        key_pos = torch.where(col < past, col, tree.depths[rel.clamp(0, N - 1)] + past)
+        query_pos = (tree.depths + past).unsqueeze(1)
+        visible = visible & (key_pos.unsqueeze(0) > query_pos - sliding_window)
+    return _additive(visible, dtype)
+
+
+def causal_attention_mask(q_len: int, past, kv_len: int, dtype: torch.dtype, device, *,
+                          sliding_window: int | None = None) -> Tensor:
+    """Additive causal mask [1, 1, q_len, kv_len] for q_len new rows at positions past.. (e.g. a static-cache
+    prefill): query i sees key columns 0..past+i (and, with a window, only the last `sliding_window` of them)."""
+    q_pos = torch.arange(q_len, device=device).unsqueeze(1) + past
+    col = torch.arange(kv_len, device=device).unsqueeze(0)
+    visible = col <= q_pos
+    if sliding_window is not None:
+        visible = visible & (col > q_pos - sliding_window)
+    return _additive(visible, dtype)
+
+
+def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, hidden)[None, None]
