@@ -177,7 +177,7 @@ def _num_records(kind: str, path: str, s: SourceConfig) -> int:
         return pq.ParquetFile(path).metadata.num_rows
     if kind == "json":
         return len(_json_array(path))
-    return len(hub_dataset(path, s.subset, s.split))
+    return len(hub_dataset(path, s.subset, s.split, s.data_files))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def read_chunk(chunk: Chunk, s: SourceConfig) -> Iterator[RawRecord]:
     elif chunk.kind == "parquet":
         yield from _read_parquet(chunk)
     else:
-        ds = hub_dataset(chunk.path, s.subset, s.split)
+        ds = hub_dataset(chunk.path, s.subset, s.split, s.data_files)
         yield from dataset_records(ds, chunk.offset, chunk.end, first=chunk.first, where=f"hub:{chunk.path}/{s.split}")
 
 
@@ -261,17 +261,18 @@ def _read_parquet(chunk: Chunk) -> Iterator[RawRecord]:
 
 
 @lru_cache(maxsize=4)
-def hub_dataset(path: str, subset: str | None, split: str):
-    """`datasets.load_dataset(path, subset, split=split)`: downloaded once into the HF cache, then
-    memory-mapped (random access by row, so any worker can read any chunk)."""
+def hub_dataset(path: str, subset: str | None, split: str, data_files: str | None = None):
+    """`datasets.load_dataset(path, subset, split=split[, data_files=...])`: downloaded once into the HF
+    cache, then memory-mapped (random access by row, so any worker can read any chunk)."""
     import datasets
 
+    kwargs = {"data_files": data_files} if data_files else {}
     try:
-        return datasets.load_dataset(path, subset, split=split)
+        return datasets.load_dataset(path, subset, split=split, **kwargs)
     except Exception as e:  # noqa: BLE001 - any loader failure is a config/network problem, reported as such
         raise StageError(
-            f"cannot load hub dataset {path!r} (subset={subset!r}, split={split!r}; no local file or directory "
-            f"of that name exists either): {type(e).__name__}: {e}"
+            f"cannot load hub dataset {path!r} (subset={subset!r}, split={split!r}, data_files={data_files!r}; "
+            f"no local file or directory of that name exists either): {type(e).__name__}: {e}"
         ) from e
 
 

@@ -142,6 +142,20 @@ def test_unreachable_hub_dataset_fails_with_a_clear_error(tmp_path, monkeypatch)
         run_curate(cfg)
 
 
+def test_non_local_path_goes_through_datasets_load_dataset(tmp_path, monkeypatch):
+    """`path: json` is not a local file, so it is a `datasets.load_dataset(path, subset, split=...,
+    data_files=...)` id -- here datasets' packaged json builder, which works offline."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    source = {"name": "via_datasets", "path": "json", "split": "train", "max_samples": 300,
+              "data_files": str(SHARED_PROMPTS / "gsm8k_train.jsonl")}
+    cfg = curate_config(tmp_path, [source])
+    m = run_curate(cfg)
+    assert m["counts"]["read"] == 300 and m["counts"]["malformed"] == 0
+    row = pq.read_table(cfg.run_dir / "curate" / "shards" / "train-00000.parquet").slice(0, 1).to_pylist()[0]
+    assert json.loads(row["metadata"])["location"].startswith("hub:json/train#")
+    assert json.loads(row["metadata"])["format"] == "gsm8k"
+
+
 def test_all_real_prompt_files_curate_into_the_schema(tmp_path):
     sources = [
         {"name": "gsm8k", "path": str(SHARED_PROMPTS / "gsm8k_train.jsonl")},
