@@ -359,9 +359,10 @@ def train_step(engine, micro_batches: list[dict], features_of: Callable, *, gamm
 
 
 @torch.no_grad()
-def eval_step(engine, micro_batches: list[dict], features_of: Callable, *, gamma: float | None, chunk_rows: int,
+def eval_step(engine, micro_batches: Iterable[dict], features_of: Callable, *, gamma: float | None, chunk_rows: int,
               attention: str, device: torch.device) -> StepStats:
-    """Loss/accuracy statistics of held-out micro-batches (no gradient), summed over ranks."""
+    """Loss/accuracy statistics of held-out micro-batches (any iterable, consumed lazily; no gradient), summed
+    over ranks. Every rank must pass the same number of micro-batches (train/data.py::plan_eval pads)."""
     from train.loss import dflash_loss
 
     drafter = engine.module.drafter

@@ -177,7 +177,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     too_short = lengths[train_idx] <= args.block_size
     skipped = int(too_short.sum())
     train_idx = train_idx[~too_short]
-    eval_idx = eval_idx[lengths[eval_idx] > args.block_size]
+    eval_idx = eval_idx[lengths[eval_idx] > args.block_size][: tcfg.eval_max_samples]  # never trained on, either way
     if len(train_idx) == 0:
         raise StageError(f"no training sample is longer than block_size={args.block_size} tokens")
     plan_kw = dict(budget=tcfg.micro_batch_tokens, world_size=world, grad_accum=tcfg.grad_accum, seed=tcfg.seed)
@@ -236,8 +236,9 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
         ds = MicroBatchDataset(open_source, rank_micro_batches(eval_plan, rank), block_size=args.block_size,
                                num_anchors=tcfg.num_anchors, mask_token_id=args.mask_token_id, seed=tcfg.seed,
                                epoch=EVAL_EPOCH)
-        stats = eval_step(engine, list(make_loader(ds, tcfg.num_workers)), features_of, gamma=gamma,
-                          chunk_rows=chunk, attention=attention, device=device)
+        loader = make_loader(ds, tcfg.num_workers, pin_memory=device.type == "cuda")
+        stats = eval_step(engine, loader, features_of, gamma=gamma, chunk_rows=chunk, attention=attention,
+                          device=device)
         metrics = stats.metrics()
         if logger is not None:
             logger.log(step, "eval", metrics)
@@ -260,7 +261,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
         ds = MicroBatchDataset(open_source, rank_micro_batches(steps, rank, start), block_size=args.block_size,
                                num_anchors=tcfg.num_anchors, mask_token_id=args.mask_token_id, seed=tcfg.seed,
                                epoch=epoch)
-        batches = iter(make_loader(ds, tcfg.num_workers))
+        batches = iter(make_loader(ds, tcfg.num_workers, pin_memory=device.type == "cuda"))
         for s in range(start, len(steps)):
             mbs = [next(batches) for _ in range(tcfg.grad_accum)]
             lr = current_lr(engine)  # the rate this step uses (the scheduler advances inside engine.step)
