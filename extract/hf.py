@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from extract.layers import forward_taps
-from extract.store import ShardWriter, as_bytes, encode_features
+from extract.store import STORAGE_DTYPES, ShardWriter, as_bytes, encode_features
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
 from pipeline.target import load_target, resolve_device, resolve_dtype
@@ -78,7 +78,8 @@ class DiskSink:
     encoded tensors are written directly (no staging), with at most ``staging_buffers`` batches in flight.
     """
 
-    def __init__(self, device: torch.device, *, writer_threads: int = 4, staging_buffers: int = 3):
+    def __init__(self, device: torch.device, *, writer_threads: int = 4, staging_buffers: int = 3,
+                 buffer_bytes: int = 0, scale_bytes: int = 0):
         from concurrent.futures import ThreadPoolExecutor
 
         self.device = device
@@ -89,6 +90,7 @@ class DiskSink:
         self.slots = threading.Semaphore(max(1, staging_buffers))
         self.num_buffers = max(1, staging_buffers)
         self.allocated = 0
+        self.buffer_bytes, self.scale_bytes = buffer_bytes, scale_bytes  # staging size: one full batch
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, int] = {}  # id(writer) -> jobs not finished
         self.cond = threading.Condition()
@@ -101,10 +103,15 @@ class DiskSink:
         """A free pinned buffer big enough, allocating up to ``num_buffers`` (grown when too small)."""
         if self.allocated < self.num_buffers and self.free.empty():
             self.allocated += 1
-            return self._alloc(data_bytes, scale_bytes)
-        buf = self.free.get()
-        if buf[0].numel() < data_bytes or buf[1].numel() < scale_bytes:
-            return self._alloc(data_bytes, scale_bytes)  # the old one is dropped
+            return self._alloc(max(data_bytes, self.buffer_bytes), max(scale_bytes, self.scale_bytes))
+        while True:  # back-pressure: wait while every buffer is still being written
+            try:
+                buf = self.free.get(timeout=1.0)
+                break
+            except queue.Empty:
+                self._raise_if_failed()
+        if buf[0].numel() < data_bytes or 4 * buf[1].numel() < scale_bytes:
+            return self._alloc(data_bytes, scale_bytes)  # a sample longer than the budget: the old one is dropped
         return buf
 
     @staticmethod
@@ -131,7 +138,8 @@ class DiskSink:
             if scales is not None:
                 scales.record_stream(self.copy_stream)
         else:
-            self.slots.acquire()
+            while not self.slots.acquire(timeout=1.0):
+                self._raise_if_failed()
             buf, host, host_scales, event = None, raw, scales, None
         job = _Job(writer, token_start, host, host_scales, event, buf)
         with self.cond:
@@ -220,7 +228,11 @@ class HFExtractor:
         self.model = model if model is not None else load_target(location, tcfg, device=self.device, dtype=self.dtype)
         self.layer_ids = list(layer_ids)
         self.ecfg = ecfg
-        self.sink = DiskSink(self.device, writer_threads=ecfg.writer_threads, staging_buffers=ecfg.staging_buffers)
+        n, D = len(self.layer_ids), self.model.config.get_text_config().hidden_size
+        row = n * D * STORAGE_DTYPES[ecfg.storage_dtype][2]
+        self.sink = DiskSink(self.device, writer_threads=ecfg.writer_threads, staging_buffers=ecfg.staging_buffers,
+                             buffer_bytes=ecfg.tokens_per_batch * row,
+                             scale_bytes=ecfg.tokens_per_batch * n * 4 if ecfg.storage_dtype == "fp8" else 0)
         self.tokens_done = 0
 
     def features(self, input_ids: Sequence[np.ndarray]) -> torch.Tensor:
@@ -241,7 +253,10 @@ class HFExtractor:
         return flat.index_select(0, idx.to(self.device, non_blocking=True))
 
     def extract_unit(self, writer: ShardWriter, input_ids: Sequence[np.ndarray], progress=None) -> None:
-        """Write the features of ``input_ids`` (the writer's samples, in its order: longest first)."""
+        """Queue the features of ``input_ids`` (the writer's samples, in its order: longest first) for writing.
+
+        Returns once every batch is computed and queued; ``wait(writer)`` blocks until the bytes are written,
+        so the stage can finish one shard in the background while the device computes the next."""
         L = writer.layout
         lengths = [len(x) for x in input_ids]
         for a, b in plan_batches(lengths, self.ecfg.tokens_per_batch):
@@ -252,6 +267,9 @@ class HFExtractor:
             self.tokens_done += n
             if progress is not None:
                 progress.update(n)
+
+    def wait(self, writer: ShardWriter) -> None:
+        """Block until every queued batch of ``writer`` is written (and hashed)."""
         self.sink.drain(writer)
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ the unit is redone; finished units are skipped by their sidecars.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -283,8 +284,7 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
         backend = make_backend(cfg, ctx, max_len=max(int(index.lengths[u.rows[0]]) for u in todo))
         try:
             bar = progress(total=remaining, desc=f"extract rank {ranks.rank}", unit="tok")
-            for unit in todo:
-                extract_unit(stage, ctx, cfg, backend, index, unit, bar)
+            extract_units(stage, ctx, cfg, backend, index, todo, bar)
             bar.close()
         finally:
             backend.close()
@@ -298,46 +298,96 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
     return _finalize(cfg, ctx, stage, index, units, started)
 
 
-def extract_unit(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, index: TokenizedIndex, unit: Unit, bar=None) -> dict:
-    """Read, check, extract and record one unit (shard)."""
+@dataclass
+class _UnitInFlight:
+    unit: Unit
+    final: Path
+    tmp: Path | None
+    writer: ShardWriter | None
+    counts: dict
+
+
+def start_unit(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, index: TokenizedIndex, unit: Unit,
+               bar=None) -> _UnitInFlight:
+    """Read and check a unit's samples, open its shard (temp file) and queue its extraction."""
     data = read_samples(index, np.asarray(unit.rows))
     rows, failed, examples = [], {}, {}
     for r in unit.rows:
         reason = check_sample(*data[r], ctx.vocab_rows)
         if reason is None:
             rows.append(r)
-        else:
-            failed[reason] = failed.get(reason, 0) + 1
-            examples.setdefault(reason, [])
-            if len(examples[reason]) < MAX_FAILURE_EXAMPLES:
-                examples[reason].append(index.ids[r])
-            if bar is not None:
-                bar.update(int(index.lengths[r]))
-    final = stage.shard_path(unit.name, SHARD_EXT)
-    files = []
-    digest = None
-    if rows:
-        with AtomicFile(final) as tmp:
-            writer = ShardWriter(
-                tmp, [index.ids[r] for r in rows], [data[r][0] for r in rows], [data[r][1] for r in rows],
-                num_taps=len(ctx.layer_ids), hidden_size=ctx.hidden_size, storage_dtype=cfg.extract.storage_dtype,
-                metadata={"rows": rows, "layer_ids": ctx.layer_ids, "layer_convention": LAYER_CONVENTION},
-                stream_hash=getattr(backend, "streams_hash", False),
-            )
-            try:
-                backend.extract_unit(writer, [data[r][0] for r in rows], progress=bar)
-            finally:
-                digest = writer.close()
-        files = [final]
+            continue
+        failed[reason] = failed.get(reason, 0) + 1
+        if len(examples.setdefault(reason, [])) < MAX_FAILURE_EXAMPLES:
+            examples[reason].append(index.ids[r])
+        if bar is not None:
+            bar.update(int(index.lengths[r]))
     counts = {"samples": len(rows), "tokens": int(sum(len(data[r][0]) for r in rows)),
               "loss_tokens": int(sum(int(data[r][1].sum()) for r in rows)), "failed": failed,
               "failure_examples": examples}
-    if digest is not None:  # the bytes were hashed on their way to disk: no read-back
-        record = {"unit": unit.name, "files": [{"name": final.name, "bytes": final.stat().st_size, "sha256": digest}],
-                  **counts}
-        atomic_write_json(stage.sidecar_path(unit.name), record)
-        return record
-    return stage.finish_unit(unit.name, files, **counts)
+    final = stage.shard_path(unit.name, SHARD_EXT)
+    if not rows:
+        return _UnitInFlight(unit, final, None, None, counts)
+    tmp = AtomicFile(final).tmp
+    writer = ShardWriter(
+        tmp, [index.ids[r] for r in rows], [data[r][0] for r in rows], [data[r][1] for r in rows],
+        num_taps=len(ctx.layer_ids), hidden_size=ctx.hidden_size, storage_dtype=cfg.extract.storage_dtype,
+        metadata={"rows": rows, "layer_ids": ctx.layer_ids, "layer_convention": LAYER_CONVENTION},
+        stream_hash=getattr(backend, "streams_hash", False),
+    )
+    try:
+        backend.extract_unit(writer, [data[r][0] for r in rows], progress=bar)
+    except BaseException:
+        try:
+            backend.wait(writer)  # let queued writes finish before the file goes away
+        except BaseException:  # noqa: BLE001 — the first error is the one to report
+            pass
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return _UnitInFlight(unit, final, tmp, writer, counts)
+
+
+def finish_unit(stage: StageDir, backend, job: _UnitInFlight) -> dict:
+    """Wait for the unit's bytes, fsync, rename into place, write the sidecar (last: it marks the unit done)."""
+    if job.writer is None:
+        return stage.finish_unit(job.unit.name, [], **job.counts)
+    try:
+        backend.wait(job.writer)
+        digest = job.writer.close()  # fsync
+    except BaseException:
+        job.writer.close()
+        job.tmp.unlink(missing_ok=True)
+        raise
+    os.replace(job.tmp, job.final)
+    if digest is None:  # written by another process (vLLM): hash the file
+        return stage.finish_unit(job.unit.name, [job.final], **job.counts)
+    record = {"unit": job.unit.name, "files": [{"name": job.final.name, "bytes": job.final.stat().st_size,
+                                                "sha256": digest}], **job.counts}
+    atomic_write_json(stage.sidecar_path(job.unit.name), record)  # hashed on the way to disk: no read-back
+    return record
+
+
+def extract_units(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, index: TokenizedIndex,
+                  units: list[Unit], bar=None) -> None:
+    """Extract units in order; each unit is finished (drain, fsync, rename, sidecar) on a background thread
+    while the device already computes the next one.  At most one unit is finishing at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extract-finish") as finisher:
+        pending = None
+        try:
+            for unit in units:
+                job = start_unit(stage, ctx, cfg, backend, index, unit, bar)
+                if pending is not None:
+                    pending.result()
+                pending = finisher.submit(finish_unit, stage, backend, job)
+            if pending is not None:
+                pending.result()
+                pending = None
+        finally:
+            if pending is not None:
+                pending.cancel()
 
 
 def _finalize(cfg: RunConfig, ctx: ExtractContext, stage: StageDir, index: TokenizedIndex, units: list[Unit],

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,14 +264,25 @@ class ShardWriter:
         self._scales_set = False
         self._sha = hashlib.sha256(prefix) if stream_hash else None
         self._hashed_bytes = 0
+        self._io = threading.Condition()  # close() waits for in-flight pwrites: a closed fd number is never written
+        self._inflight = 0
 
     @property
     def num_tokens(self) -> int:
         return self.layout.num_tokens
 
     def pwrite(self, offset: int, raw) -> None:
-        """Write raw bytes at an absolute file offset (thread-safe)."""
-        pwrite_all(self.fd, raw, offset)
+        """Write raw bytes at an absolute file offset (thread-safe; refused once the writer is closed)."""
+        with self._io:
+            if self.fd < 0:
+                raise ValueError(f"{self.path}: write after close")
+            self._inflight += 1
+        try:
+            pwrite_all(self.fd, raw, offset)
+        finally:
+            with self._io:
+                self._inflight -= 1
+                self._io.notify_all()
 
     def set_scales(self, token_start: int, scales: torch.Tensor) -> None:
         """fp8: remember scales ``[T, n]`` of tokens ``token_start..``; ``close`` writes them."""
@@ -291,7 +303,7 @@ class ShardWriter:
             if scales is None or scales.shape[0] != T:
                 raise ValueError("fp8 storage needs a [T, n] scales tensor with every write")
             self.set_scales(token_start, scales)
-        pwrite_all(self.fd, as_bytes(data), L.features_offset(token_start))
+        self.pwrite(L.features_offset(token_start), as_bytes(data))
 
     def write_sample(self, i: int, features: torch.Tensor) -> None:
         """Encode and write sample ``i``'s features ``[S_i, n*D]`` (any float dtype, CPU)."""
@@ -306,17 +318,20 @@ class ShardWriter:
 
     def close(self) -> str | None:
         """Write fp8 scales, fsync, close.  Returns the file's sha256 when it was streamed completely."""
-        if self.fd < 0:
-            return None
+        with self._io:
+            if self.fd < 0:
+                return None
+            while self._inflight:
+                self._io.wait()
+            fd, self.fd = self.fd, -1  # later pwrite calls are refused
         L = self.layout
         tail = b""
         if self._scales is not None and self._scales_set:
             tail_start = L.offset("features") + L.regions["features"].nbytes
             tail = bytes(L.offset("scales") - tail_start) + self._scales.tobytes()
-            pwrite_all(self.fd, tail, tail_start)
-        os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
+            pwrite_all(fd, tail, tail_start)
+        os.fsync(fd)
+        os.close(fd)
         if self._sha is None or self._hashed_bytes != L.regions["features"].nbytes:
             return None
         if self._scales is not None:

@@ -94,6 +94,7 @@ def _backend_samples(cfg: RunConfig, ctx: ExtractContext, backend: str) -> list[
         engine = make_backend(cfg, ctx, backend, max_len=max(len(data[r][0]) for r in rows))
         try:
             engine.extract_unit(writer, [data[r][0] for r in rows])
+            engine.wait(writer)
         finally:
             writer.close()
             engine.close()

@@ -109,6 +109,9 @@ class VLLMExtractor:
         if progress is not None:
             progress.update(int(writer.num_tokens))
 
+    def wait(self, writer: ShardWriter) -> None:
+        """Nothing left in flight: ``extract_unit`` returns after every receipt arrived."""
+
     def _pump_engine(self) -> None:
         """Step an in-process engine core once more: the last finished requests' states are handed to the
         connector one step after they finish, and ``generate`` stops stepping as soon as outputs are out.
