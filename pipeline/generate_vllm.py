@@ -62,10 +62,14 @@ class VLLMGenerator:
 
     @classmethod
     def load(cls, location: str, tcfg: TargetConfig, rcfg: RegenConfig, *, tokenizer, stop_ids, sampling):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(location, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+        padded = config.get_text_config().vocab_size > len(tokenizer)  # else the processor is not needed
         llm = build_vllm_engine(
             location, tcfg, max_model_len=rcfg.max_model_len, gpu_memory_utilization=rcfg.gpu_memory_utilization,
             tensor_parallel_size=rcfg.tensor_parallel_size, enforce_eager=rcfg.enforce_eager, seed=rcfg.seed,
-            logits_processors=[VocabLimitLogitsProcessor],
+            **({"logits_processors": [VocabLimitLogitsProcessor]} if padded else {}),
         )
         return cls(llm, vocab_limit=len(tokenizer), stop_ids=stop_ids, sampling=sampling)
 

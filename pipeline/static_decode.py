@@ -20,14 +20,65 @@ are supported (`supports_static_decode`); others use `model.generate`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from pipeline.generation import Sampling, mask_padded_vocab, sample_next
+from pipeline.log import get_logger
+
+log = get_logger("regen.static")
 
 STOP_CHECK_EVERY = 8  # decode steps between host syncs that test "every row finished"
+GQA_FOLDED = "drafter_gqa_folded_sdpa"  # attention implementation name used during static decoding
+
+
+def gqa_folded_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function for one-token steps: query [B, H, 1, D], key/value [B, H_kv, L, D],
+    additive mask [B, 1, 1, L] -> ([B, 1, H, D], None).
+
+    The H/H_kv query heads that share a KV head are folded into the query axis ([B, H_kv, H/H_kv, D]), so
+    K/V are read once instead of being copied H/H_kv times (`repeat_kv`, what sdpa does whenever a mask is
+    given): the decode step reads the whole static cache, so this is most of its memory traffic.
+    Prefill (more than one query) goes to transformers' sdpa unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, q, d = query.shape
+    hk = key.shape[1]
+    if q > 1 or h == hk or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(b, hk, h // hk, d), key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GQA_FOLDED, gqa_folded_sdpa)
+    try:  # masks are always passed in 4D here; registering keeps transformers from dropping them
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionMaskInterface.register(GQA_FOLDED, sdpa_mask)
+    except ImportError:
+        pass
+
+
+@contextmanager
+def attention_implementation(model, name: str | None):
+    """Run the model's attention layers with implementation `name` inside the block (None = unchanged)."""
+    if name is None:
+        yield
+        return
+    before = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = before
 
 
 def supports_static_decode(config) -> bool:
@@ -84,7 +135,7 @@ class StaticDecoder:
     """Generate for a batch of prompts: prefill in chunks, then one-token steps over a SlotCache."""
 
     def __init__(self, model, *, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
-                 cuda_graphs: bool = True, prefill_chunk: int = 512, length_bucket: int = 128):
+                 cuda_graphs: bool = True, gqa_fold: bool = True, prefill_chunk: int = 512, length_bucket: int = 128):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -94,16 +145,23 @@ class StaticDecoder:
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk
         self.length_bucket = length_bucket
+        self.attention = None
+        if gqa_fold and model.config._attn_implementation in ("sdpa", GQA_FOLDED):
+            _register_attention()
+            self.attention = GQA_FOLDED
         self._state: _State | None = None
         self._key: tuple[int, int] | None = None
 
     # -- public --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def generate(self, prompts: Sequence[list[int]], limits: Sequence[int], *, pad_to: int | None = None,
                  generator: torch.Generator | None = None) -> list[list[int]]:
         """prompts: token id lists; limits: max new tokens per prompt. Returns the raw generated stream of
         each prompt (max(limits) tokens, to be cut at the first stop id / its limit by the caller).
         `pad_to` fills the batch with dummy rows up to that size so one captured graph serves every batch."""
+        with torch.inference_mode(), attention_implementation(self.model, self.attention):
+            return self._generate(prompts, limits, pad_to=pad_to, generator=generator)
+
+    def _generate(self, prompts, limits, *, pad_to, generator) -> list[list[int]]:
         n = len(prompts)
         rows = list(prompts) + [prompts[0]] * max(0, (pad_to or n) - n)
         lens = torch.tensor([len(p) for p in rows], device=self.device)
@@ -184,15 +242,23 @@ class StaticDecoder:
         if not self.use_graphs:
             return self._forward_step(state)
         if state.graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up writes the same K/V the real step writes
-                for _ in range(2):
-                    self._forward_step(state)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                state.logits = self._forward_step(state)
-            state.graph = graph
+            try:
+                state.graph, state.logits = self._capture(state)
+            except Exception as e:  # a model whose forward syncs with the host cannot be captured
+                log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
+                self.use_graphs = False
+                return self._forward_step(state)
         state.graph.replay()
         return state.logits
+
+    def _capture(self, state: _State):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up writes the same K/V the real step writes
+            for _ in range(2):
+                self._forward_step(state)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._forward_step(state)
+        return graph, logits

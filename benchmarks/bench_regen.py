@@ -1,0 +1,208 @@
+"""Regeneration throughput: generated tokens/s of the regen backends on real chat prompts, greedy.
+
+Modes (each runs the same prompts; the table also says whether its outputs equal the first mode's):
+  generate        hf backend, transformers `model.generate` (left padding, length-sorted batches)
+  static          hf backend fast path: static KV cache + CUDA-graphed step + GQA-folded attention
+  static-nograph  the same loop without CUDA graphs (what runs on CPU)
+  static-nofold   static with transformers' sdpa attention (K/V repeated per query head)
+  vllm            offline vLLM `LLM.generate` on the same prompt ids
+
+    # CPU, here (SmolLM2 from configs/smollm2-135m.yaml, fp32):
+    .venv/bin/python benchmarks/bench_regen.py --num-prompts 16 --max-new-tokens 32 --batch-size 16 \\
+        --modes generate,static-nograph,vllm
+    # H200 (SmolLM2 GGUF copied to /tmp/smol), bf16:
+    python benchmarks/bench_regen.py --model /tmp/smol --gguf-file smol.gguf --device cuda --dtype bfloat16 \\
+        --num-prompts 2048 --max-new-tokens 256 --batch-size 256,512 --modes static,static-nofold,generate \\
+        --generate-prompts 512 --json $OUT/bench_regen.json
+
+`--generate-prompts` caps the prompts given to the slow `generate` mode (its tok/s is per-step bound, so
+fewer prompts measure it as well); agreement is then computed on the common prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from pipeline.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
+from pipeline.generate_hf import HFGenerator  # noqa: E402
+from pipeline.generation import Sampling  # noqa: E402
+
+DATA = REPO / "data" / "prompts"
+MODES = ("generate", "static", "static-nograph", "static-nofold", "vllm")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="configs/smollm2-135m.yaml", help="run config whose target is used "
+                   "when --model is not given")
+    p.add_argument("--model", default=None, help="local model dir (with --gguf-file: the dir holding the GGUF)")
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--modes", default="generate,static-nograph", help=f"comma list of {MODES}")
+    p.add_argument("--batch-size", default="16", help="comma list: prompts per batch (hf modes)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--generate-prompts", type=int, default=None, help="cap on prompts for the 'generate' mode")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048, help="vllm mode")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.12, help="vllm mode (on CPU: RAM share)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", default=None, help="also write the results here")
+    return p.parse_args()
+
+
+def real_prompts(n: int) -> list[list[dict]]:
+    """Single-turn chats from the repo's prompt files (GSM8K, Code Alpaca, Alpaca seed), cycled to n."""
+    gsm8k = [json.loads(line)["question"] for line in (DATA / "gsm8k_train_1k.jsonl").open()]
+    code = [(r["instruction"] + ("\n" + r["input"] if r.get("input") else ""))
+            for r in json.loads((DATA / "code_alpaca_1k.json").read_text())]
+    seed = [json.loads(line)["instruction"] for line in (DATA / "alpaca_seed_tasks.jsonl").open()]
+    mixed = [t for trio in zip(gsm8k, code, seed) for t in trio]
+    return [[{"role": "user", "content": mixed[i % len(mixed)]}] for i in range(n)]
+
+
+def load(args):
+    """(model, tokenizer, location for vLLM, stop ids)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    if args.model and args.gguf_file:
+        tok = AutoTokenizer.from_pretrained(args.model, gguf_file=args.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(args.model, gguf_file=args.gguf_file, dtype=dtype,
+                                                     attn_implementation="sdpa")
+        location = None  # vllm mode dequantizes it into .cache (see vllm_location)
+    else:
+        from pipeline.config import load_config
+        from pipeline.target import load_target, load_tokenizer, materialize_target
+
+        cfg = load_config(REPO / args.config)
+        location = args.model or materialize_target(cfg.target, REPO / cfg.cache_dir)
+        tok = load_tokenizer(location, cfg.target)
+        model = load_target(location, cfg.target, device=device, dtype=dtype)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    model.to(device).eval().requires_grad_(False)
+    return model, tok, location, end_of_turn_ids(tok, location)
+
+
+def vllm_location(args, location):
+    if location is not None:
+        return location
+    from pipeline.config import TargetConfig
+    from pipeline.target import materialize_target
+
+    return materialize_target(TargetConfig(model=f"gguf:{Path(args.model) / args.gguf_file}"), REPO / ".cache")
+
+
+def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device):
+    gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
+                      batch_size=batch_size, decode="generate" if mode == "generate" else "static",
+                      cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold")
+    gen.generate(prompts[:batch_size], [min(8, m) for m in limits[:batch_size]])  # CUDA/cuBLAS warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = gen.generate(prompts, limits)
+    _sync(device)
+    graphs = bool(gen.static and gen.static.use_graphs)
+    return outs, time.perf_counter() - t0, graphs
+
+
+def run_vllm(args, location, tok, stop, prompts, limits):
+    from pipeline.config import RegenConfig, TargetConfig
+    from pipeline.generate_vllm import VLLMGenerator
+
+    tcfg = TargetConfig(model=location, dtype=args.dtype, device=args.device)
+    rcfg = RegenConfig(backend="vllm", max_model_len=args.max_model_len,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       enforce_eager=not args.device.startswith("cuda"))
+    gen = VLLMGenerator.load(location, tcfg, rcfg, tokenizer=tok, stop_ids=stop, sampling=Sampling())
+    gen.generate(prompts[:4], [4] * min(4, len(prompts)))
+    t0 = time.perf_counter()
+    outs = gen.generate(prompts, limits)
+    return outs, time.perf_counter() - t0
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    model, tok, location, stop = load(args)
+    load_s = time.perf_counter() - t0
+    chats = real_prompts(args.num_prompts)
+    prompts = [prompt_ids(tok, c, enable_thinking=False) for c in chats]
+    limits = [args.max_new_tokens] * len(prompts)
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+           "dtype": args.dtype, "threads": torch.get_num_threads(), "model_load_s": round(load_s, 1),
+           "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1)}
+    import transformers
+
+    env["transformers"] = transformers.__version__
+    print("# bench_regen", json.dumps(env))
+
+    rows, reference = [], None
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; choose from {MODES}")
+        sizes = [int(b) for b in args.batch_size.split(",")] if mode != "vllm" else [0]
+        for bs in sizes:
+            n = min(len(prompts), args.generate_prompts or len(prompts)) if mode == "generate" else len(prompts)
+            row = {"mode": mode, "batch": bs or "engine", "prompts": n}
+            try:
+                if mode == "vllm":
+                    outs, secs = run_vllm(args, vllm_location(args, location), tok, stop, prompts[:n], limits[:n])
+                    row["graphs"] = device.type == "cuda"
+                else:
+                    outs, secs, row["graphs"] = run_hf(mode, model, tok, stop, prompts[:n], limits[:n], bs, device)
+            except Exception as e:  # report and go on: one broken mode must not hide the others
+                row.update(error=f"{type(e).__name__}: {e}"[:300])
+                rows.append(row)
+                print(f"# {mode} batch {bs}: {row['error']}", flush=True)
+                continue
+            tokens = sum(len(o.token_ids) for o in outs)
+            row.update(gen_tokens=tokens, seconds=round(secs, 2), tok_s=round(tokens / secs, 1),
+                       stopped=sum(o.finish_reason == "stop" for o in outs))
+            ids = [o.token_ids for o in outs]
+            if reference is None:
+                reference, row["same_as_ref"] = (mode, bs, ids), "ref"
+            else:
+                common = min(len(ids), len(reference[2]))
+                same = sum(a == b for a, b in zip(ids[:common], reference[2][:common]))
+                row["same_as_ref"] = f"{same}/{common}"
+            rows.append(row)
+            print(f"# {json.dumps(row)}", flush=True)
+
+    ref = f"{reference[0]}@{reference[1]}" if reference else "-"
+    print(f"\n| mode | batch | prompts | graphs | generated tokens | seconds | tokens/s | stopped | same as {ref} |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | {r['batch']} | {r['prompts']} | - | error: {r['error']} | | | | |")
+        else:
+            print(f"| {r['mode']} | {r['batch']} | {r['prompts']} | {r['graphs']} | {r['gen_tokens']} | "
+                  f"{r['seconds']} | {r['tok_s']} | {r['stopped']} | {r['same_as_ref']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
