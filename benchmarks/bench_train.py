@@ -11,8 +11,9 @@ Paths:
   trainer  train.engine.train_step: the real DeepSpeed engine (ZeRO stage --zero-stage, bf16 + fp32 master
            weights, grad clip 1.0, AdamW), exactly what `drafter train` runs per optimizer step;
   bare     plain PyTorch: bf16 parameters, forward_train + dflash_loss + backward + clip + fused AdamW.
-Attention: flex packs all sequences of a micro-batch into one row (one BlockMask); dense (exact SDPA with a
-boolean mask, quadratic in the row) runs one sequence per micro-batch with gradient accumulation.
+Attention: flex packs all sequences of a step into one row (one BlockMask) unless -row<n> says otherwise; dense
+(exact SDPA with a boolean mask, quadratic in the row) runs one sequence per row; the rows of a step are
+gradient-accumulation micro-batches.
 
 Useful FLOPs (train/metrics.py::train_flops), per micro-batch, a multiply-add = 2 FLOPs:
   fc         2*S*(n*D)*D                      forward + weight gradient                         x2
@@ -48,12 +49,14 @@ SHAPES = {
                  block=8, seq_len=256, anchors=16, seqs=4, target_layers=8, mask_id=300),
 }
 
-# A variant name is <path>-<attention>[-compile][-ac][-ce<rows>], e.g. trainer-flex-compile, bare-dense-ce1k:
-# path trainer|bare, attention flex|dense, torch.compile of the draft layers, activation checkpointing, and the
-# rows per chunk of the chunked LM-head cross-entropy (default 4096; 1k = 1024).
-GPU_DEFAULT = ["trainer-flex-compile", "bare-flex-compile", "trainer-flex", "bare-flex", "trainer-dense", "bare-dense"]
-GPU_CE = ["trainer-flex-compile-ce1k", "trainer-flex-compile-ce16k"]
-CPU_DEFAULT = ["trainer-dense", "bare-dense", "trainer-dense-ac", "trainer-dense-ce1k"]  # flex backward needs a GPU
+# A variant name is <path>-<attention>[-compile][-ac][-ce<rows>][-row<n>], e.g. trainer-flex-compile-row4:
+# path trainer|bare, attention flex|dense, torch.compile of the draft layers, activation checkpointing, the rows
+# per chunk of the chunked LM-head cross-entropy (default 4096; 1k = 1024), and sequences packed per micro-batch
+# row (default: all of them for flex, 1 for dense; the rest is gradient accumulation). row4 = the qwen3-8b
+# config's micro_batch_tokens 12288 at seq 3072.
+GPU_DEFAULT = ["trainer-flex-compile", "trainer-flex-compile-row4", "bare-flex-compile", "trainer-dense",
+               "bare-dense"]
+CPU_DEFAULT = ["trainer-dense", "bare-dense", "trainer-dense-ac", "trainer-dense-ce1k", "trainer-dense-row2"]
 
 
 @dataclass(frozen=True)
@@ -63,18 +66,21 @@ class Variant:
     compile: bool = False
     ac: bool = False
     ce_chunk: int = 4096
+    per_row: int | None = None
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         parts = name.split("-")
         if len(parts) < 2 or parts[0] not in ("trainer", "bare") or parts[1] not in ("flex", "dense"):
-            raise ValueError(f"variant {name!r}: expected <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>]")
+            raise ValueError(f"variant {name!r}: expected <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>][-row<n>]")
         v = dict(path=parts[0], attention=parts[1])
         for flag in parts[2:]:
             if flag == "compile":
                 v["compile"] = True
             elif flag == "ac":
                 v["ac"] = True
+            elif flag.startswith("row"):
+                v["per_row"] = int(flag[3:])
             elif flag.startswith("ce"):
                 v["ce_chunk"] = int(flag[2:].replace("k", "")) * (1024 if flag.endswith("k") else 1)
             else:
@@ -179,7 +185,7 @@ def run_variant(name: str, shape: dict, seqs: int, device: torch.device, steps: 
     path, attention, compiled, chunk, ac = spec.path, spec.attention, spec.compile, spec.ce_chunk, spec.ac
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args = make_args(shape)
-    per_row = seqs if attention == "flex" else 1
+    per_row = min(spec.per_row or (seqs if attention == "flex" else 1), seqs)
     mbs = make_micro_batches(shape, seqs, per_row)
     features_of = features_fn(args, device, dtype)
     gamma = 7.0 if args.block_size == 16 else 4.0
@@ -262,11 +268,20 @@ def _child(argv: list[str], timeout: int) -> dict:
 
 
 def largest_micro_batch(base: list[str], variant: str, start: int, limit: int, timeout: int) -> tuple[int, dict | None]:
-    """Double the sequences per micro-batch until it fails (OOM), then bisect; each trial in a fresh process."""
+    """Double the sequences packed in ONE micro-batch row until it fails (OOM), then bisect; a fresh process per
+    trial."""
+    import re
+
+    stem = re.sub(r"-row\d+", "", variant)
+
+    def trial(n: int) -> dict:
+        return _child(base + ["--variants", f"{stem}-row{n}", "--seqs", str(n), "--steps", "2", "--warmup", "1"],
+                      timeout)
+
     good, best, bad = 0, None, None
     n = start
     while n <= limit:
-        r = _child(base + ["--variants", variant, "--seqs", str(n), "--steps", "2", "--warmup", "1"], timeout)
+        r = trial(n)
         print(f"  {variant} seqs={n}: {'ok' if r.get('ok') else r.get('error')}", flush=True)
         if not r.get("ok"):
             bad = n
@@ -274,7 +289,7 @@ def largest_micro_batch(base: list[str], variant: str, start: int, limit: int, t
         good, best, n = n, r, n * 2
     while bad is not None and bad - good > 1:
         mid = (good + bad) // 2
-        r = _child(base + ["--variants", variant, "--seqs", str(mid), "--steps", "2", "--warmup", "1"], timeout)
+        r = trial(mid)
         print(f"  {variant} seqs={mid}: {'ok' if r.get('ok') else r.get('error')}", flush=True)
         if r.get("ok"):
             good, best = mid, r
@@ -291,7 +306,7 @@ def print_table(results: list[dict]) -> None:
             continue
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        print(f"{r['variant']:30s} {r['seqs']:5d} {r['ms_per_seq']:9.2f} {r['tflops_per_s']:9.2f} {mfu:>6s} {mem:>9s} "
+        print(f"{r['variant']:30s} {r['seqs']:5d} {r['ms_per_seq']:9.2f} {r['tflops_per_s']:9.3f} {mfu:>6s} {mem:>9s} "
               f"{r['loss']:9.4f}")
 
 
@@ -300,7 +315,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--variants", default=None,
-                   help="comma list of <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>] (default: a set per device)")
+                   help="comma list of <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>][-row<n>] (default: a set "
+                        "per device)")
     p.add_argument("--seqs", type=int, default=None, help="sequences per optimizer step (default: the shape's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5 on cuda, 3 on cpu)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compile; default 3 / 1)")
@@ -364,7 +380,7 @@ def main() -> int:
 
     if a.max_batch:
         base = ["--device", a.device, "--shape", a.shape, "--zero-stage", str(a.zero_stage)]
-        print("\nlargest micro-batch (sequences per step) that fits:")
+        print("\nlargest micro-batch that fits (sequences packed in one row):")
         for v in a.max_batch.split(","):
             n, r = largest_micro_batch(base, v, start=max(1, seqs // 4), limit=a.max_batch_limit, timeout=a.timeout)
             extra = f", {r['ms_per_seq']:.2f} ms/seq, {r['peak_mem_gib']:.1f} GiB" if r and r.get("peak_mem_gib") else ""
