@@ -161,7 +161,11 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     source = open_source()
     args = DrafterArgs.from_run_config(cfg, target_config, len(tokenizer))
     fingerprint = {"drafter": dataclasses.asdict(args), "features": input_fp}
-    config_hash = section_hash(cfg.drafter, dataclasses.replace(tcfg, wandb=None), fingerprint)
+    # fields that change how the run is observed or scheduled, not the weights it produces, stay out of the hash
+    # (so a resumed run may use more workers or log more often)
+    operational = dict(wandb=None, num_workers=0, log_every=0, eval_every=0, save_every=0, eval_max_samples=0,
+                       compile=False, activation_checkpointing=False)
+    config_hash = section_hash(cfg.drafter, dataclasses.replace(tcfg, **operational), fingerprint)
 
     stage = StageDir(cfg.run_dir, "train")
     fresh = _rank0_first(lambda: stage.begin(config_hash, force=force), dist.is_main)
@@ -283,12 +287,14 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_hat']:.2f}")
                 window_t, window_tokens, window_flops = time.time(), 0.0, 0.0
             nxt = (epoch, s + 1) if s + 1 < len(steps) else (epoch + 1, 0)
+            paused = time.time()  # eval/checkpoint time is not training throughput: keep it out of the window
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step < n_total:
                 run_eval(step)
             if tcfg.save_every and step % tcfg.save_every == 0 and step < n_total:
                 save({**plan_state, "global_step": step, "epoch": nxt[0], "step_in_epoch": nxt[1],
                       "tokens_seen": tokens_seen})
                 last_saved = step
+            window_t += time.time() - paused
             if step >= n_total:
                 break
         del batches
