@@ -1,0 +1,422 @@
+"""The target's cache behind ONE interface, so the decoders never touch KV or recurrent state directly.
+
+    cache = target_cache(target, tap_ids)       # one per (target, taps, impl); reused across decode calls
+    cache.reset(capacity)                       # empty; capacity = rows the decode may ever hold
+    out = cache.prefill(prompt_ids [S])         # rows 0..S-1; out.logits [1, V] (last row), out.features [S, F]
+    vin = cache.verify_inputs(tree)             # positions start+depth and the 4-D tree mask (start = length)
+    out = cache.verify(tree, vin)               # rows length..length+N-1 appended; logits [N, V], features [N, F]
+    cache.commit(path, n, contiguous)           # keep rows length+path[:n] (moved to the front of the tail), drop the
+                                                # rest: length += n
+    cache.length                                # committed rows (= next bonus position)
+
+features: the target's taps (extract/layers.py convention, concatenated shallow -> deep) recorded with
+`extract.layers.TapHooks` during the same forward; None when no taps were requested (AR).
+
+Implementations:
+  * `KVTargetCache(static=False)`: HF `DynamicCache`, additive 4-D mask over past+N keys. The reference path.
+  * `KVTargetCache(static=True)`: a preallocated K/V buffer [layers, 2, 1, KVH, capacity, hd] that HF writes
+    through `StaticKV.update` at explicit row indices; the mask spans the whole capacity (unused rows hidden), so
+    every verify of N rows has the same shapes. Compaction is one gather + one copy over all layers at once.
+    With `graphs=True` (CUDA) each verify size N is captured once as a CUDA graph and replayed; the first replay of
+    each graph is checked against the eager forward, and any mismatch turns graphs off (with a warning).
+  * `RecurrentTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers, e.g. qwen3_5_text.
+    Only root/chain verification: a mask cannot stop recurrent state from flowing between tree branches
+    (ddtree.md §6.7), so trees raise `TreeUnsupportedError`. Chain rollback: the recurrent/conv states are
+    copied before verify; if the chain is cut at n < N rows, they are restored, the attention KV is cropped, and the
+    n accepted rows are re-run from the saved state (exact; costs one extra forward of n rows on rejection).
+    A per-node recurrent-state path (state of node i = post-update state of parent[i]) can be added here later as
+    another implementation of the same interface.
+
+Targets must run with attn_implementation "sdpa" or "eager" for tree masks (never flash_attention_2).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicCache
+
+from eval.tree import Tree
+from eval.verify import causal_attention_mask, tree_attention_mask, verify_positions
+from eval.walk import compact_rows
+from extract.layers import TapHooks
+
+log = logging.getLogger(__name__)
+
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding")
+MASKABLE_ATTENTION = ("sdpa", "eager")
+
+
+class TreeUnsupportedError(ValueError):
+    """The target cannot verify a tree (recurrent layers, or an attention backend without arbitrary masks)."""
+
+
+def text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def tree_unsupported_reason(config) -> str | None:
+    """Why DDTree cannot verify on a target with this HF config, or None."""
+    text = text_config(config)
+    recurrent = sorted({t for t in (getattr(text, "layer_types", None) or []) if t in RECURRENT_LAYER_TYPES})
+    if recurrent:
+        return (f"target '{text.model_type}' has {', '.join(recurrent)} layers: a tree mask cannot stop recurrent "
+                "state from flowing between branches, and a per-node state path is not implemented "
+                "(ddtree.md §6.7); use 'ar' or 'chain'")
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is not None and impl not in MASKABLE_ATTENTION:
+        return f"target attention '{impl}' cannot take a 4-D tree mask; load the target with attn_implementation='sdpa'"
+    return None
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor  # [rows, V] in the target dtype
+    features: Tensor | None  # [rows, n_taps*D] target taps, None without taps
+
+
+@dataclass
+class VerifyInputs:
+    positions: Tensor  # [1, N] = start + depth
+    mask: object  # additive [1, 1, N, kv_len] tensor, a {layer_type: mask} dict, or None (causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared
+# ----------------------------------------------------------------------------------------------
+
+
+class _Forward:
+    """Runs the HF target with explicit positions/mask/cache, recording the taps."""
+
+    def __init__(self, target, tap_ids: Sequence[int]):
+        self.target = target
+        self.tap_ids = list(tap_ids)
+        cfg = text_config(target.config)
+        types = getattr(cfg, "layer_types", None) or []
+        self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in types else None
+        self.device = target.get_input_embeddings().weight.device
+        self.dtype = target.get_input_embeddings().weight.dtype
+
+    def mask_arg(self, build) -> object:
+        """`build(sliding_window)` -> mask; a per-layer-type dict when the target has sliding layers."""
+        full = build(None)
+        if self.sliding_window is None:
+            return full
+        return {"full_attention": full, "sliding_attention": build(self.sliding_window)}
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor, positions: Tensor, mask, cache, *, last_logits_only=False) -> ForwardOutput:
+        kwargs = dict(input_ids=input_ids.reshape(1, -1), position_ids=positions, attention_mask=mask,
+                      past_key_values=cache, use_cache=True)
+        if last_logits_only:
+            kwargs["logits_to_keep"] = 1
+        if not self.tap_ids:
+            return ForwardOutput(self.target(**kwargs).logits[0], None)
+        with TapHooks(self.target, self.tap_ids) as taps:
+            logits = self.target(**kwargs).logits[0]
+            return ForwardOutput(logits, taps.features()[0])
+
+
+class TargetCache:
+    """The interface (see module docstring). `length` = committed rows = the bonus token's position."""
+
+    supports_tree = True
+    length: int = 0
+
+    def reset(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def prefill(self, input_ids: Tensor) -> ForwardOutput:
+        raise NotImplementedError
+
+    def verify_inputs(self, tree: Tree) -> VerifyInputs:
+        raise NotImplementedError
+
+    def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
+        raise NotImplementedError
+
+    def commit(self, path: Tensor, n: int, contiguous: bool) -> None:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------------------------
+# KV targets
+# ----------------------------------------------------------------------------------------------
+
+
+class StaticKV(Cache):
+    """HF cache over one preallocated buffer kv [layers, 2, 1, KVH, capacity, hd].
+
+    `update` writes the new K/V rows at `write_rows` (int64 [q], set before each forward) and returns the whole
+    capacity; the caller's mask hides rows that are not committed or not part of this forward.
+    """
+
+    is_compileable = True
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        super().__init__(layers=[])
+        self.kv = torch.zeros(num_layers, 2, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.write_rows = torch.zeros(0, dtype=torch.long, device=device)
+        self.capacity = capacity
+
+    def __len__(self):
+        return self.kv.shape[0]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        keys.index_copy_(2, self.write_rows, key_states)
+        values.index_copy_(2, self.write_rows, value_states)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError("StaticKV has no implicit length: pass position_ids and a 4-D mask")
+
+
+class KVTargetCache(TargetCache):
+    """A target with only (full or sliding) attention layers; dynamic (reference) or static (+ CUDA graphs)."""
+
+    def __init__(self, target, tap_ids: Sequence[int], *, static: bool = False, graphs: bool = False):
+        reason = tree_unsupported_reason(target.config)
+        if reason and "recurrent" in reason:
+            raise TreeUnsupportedError(reason)
+        self.forward = _Forward(target, tap_ids)
+        self.static = static
+        self.graphs = graphs and static and self.forward.device.type == "cuda"
+        self.kv: StaticKV | None = None
+        self.dynamic: DynamicCache | None = None
+        self.length = 0
+        self._graphs: dict[int, _GraphedVerify] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def reset(self, capacity: int) -> None:
+        self.length = 0
+        if not self.static:
+            self.dynamic = DynamicCache()
+            return
+        if self.kv is None or self.kv.capacity < capacity:
+            cfg = text_config(self.forward.target.config)
+            heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            capacity = -(-capacity // 256) * 256  # buckets: graphs are reused across similar lengths
+            self.kv = None
+            self._graphs.clear()
+            self.kv = StaticKV(cfg.num_hidden_layers, heads, head_dim, capacity, self.forward.dtype, self.forward.device)
+
+    # -- forwards ---------------------------------------------------------------------------------
+
+    def prefill(self, input_ids: Tensor) -> ForwardOutput:
+        S = input_ids.shape[-1]
+        positions = torch.arange(S, device=self.forward.device).unsqueeze(0)
+        if self.static:
+            self.kv.write_rows = torch.arange(S, device=self.forward.device)
+            mask = self.forward.mask_arg(lambda w: causal_attention_mask(
+                S, 0, self.kv.capacity, self.forward.dtype, self.forward.device, sliding_window=w))
+            out = self.forward(input_ids, positions, mask, self.kv, last_logits_only=True)
+        else:
+            out = self.forward(input_ids, positions, None, self.dynamic, last_logits_only=True)
+        self.length = S
+        return out
+
+    def verify_inputs(self, tree: Tree) -> VerifyInputs:
+        kv_len = self.kv.capacity if self.static else self.length + tree.size
+        mask = self.forward.mask_arg(lambda w: tree_attention_mask(
+            tree, self.length, kv_len, self.forward.dtype, sliding_window=w))
+        return VerifyInputs(verify_positions(tree, self.length), mask)
+
+    def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
+        if not self.static:
+            return self.forward(tree.tokens, vin.positions, vin.mask, self.dynamic)
+        rows = torch.arange(self.length, self.length + tree.size, device=self.forward.device)
+        if self.graphs:
+            graph = self._graphs.get(tree.size)
+            if graph is None:
+                graph = self._graphs[tree.size] = _GraphedVerify(self, tree.size)
+            out = graph(tree.tokens, vin.positions, vin.mask, rows)
+            if out is not None:
+                return out
+            self.graphs = False  # the self-check failed: eager from now on
+        self.kv.write_rows = rows
+        return self.forward(tree.tokens, vin.positions, vin.mask, self.kv)
+
+    def eager_static_verify(self, ids, positions, mask, rows) -> ForwardOutput:
+        self.kv.write_rows = rows
+        return self.forward(ids, positions, mask, self.kv)
+
+    # -- commit -----------------------------------------------------------------------------------
+
+    def commit(self, path: Tensor, n: int, contiguous: bool) -> None:
+        """Keep rows length+path[:n] as rows length..length+n-1 (skip the move when path[:n] == arange(n))."""
+        keep = path[:n]
+        if self.static:
+            if not contiguous:
+                compact_rows(self.kv.kv, 4, self.length, keep)
+        else:
+            end = self.length + n
+            for layer in self.dynamic.layers:
+                if not contiguous:
+                    compact_rows(layer.keys, 2, self.length, keep)
+                    compact_rows(layer.values, 2, self.length, keep)
+                layer.keys = layer.keys[:, :, :end]
+                layer.values = layer.values[:, :, :end]
+        self.length += n
+
+
+class _GraphedVerify:
+    """One CUDA graph of the static-cache verify forward for a fixed row count N (and the cache's capacity).
+
+    Static inputs: ids [N], positions [1, N], mask(s) [1, 1, N, capacity], write rows [N]; outputs logits/features
+    live in the graph's pool and are overwritten by the next replay. Nothing inside depends on host values.
+    """
+
+    def __init__(self, cache: KVTargetCache, N: int):
+        self.cache = cache
+        self.N = N
+        self.graph = None
+        self.checked = False
+
+    def _capture(self, ids, positions, mask, rows) -> None:
+        c = self.cache
+        self.ids, self.positions, self.rows = ids.clone(), positions.clone(), rows.clone()
+        self.mask = {k: v.clone() for k, v in mask.items()} if isinstance(mask, dict) else mask.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up (allocator, cuBLAS handles) outside the graph
+                c.eager_static_verify(self.ids, self.positions, self.mask, self.rows)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = c.eager_static_verify(self.ids, self.positions, self.mask, self.rows)
+
+    def __call__(self, ids, positions, mask, rows) -> ForwardOutput | None:
+        if self.graph is None:
+            try:
+                self._capture(ids, positions, mask, rows)
+            except Exception as exc:  # e.g. a host sync inside the model's forward
+                log.warning("CUDA-graph capture of the verify forward (N=%d) failed: %s; graphs disabled", self.N, exc)
+                return None
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.rows.copy_(rows)
+        if isinstance(mask, dict):
+            for k, v in mask.items():
+                self.mask[k].copy_(v)
+        else:
+            self.mask.copy_(mask)
+        self.graph.replay()
+        if not self.checked:  # first replay: compare with the eager forward on the same inputs (same KV rows)
+            self.checked = True
+            graph_logits = self.out.logits.clone()
+            eager = self.cache.eager_static_verify(self.ids, self.positions, self.mask, self.rows)
+            err = (graph_logits.float() - eager.logits.float()).abs().max().item()
+            scale = eager.logits.float().abs().max().item() + 1e-6
+            if err > 1e-2 * scale:
+                log.warning("CUDA-graph verify (N=%d) differs from eager by %.3g (scale %.3g): graphs disabled",
+                            self.N, err, scale)
+                return None
+            return eager
+        return self.out
+
+
+# ----------------------------------------------------------------------------------------------
+# Hybrid (recurrent) targets
+# ----------------------------------------------------------------------------------------------
+
+
+def _recurrent_layers(cache: DynamicCache):
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+class RecurrentTargetCache(TargetCache):
+    """Hybrid target (linear-attention + attention layers): AR and chain only; rollback by state copy + re-run."""
+
+    supports_tree = False
+
+    def __init__(self, target, tap_ids: Sequence[int]):
+        self.forward = _Forward(target, tap_ids)
+        self.config = target.config
+        self.cache: DynamicCache | None = None
+        self.length = 0
+        self._saved: list[tuple[Tensor, Tensor]] | None = None
+        self._tokens: Tensor | None = None
+
+    def reset(self, capacity: int) -> None:
+        self.cache = DynamicCache(config=self.config)
+        self.length = 0
+
+    def prefill(self, input_ids: Tensor) -> ForwardOutput:
+        S = input_ids.shape[-1]
+        positions = torch.arange(S, device=self.forward.device).unsqueeze(0)
+        out = self.forward(input_ids, positions, None, self.cache, last_logits_only=True)
+        self.length = S
+        return out
+
+    def verify_inputs(self, tree: Tree) -> VerifyInputs:
+        if tree.kind == "tree":
+            raise TreeUnsupportedError(tree_unsupported_reason(self.config) or "recurrent target: no tree verify")
+        return VerifyInputs(verify_positions(tree, self.length), None)  # root/chain: plain causal rows
+
+    def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
+        states = []
+        for layer in _recurrent_layers(self.cache):
+            for table in (layer.conv_states, layer.recurrent_states):
+                for idx, t in table.items():
+                    if t is not None:
+                        states.append((t, t.clone()))
+        self._saved = states
+        self._tokens = tree.tokens
+        return self.forward(tree.tokens, vin.positions, None, self.cache)
+
+    def commit(self, path: Tensor, n: int, contiguous: bool) -> None:
+        if not contiguous:
+            raise TreeUnsupportedError("recurrent target: only chain prefixes can be committed")
+        N = self._tokens.shape[0]
+        if n < N:
+            for live, saved in self._saved:
+                live.copy_(saved)
+            for layer in self.cache.layers:
+                if hasattr(layer, "keys") and getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    layer.keys = layer.keys[:, :, : self.length]
+                    layer.values = layer.values[:, :, : self.length]
+            positions = torch.arange(self.length, self.length + n, device=self.forward.device).unsqueeze(0)
+            with torch.no_grad():
+                self.forward.target(input_ids=self._tokens[:n].reshape(1, -1), position_ids=positions,
+                                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self._saved = self._tokens = None
+        self.length += n
+
+
+# ----------------------------------------------------------------------------------------------
+# Factory (one cache per target/taps/impl, reused across decode calls)
+# ----------------------------------------------------------------------------------------------
+
+_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+IMPLS = ("auto", "dynamic", "static", "graphs")
+
+
+def target_cache(target, tap_ids: Sequence[int] = (), impl: str = "auto") -> TargetCache:
+    """The target's cache object. impl: 'dynamic' (reference), 'static', 'graphs' (static + CUDA graphs; CUDA
+    only), or 'auto' (graphs on CUDA, dynamic on CPU). Hybrid targets always get the recurrent cache."""
+    if impl not in IMPLS:
+        raise ValueError(f"cache impl must be one of {IMPLS}, got {impl!r}")
+    device = target.get_input_embeddings().weight.device
+    if impl == "auto":
+        impl = "graphs" if device.type == "cuda" else "dynamic"
+    recurrent = any(t in RECURRENT_LAYER_TYPES for t in (getattr(text_config(target.config), "layer_types", None) or []))
+    key = ("recurrent" if recurrent else impl, tuple(tap_ids))
+    per_target = _CACHES.setdefault(target, {})
+    if key not in per_target:
+        if recurrent:
+            per_target[key] = RecurrentTargetCache(target, tap_ids)
+        else:
+            per_target[key] = KVTargetCache(target, tap_ids, static=impl in ("static", "graphs"), graphs=impl == "graphs")
+    return per_target[key]

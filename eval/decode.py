@@ -1,0 +1,197 @@
+"""ONE decode loop for autoregressive, DFlash-chain and DDTree decoding (batch 1) against an HF target.
+
+Every method is the same round on a different tree (eval/tree.py layout; root = the bonus token):
+
+    prefill   target on the prompt -> first bonus token (the first new token) and the prompt's tap features
+    round     draft       drafter.draft_logits(ctx features, bonus, start) -> [L, V]  (L = B-1; skipped for AR)
+              tree_build  AR: root only | chain: argmax of each row | DDTree: best-first top-`budget` prefixes;
+                          then verify positions (start + depth) and the 4-D ancestor mask
+              verify      one target forward over the 1+n tree rows (logits + taps)
+              walk_commit target choice per row (argmax / one sample per row), device walk, ONE host read
+                          (accepted count, bonus, path tokens), KV compaction to the accepted path, drafter
+                          context = target features gathered at the accepted nodes (index_select with the path)
+    emits     accepted drafted tokens + the new bonus; tau = 1 + accepted (AR: 1)
+
+Lossless: at T = 0 the output equals AR greedy decoding token for token; at T > 0 each row is sampled from
+softmax(logits / T) with one uniform per row position (drawn for a fixed maximum row count per round from a
+seeded generator, so the stream does not depend on the tree's shape) and the same walk rule applies.
+The prefill is timed separately and excluded from `timings["decode"]`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from eval.cache import TreeUnsupportedError, target_cache, tree_unsupported_reason
+from eval.tree import build_tree, build_tree_heap, chain_tree, root_tree, tree_size
+from eval.walk import target_choices, walk_tree
+
+METHODS = ("ar", "chain", "ddtree")
+BUILDERS = {"device": build_tree, "heap": build_tree_heap}
+PHASES = ("draft", "tree_build", "verify", "walk_commit")
+
+
+@dataclass
+class DecodeResult:
+    """One decoded response (documented for eval/stage.py in /work/helpers/notes/F-to-G.md)."""
+
+    method: str
+    budget: int | None
+    temperature: float
+    prompt_len: int
+    output_ids: list[int]  # new tokens only; includes the stop token that ended decoding; <= max_new_tokens
+    num_new_tokens: int
+    num_rounds: int  # verify rounds after the prefill
+    accept_lengths: list[int]  # tau per round = 1 + accepted drafted tokens (AR: 1)
+    accepted_drafts: list[int]  # tau - 1 per round
+    draft_depths: list[int]  # deepest drafted depth offered per round (AR 0, chain B-1, DDTree the tree's depth)
+    tree_sizes: list[int]  # drafted nodes verified per round (root excluded)
+    timings: dict[str, float] = field(default_factory=dict)  # prefill, decode, draft, tree_build, verify, walk_commit
+    stop_reason: str = "max_new_tokens"  # or "stop_token"
+
+
+class _Clock:
+    """Phase timer; on CUDA each boundary synchronizes so the time lands in the phase that spent it."""
+
+    def __init__(self, device: torch.device, phases: bool):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.phases = phases
+        self.totals = {p: 0.0 for p in PHASES}
+        self._t = 0.0
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self.phases:
+            self._t = self.now()
+
+    def lap(self, phase: str) -> None:
+        if self.phases:
+            t = self.now()
+            self.totals[phase] += t - self._t
+            self._t = t
+
+
+def _prompt_tensor(prompt_ids, device) -> Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(device)
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty")
+    return ids
+
+
+def decode(method: str, target, drafter, prompt_ids: Sequence[int] | Tensor, *, max_new_tokens: int,
+           budget: int | None = None, temperature: float = 0.0, seed: int = 0, stop_token_ids: Sequence[int] = (),
+           tree_builder: str = "device", cache_impl: str = "auto", phase_timing: bool = True) -> DecodeResult:
+    """Decode one response with `method` ('ar' | 'chain' | 'ddtree'); see the module docstring.
+
+    target: HF causal LM (sdpa/eager attention for 'ddtree'). drafter: train.model.DFlashDrafter with the target
+    head attached (unused for 'ar'). budget: DDTree node budget. tree_builder: 'device' (default) or 'heap' (the
+    CPU reference, identical trees). cache_impl: eval.cache.target_cache impl ('auto': CUDA graphs on GPU,
+    dynamic KV on CPU). phase_timing: synchronize at phase boundaries to fill the per-phase timings.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if method != "ar" and drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter")
+    if method == "ddtree":
+        if budget is None or int(budget) < 1:
+            raise ValueError(f"method 'ddtree' needs budget >= 1, got {budget}")
+        reason = tree_unsupported_reason(target.config)
+        if reason:
+            raise TreeUnsupportedError(reason)
+        if tree_builder not in BUILDERS:
+            raise ValueError(f"tree_builder must be one of {sorted(BUILDERS)}, got {tree_builder!r}")
+    with torch.no_grad():
+        return _decode(method, target, drafter, prompt_ids, max_new_tokens, budget if method == "ddtree" else None,
+                       float(temperature), seed, set(int(t) for t in stop_token_ids), tree_builder, cache_impl,
+                       phase_timing)
+
+
+def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, temperature, seed, stop, tree_builder,
+            cache_impl, phase_timing) -> DecodeResult:
+    device = target.get_input_embeddings().weight.device
+    prompt = _prompt_tensor(prompt_ids, device)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    L = 0 if method == "ar" else drafter.args.block_size - 1
+    rows_max = {"ar": 1, "chain": 1 + L, "ddtree": 1 + tree_size(budget or 0, L, vocab)}[method]
+    taps = () if method == "ar" else tuple(drafter.args.target_layer_ids)
+    cache = target_cache(target, taps, cache_impl)
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+
+    def uniforms() -> Tensor | None:  # one uniform per row position, fixed count per round
+        return None if generator is None else torch.rand(rows_max, generator=generator, device=device)
+
+    clock = _Clock(device, phase_timing)
+    t0 = clock.now()
+    cache.reset(prompt.numel() + max_new_tokens + rows_max + 1)
+    out = cache.prefill(prompt)
+    bonus_dev = target_choices(out.logits[-1:], temperature, uniforms())
+    bonus = int(bonus_dev)
+    context = out.features
+    draft_cache = drafter.new_cache() if method != "ar" else None
+    t1 = clock.now()
+
+    output: list[int] = []
+    result = DecodeResult(method, budget, temperature, prompt.numel(), output, 0, 0, [], [], [], [])
+
+    def emit(tokens: list[int]) -> bool:
+        """Append new tokens; True when decoding must stop (stop token or max_new_tokens)."""
+        for t in tokens:
+            output.append(t)
+            if t in stop:
+                result.stop_reason = "stop_token"
+                return True
+            if len(output) >= max_new_tokens:
+                return True
+        return False
+
+    done = emit([bonus])
+    build = BUILDERS.get(tree_builder, build_tree)
+    while not done:
+        clock.start()
+        if method != "ar":
+            draft_logits = drafter.draft_logits(draft_cache, context.unsqueeze(0), bonus, cache.length)
+        clock.lap("draft")
+        if method == "ar":
+            tree = root_tree(bonus_dev, device)
+        elif method == "chain":
+            tree = chain_tree(draft_logits, bonus_dev)
+        else:
+            tree = build(draft_logits, budget, bonus_dev)
+        vin = cache.verify_inputs(tree)
+        clock.lap("tree_build")
+        out = cache.verify(tree, vin)
+        clock.lap("verify")
+        choices = target_choices(out.logits, temperature, uniforms())
+        walk = walk_tree(tree, choices)
+        record = walk.host_record(tree).tolist()  # the round's one host sync
+        accepted, bonus, depth = record[0], record[1], record[2]
+        path = record[3: 3 + tree.depth_limit + 1][: accepted + 1]
+        path_tokens = record[3 + tree.depth_limit + 1:][1: accepted + 1]
+        cache.commit(walk.path, accepted + 1, contiguous=path == list(range(accepted + 1)))
+        if out.features is not None:
+            context = out.features.index_select(0, walk.path[: accepted + 1])
+        bonus_dev = walk.bonus
+        result.accept_lengths.append(accepted + 1)
+        result.accepted_drafts.append(accepted)
+        result.draft_depths.append(depth)
+        result.tree_sizes.append(tree.num_nodes)
+        done = emit(path_tokens + [bonus])
+        clock.lap("walk_commit")
+    t2 = clock.now()
+
+    result.num_new_tokens = len(output)
+    result.num_rounds = len(result.accept_lengths)
+    result.timings = {"prefill": t1 - t0, "decode": t2 - t1, **clock.totals}
+    return result

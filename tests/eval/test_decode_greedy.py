@@ -1,0 +1,218 @@
+"""eval/decode.py at T=0: chain and DDTree are token-for-token identical to AR greedy decoding.
+
+Targets are tiny random HF models (fp32, CPU). Drafters: D's random-init DFlashDrafter (accepts almost nothing)
+and an oracle drafter whose logits rank the target's own greedy continuation first, second (behind a decoy) or
+not at all, so walks accept deep paths through siblings (non-contiguous KV compaction). The oracle also checks,
+every round, that the context features it receives are the target's taps at exactly the committed positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.cache import TreeUnsupportedError, tree_unsupported_reason
+from eval.decode import decode
+from extract.layers import forward_taps
+from pipeline.config import TargetConfig
+from pipeline.target import load_target, materialize_target
+from train.model import DFlashDrafter, DrafterArgs
+
+from tests.conftest import CACHE
+
+BLOCK = 8
+TAPS = [1, 3, 5]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models are ~20x faster on one thread than on two contended ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_target(model_type: str, **overrides):
+    tcfg = TargetConfig(model=f"random:{model_type}", random_init=overrides, device="cpu", dtype="float32")
+    return load_target(materialize_target(tcfg, CACHE), tcfg)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_target("qwen3")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_target("llama")
+
+
+def random_drafter(target, seed: int = 0) -> DFlashDrafter:
+    cfg = target.config
+    args = DrafterArgs(hidden_size=cfg.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, intermediate_size=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                       vocab_size=cfg.vocab_size, block_size=BLOCK, mask_token_id=259, target_layer_ids=TAPS,
+                       num_target_layers=cfg.num_hidden_layers)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(args).eval()
+    drafter.attach_target_head(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    return drafter
+
+
+class OracleCache:
+    def __init__(self):
+        self.length = 0
+
+
+class OracleDrafter:
+    """The drafter protocol of train.model.DFlashDrafter, drafting from the target's known greedy continuation."""
+
+    def __init__(self, target, prompt: list[int], greedy: list[int], seed: int, decoy: float = 0.25, miss: float = 0.1):
+        self.seq = prompt + greedy
+        self.args = random_drafter(target).args
+        self.vocab = target.config.vocab_size
+        self.features = forward_taps(target, torch.tensor([self.seq]), TAPS)[0]
+        self.seed, self.decoy, self.miss = seed, decoy, miss
+        self.context_rows_checked = 0
+
+    def new_cache(self):
+        return OracleCache()
+
+    def draft_logits(self, cache, new_context_features, bonus_token, start):
+        T_new = new_context_features.shape[1]
+        assert cache.length + T_new == start, "context bookkeeping: cache rows + new rows must reach start"
+        assert bonus_token == self.seq[start], "the bonus token is the committed token at `start`"
+        ref = self.features[cache.length:start]
+        assert torch.allclose(new_context_features[0], ref, atol=1e-4), "context must be the committed rows' taps"
+        self.context_rows_checked += T_new
+        cache.length = start
+        gen = torch.Generator().manual_seed(self.seed * 100003 + start)
+        logits = torch.randn(BLOCK - 1, self.vocab, generator=gen) * 0.5
+        for k in range(1, BLOCK):
+            if start + k >= len(self.seq):
+                continue
+            u = float(torch.rand((), generator=gen))
+            true = self.seq[start + k]
+            if u < self.miss:
+                continue
+            logits[k - 1, true] = 8.0
+            if u < self.miss + self.decoy:
+                logits[k - 1, (true + 1 + int(torch.randint(50, (1,), generator=gen))) % self.vocab] = 9.0
+        return logits
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (int(torch.randint(4, 30, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def naive_greedy(target, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_ar_equals_naive_greedy_without_cache(qwen3):
+    prompt = prompts(1, 5)[0]
+    ar = decode("ar", qwen3, None, prompt, max_new_tokens=24)
+    assert ar.output_ids == naive_greedy(qwen3, prompt, 24)
+    assert ar.accept_lengths == [1] * 23 and ar.num_rounds == 23 and ar.num_new_tokens == 24
+    assert ar.draft_depths == [0] * 23 and ar.timings["decode"] > 0 and ar.timings["prefill"] > 0
+
+
+@pytest.mark.parametrize("target_name", ["qwen3", "llama"])
+def test_chain_and_ddtree_equal_ar_greedy_with_random_drafter(target_name, request):
+    target = request.getfixturevalue(target_name)
+    drafter = random_drafter(target)
+    for prompt in prompts(3, 1):
+        ar = decode("ar", target, None, prompt, max_new_tokens=32).output_ids
+        assert decode("chain", target, drafter, prompt, max_new_tokens=32).output_ids == ar
+        for budget in (1, 2, 16, 64):
+            res = decode("ddtree", target, drafter, prompt, max_new_tokens=32, budget=budget)
+            assert res.output_ids == ar, (prompt, budget)
+            assert all(1 <= t <= BLOCK for t in res.accept_lengths)
+            assert all(s == min(budget, 320 ** 7) for s in res.tree_sizes)
+
+
+@pytest.mark.parametrize("target_name", ["qwen3", "llama"])
+def test_chain_and_ddtree_equal_ar_greedy_with_deep_acceptance(target_name, request):
+    target = request.getfixturevalue(target_name)
+    for i, prompt in enumerate(prompts(4, 2)):
+        ar = decode("ar", target, None, prompt, max_new_tokens=40).output_ids
+        oracle = OracleDrafter(target, prompt, naive_greedy(target, prompt, 40 + BLOCK), seed=i)
+        assert ar == oracle.seq[len(prompt): len(prompt) + 40]
+        chain = decode("chain", target, oracle, prompt, max_new_tokens=40)
+        assert chain.output_ids == ar and max(chain.accept_lengths) > 2
+        for budget in (1, 2, 16, 64):
+            res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=budget)
+            assert res.output_ids == ar, (prompt, budget)
+            assert res.num_new_tokens == 40 and res.stop_reason == "max_new_tokens"
+            assert 1 + sum(res.accept_lengths) >= 40 and res.accepted_drafts == [t - 1 for t in res.accept_lengths]
+            if budget >= 16:  # decoys at rank 0 push the true token to a later sibling: deep, non-contiguous paths
+                assert sum(res.accept_lengths) / res.num_rounds > sum(chain.accept_lengths) / chain.num_rounds
+                assert max(res.accept_lengths) == BLOCK and all(d <= BLOCK - 1 for d in res.draft_depths)
+        assert oracle.context_rows_checked > 0
+
+
+def test_heap_builder_static_cache_and_dynamic_cache_decode_identically(qwen3):
+    prompt = prompts(1, 3)[0]
+    oracle = OracleDrafter(qwen3, prompt, naive_greedy(qwen3, prompt, 30 + BLOCK), seed=7)
+    runs = [decode("ddtree", qwen3, oracle, prompt, max_new_tokens=30, budget=24, tree_builder=b, cache_impl=c)
+            for b, c in [("device", "dynamic"), ("heap", "dynamic"), ("device", "static"), ("heap", "static")]]
+    ref = runs[0]
+    for r in runs[1:]:
+        assert (r.output_ids, r.accept_lengths, r.draft_depths) == (ref.output_ids, ref.accept_lengths, ref.draft_depths)
+    chain_static = decode("chain", qwen3, oracle, prompt, max_new_tokens=30, cache_impl="static")
+    assert chain_static.output_ids == ref.output_ids
+
+
+def test_stop_token_in_the_middle_of_an_accepted_path_truncates_after_it(qwen3):
+    prompt = prompts(1, 4)[0]
+    greedy = naive_greedy(qwen3, prompt, 40 + BLOCK)
+    oracle = OracleDrafter(qwen3, prompt, greedy, seed=3, decoy=0.0, miss=0.0)
+    full = decode("ddtree", qwen3, oracle, prompt, max_new_tokens=40, budget=16)
+    # a token emitted mid-round (not the round's last) that does not occur earlier in the output
+    emitted = 1
+    for tau in full.accept_lengths:
+        if tau >= 3:
+            idx = emitted + 1  # second token of this round's accepted path
+            tok = full.output_ids[idx]
+            if tok not in full.output_ids[:idx]:
+                break
+        emitted += tau
+    else:
+        pytest.fail("no round accepted a path of >= 3 tokens")
+    res = decode("ddtree", qwen3, oracle, prompt, max_new_tokens=40, budget=16, stop_token_ids=[tok])
+    assert res.output_ids == full.output_ids[: idx + 1] and res.stop_reason == "stop_token"
+    chain = decode("chain", qwen3, oracle, prompt, max_new_tokens=40, stop_token_ids=[tok])
+    assert chain.output_ids == res.output_ids
+    first = decode("ar", qwen3, None, prompt, max_new_tokens=40, stop_token_ids=[full.output_ids[0]])
+    assert first.output_ids == full.output_ids[:1] and first.num_rounds == 0
+
+
+def test_hybrid_target_ar_and_chain_equal_greedy_and_ddtree_refuses():
+    hybrid = tiny_target("qwen3_5_text")
+    assert tree_unsupported_reason(hybrid.config)
+    for i, prompt in enumerate(prompts(2, 6)):
+        greedy = naive_greedy(hybrid, prompt, 24 + BLOCK)
+        ar = decode("ar", hybrid, None, prompt, max_new_tokens=24)
+        assert ar.output_ids == greedy[:24]
+        oracle = OracleDrafter(hybrid, prompt, greedy, seed=i)
+        chain = decode("chain", hybrid, oracle, prompt, max_new_tokens=24)
+        assert chain.output_ids == greedy[:24]
+        assert any(1 < t < BLOCK for t in chain.accept_lengths)  # partial acceptances: state rollback exercised
+        with pytest.raises(TreeUnsupportedError, match="linear_attention"):
+            decode("ddtree", hybrid, oracle, prompt, max_new_tokens=24, budget=16)
+
+
+def test_bad_arguments_are_refused_with_clear_messages(qwen3):
+    with pytest.raises(ValueError, match="method"):
+        decode("beam", qwen3, None, [5, 6], max_new_tokens=4)
+    with pytest.raises(ValueError, match="budget"):
+        decode("ddtree", qwen3, random_drafter(qwen3), [5, 6], max_new_tokens=4)
+    with pytest.raises(ValueError, match="drafter"):
+        decode("chain", qwen3, None, [5, 6], max_new_tokens=4)
