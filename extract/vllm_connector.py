@@ -40,6 +40,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
+try:
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+except ImportError:  # older vLLM: no sync checker
+    from contextlib import nullcontext as gpu_sync_allowed
+
 from extract.store import as_bytes, encode_features, pwrite_all
 
 if TYPE_CHECKING:
@@ -135,7 +140,7 @@ class ShardHiddenStatesConnector(ExampleHiddenStatesConnector):
             ready = torch.cuda.Event()
             ready.record()
             copy_stream.wait_event(ready)
-            with torch.cuda.stream(copy_stream):
+            with torch.cuda.stream(copy_stream), gpu_sync_allowed():  # as the stock connector: a small H2D
                 hs = extract_from_kv_cache(cache, slots.to(cache.device, non_blocking=True), T)  # [T, n, D]
                 data, scales = encode_features(hs.reshape(T, -1), dest["num_taps"], dest["storage_dtype"])
                 host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
