@@ -155,3 +155,20 @@ def test_bf16_training_keeps_fp32_master_weights_and_optimizer_state(zero_stage)
     stepped = [(p, s) for p, s in engine.basic_optimizer.state.items() if "exp_avg" in s]
     assert stepped and all(p.dtype == torch.float32 and s["exp_avg"].dtype == torch.float32 for p, s in stepped)
     assert sum(p.numel() for p, _ in stepped) == sum(p.numel() for p in engine.module.parameters())
+
+
+def test_training_benchmark_runs_the_trainer_and_bare_steps_at_the_tiny_shape():
+    import importlib.util
+    import sys
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "benchmarks" / "bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_train"] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    results = [bench.run_variant(v, bench.SHAPES["tiny"], 2, torch.device("cpu"), steps=1, warmup=0, zero_stage=2,
+                                 peak=None) for v in ("trainer-dense", "bare-dense-row2")]
+    for r in results:
+        assert r.ok and r.ms_per_seq > 0 and r.tflops_per_s > 0 and math.isfinite(r.loss)
+    assert results[0].loss == pytest.approx(results[1].loss, rel=1e-4)  # same init, same batch, same first loss
