@@ -184,7 +184,9 @@ def regenerate(generator, tokenizer, items: list[tuple[str, object]], cfg: RunCo
             seeds.append(request_seed(r.seed, cid, turn))
         if not todo:
             break
-        for (cid, _), gen in zip(todo, generator.generate(prompts, limits, seeds)):
+        gens = _generate_isolating_failures(generator, todo, prompts, limits, seeds, failures, turn)
+        todo = [item for item in todo if item[0] not in failures]
+        for (cid, _), gen in zip(todo, gens):
             body = gen.token_ids[:-1] if gen.finish_reason == "stop" else gen.token_ids
             text = tokenizer.decode(body, skip_special_tokens=False)
             a = done[cid]
@@ -194,6 +196,26 @@ def regenerate(generator, tokenizer, items: list[tuple[str, object]], cfg: RunCo
         active = todo
         turn += 1
     return {cid: a for cid, a in done.items() if cid not in failures}, failures
+
+
+def _generate_isolating_failures(generator, todo, prompts, limits, seeds, failures, turn):
+    """One backend call for the round; if it raises, retry request by request and record the requests
+    that still fail as 'generation_error' (returns the generations of the others, in order). If every
+    request fails the problem is not the input: re-raise."""
+    try:
+        return generator.generate(prompts, limits, seeds)
+    except Exception as batch_error:  # noqa: BLE001 - isolate the bad request, keep the job alive
+        log.warning("regen: a batch of %d failed (%s); retrying one by one", len(todo), batch_error)
+        gens, last = [], batch_error
+        for (cid, _), p, m, s in zip(todo, prompts, limits, seeds):
+            try:
+                gens.append(generator.generate([p], [m], [s])[0])
+            except Exception as e:  # noqa: BLE001
+                failures[cid] = ("generation_error", f"turn {turn}: {type(e).__name__}: {e}"[:300])
+                last = e
+        if not gens:
+            raise last
+        return gens
 
 
 def _with_regen_metadata(metadata: str | None, info: dict) -> str:

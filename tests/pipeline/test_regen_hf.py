@@ -11,7 +11,7 @@ from pipeline.conversation import end_of_turn_ids, prompt_ids, strip_reasoning
 from pipeline.generate_hf import HFGenerator
 from pipeline.generation import Sampling
 from pipeline.target import build_byte_tokenizer, load_target, load_tokenizer, materialize_target
-from tests.conftest import CACHE, REPO
+from tests.conftest import CACHE
 
 TEXTS = ["hello there", "What is 2+2? Explain in detail, step by step.", "x",
          "Write a short poem about the sea, the sky and the birds that fly between them.",

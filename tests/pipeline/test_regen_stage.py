@@ -196,3 +196,23 @@ def test_kill_9_during_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
     write_curated(clean.run_dir, single_turn(24))
     run_regen(clean)
     assert regen_rows(clean.run_dir) == resumed
+
+
+def test_a_request_the_model_cannot_run_fails_alone_with_its_reason(tmp_path):
+    from pipeline.conversation import skeleton
+    from pipeline.regen import regenerate
+
+    cfg = make_config(tmp_path, overrides=["regen.max_new_tokens=8"])
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tok = load_tokenizer(location, cfg.target)
+    model = load_target(location, cfg.target)
+    extra = [f"<extra_{i}>" for i in range(model.config.vocab_size - len(tok) + 1)]
+    tok.add_tokens(extra)  # the last one has no embedding row: the forward raises IndexError on it
+    gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=model.config.vocab_size,
+                      stop_ids=end_of_turn_ids(tok, location), sampling=Sampling(), batch_size=4)
+    items = [("ok/0", skeleton([{"role": "user", "content": "fine"}])),
+             ("bad", skeleton([{"role": "user", "content": f"unknown {extra[-1]} token"}])),
+             ("ok/1", skeleton([{"role": "user", "content": "also fine"}]))]
+    done, failures = regenerate(gen, tok, items, cfg)
+    assert sorted(done) == ["ok/0", "ok/1"] and all(len(a.answers) == 1 for a in done.values())
+    assert failures["bad"][0] == "generation_error" and "IndexError" in failures["bad"][1]

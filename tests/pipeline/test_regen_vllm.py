@@ -27,6 +27,14 @@ QUESTIONS = [json.loads(line)["question"] for line in (REPO / "data/prompts/gsm8
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        # engine core in a child process: an in-process vLLM CPU worker pins this process's OpenMP threads and
+        # turns torch.set_num_threads into a no-op for every test that runs after it
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        yield from _engines(tmp_path_factory)
+
+
+def _engines(tmp_path_factory):
     cfg = make_config(tmp_path_factory.mktemp("vllm"), overrides=[
         RANDOM_INIT, "regen.backend=vllm", "regen.max_model_len=1024", "regen.gpu_memory_utilization=0.12",
         "regen.enforce_eager=true", "regen.max_new_tokens=48", "regen.batch_size=8"])
