@@ -72,10 +72,12 @@ class _Job:
 class DiskSink:
     """Moves encoded feature batches from the device into shard files without stalling the device.
 
-    ``submit`` queues an async D2H copy (CUDA) into one of ``staging_buffers`` pinned buffers and returns;
-    writer threads ``pwrite`` the bytes in parallel chunks, one hash thread feeds them in token order to
-    the shard's streaming sha256.  A buffer is reused once its bytes are written and hashed.  On CPU the
-    encoded tensors are written directly (no staging), with at most ``staging_buffers`` batches in flight.
+    ``submit`` queues an async D2H copy (CUDA) into one of ``staging_buffers`` pinned buffers and returns.
+    A dispatcher thread waits for each copy (in submission order) and fans the bytes out to the writer
+    threads (parallel ``pwrite`` chunks) and to the shard's own hash thread, which feeds them in token
+    order to the shard's streaming sha256 — so shards written at the same time are hashed in parallel.
+    A buffer is reused once its bytes are written and hashed.  On CPU the encoded tensors are written
+    directly (no staging), with at most ``staging_buffers`` batches in flight.
     """
 
     def __init__(self, device: torch.device, *, writer_threads: int = 4, staging_buffers: int = 3,
@@ -85,7 +87,8 @@ class DiskSink:
         self.device = device
         self.cuda = device.type == "cuda"
         self.pool = ThreadPoolExecutor(max_workers=max(1, writer_threads), thread_name_prefix="extract-write")
-        self.hash_queue: queue.Queue = queue.Queue()
+        self.copies: queue.Queue = queue.Queue()
+        self.lanes: dict[int, tuple[queue.Queue, threading.Thread]] = {}  # id(writer) -> its hash thread
         self.free: queue.Queue = queue.Queue()
         self.slots = threading.Semaphore(max(1, staging_buffers))
         self.num_buffers = max(1, staging_buffers)
@@ -95,8 +98,8 @@ class DiskSink:
         self.pending: dict[int, int] = {}  # id(writer) -> jobs not finished
         self.cond = threading.Condition()
         self.error: BaseException | None = None
-        self.hasher = threading.Thread(target=self._hash_loop, name="extract-hash", daemon=True)
-        self.hasher.start()
+        self.dispatcher = threading.Thread(target=self._dispatch_loop, name="extract-dispatch", daemon=True)
+        self.dispatcher.start()
 
     # -- main thread -----------------------------------------------------------------------------
     def _staging(self, data_bytes: int, scale_bytes: int):
@@ -144,19 +147,31 @@ class DiskSink:
         job = _Job(writer, token_start, host, host_scales, event, buf)
         with self.cond:
             self.pending[id(writer)] = self.pending.get(id(writer), 0) + 1
-        self.hash_queue.put(job)
+            if id(writer) not in self.lanes:
+                q: queue.Queue = queue.Queue()
+                t = threading.Thread(target=self._hash_loop, args=(q,), name="extract-hash", daemon=True)
+                t.start()
+                self.lanes[id(writer)] = (q, t)
+        self.copies.put(job)
 
     def drain(self, writer: ShardWriter) -> None:
-        """Block until every submitted batch of ``writer`` is written and hashed."""
+        """Block until every submitted batch of ``writer`` is written and hashed; ends its hash thread."""
         with self.cond:
             while self.pending.get(id(writer), 0) and self.error is None:
                 self.cond.wait(timeout=1.0)
             self.pending.pop(id(writer), None)
+            lane = self.lanes.pop(id(writer), None)
+        if lane is not None:
+            lane[0].put(None)
+            lane[1].join()
         self._raise_if_failed()
 
     def close(self) -> None:
-        self.hash_queue.put(None)
-        self.hasher.join()
+        self.copies.put(None)
+        self.dispatcher.join()
+        for q, t in list(self.lanes.values()):
+            q.put(None)
+            t.join()
         self.pool.shutdown(wait=True)
 
     def _raise_if_failed(self) -> None:
@@ -164,9 +179,9 @@ class DiskSink:
             raise RuntimeError("writing features failed") from self.error
 
     # -- background threads ----------------------------------------------------------------------
-    def _hash_loop(self) -> None:
-        """In submission order: wait for the copy, fan the bytes out to the writers, hash them."""
-        while (job := self.hash_queue.get()) is not None:
+    def _dispatch_loop(self) -> None:
+        """In submission order: wait for the copy, fan the bytes out to the writers and the shard's hasher."""
+        while (job := self.copies.get()) is not None:
             try:
                 if job.event is not None:
                     job.event.synchronize()
@@ -179,9 +194,20 @@ class DiskSink:
                 job.remaining = len(chunks) + 1
                 for a, b in chunks:
                     self.pool.submit(self._write, job, raw[a:b], start + a)
+                with self.cond:
+                    lane = self.lanes[id(job.writer)][0]
+                lane.put((job, raw))
+            except BaseException as e:  # noqa: BLE001 — surfaced in the main thread
+                self._fail(e)
+
+    def _hash_loop(self, lane: queue.Queue) -> None:
+        """One shard's bytes, in token order, into its streaming sha256."""
+        while (item := lane.get()) is not None:
+            job, raw = item
+            try:
                 job.writer.hash_features(raw)
                 self._part_done(job)
-            except BaseException as e:  # noqa: BLE001 — surfaced in the main thread
+            except BaseException as e:  # noqa: BLE001
                 self._fail(e)
 
     def _write(self, job: _Job, raw: np.ndarray, offset: int) -> None:
@@ -257,16 +283,26 @@ class HFExtractor:
 
         Returns once every batch is computed and queued; ``wait(writer)`` blocks until the bytes are written,
         so the stage can finish one shard in the background while the device computes the next."""
-        L = writer.layout
-        lengths = [len(x) for x in input_ids]
-        for a, b in plan_batches(lengths, self.ecfg.tokens_per_batch):
-            packed = self.features(input_ids[a:b])
-            data, scales = encode_features(packed, L.num_taps, L.storage_dtype)
-            self.sink.submit(writer, int(writer.sample_offsets[a]), data, scales)
-            n = int(writer.sample_offsets[b] - writer.sample_offsets[a])
-            self.tokens_done += n
-            if progress is not None:
-                progress.update(n)
+        self.extract_units([(writer, input_ids)], progress)
+
+    def extract_units(self, work: Sequence[tuple[ShardWriter, Sequence[np.ndarray]]], progress=None) -> None:
+        """Like `extract_unit` for several shards at once, alternating their batches, so that each shard's
+        sha256 runs on its own thread in parallel (one hash thread per shard is the other ceiling)."""
+        plans = [[(writer, ids, a, b) for a, b in plan_batches([len(x) for x in ids], self.ecfg.tokens_per_batch)]
+                 for writer, ids in work]
+        for k in range(max((len(p) for p in plans), default=0)):
+            for plan in plans:
+                if k >= len(plan):
+                    continue
+                writer, ids, a, b = plan[k]
+                L = writer.layout
+                packed = self.features(ids[a:b])
+                data, scales = encode_features(packed, L.num_taps, L.storage_dtype)
+                self.sink.submit(writer, int(writer.sample_offsets[a]), data, scales)
+                n = int(writer.sample_offsets[b] - writer.sample_offsets[a])
+                self.tokens_done += n
+                if progress is not None:
+                    progress.update(n)
 
     def wait(self, writer: ShardWriter) -> None:
         """Block until every queued batch of ``writer`` is written (and hashed)."""

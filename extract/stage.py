@@ -304,12 +304,13 @@ class _UnitInFlight:
     final: Path
     tmp: Path | None
     writer: ShardWriter | None
+    input_ids: list
     counts: dict
 
 
-def start_unit(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, index: TokenizedIndex, unit: Unit,
-               bar=None) -> _UnitInFlight:
-    """Read and check a unit's samples, open its shard (temp file) and queue its extraction."""
+def open_unit(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, index: TokenizedIndex, unit: Unit,
+              bar=None) -> _UnitInFlight:
+    """Read and check a unit's samples and open its shard (a pre-sized temp file)."""
     data = read_samples(index, np.asarray(unit.rows))
     rows, failed, examples = [], {}, {}
     for r in unit.rows:
@@ -327,7 +328,7 @@ def start_unit(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, in
               "failure_examples": examples}
     final = stage.shard_path(unit.name, SHARD_EXT)
     if not rows:
-        return _UnitInFlight(unit, final, None, None, counts)
+        return _UnitInFlight(unit, final, None, None, [], counts)
     tmp = AtomicFile(final).tmp
     writer = ShardWriter(
         tmp, [index.ids[r] for r in rows], [data[r][0] for r in rows], [data[r][1] for r in rows],
@@ -335,17 +336,19 @@ def start_unit(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, in
         metadata={"rows": rows, "layer_ids": ctx.layer_ids, "layer_convention": LAYER_CONVENTION},
         stream_hash=getattr(backend, "streams_hash", False),
     )
+    return _UnitInFlight(unit, final, tmp, writer, [data[r][0] for r in rows], counts)
+
+
+def _discard(backend, job: _UnitInFlight) -> None:
+    """Abandon a unit after an error: let queued writes finish, then remove its temp file."""
+    if job.writer is None:
+        return
     try:
-        backend.extract_unit(writer, [data[r][0] for r in rows], progress=bar)
-    except BaseException:
-        try:
-            backend.wait(writer)  # let queued writes finish before the file goes away
-        except BaseException:  # noqa: BLE001 — the first error is the one to report
-            pass
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return _UnitInFlight(unit, final, tmp, writer, counts)
+        backend.wait(job.writer)
+    except BaseException:  # noqa: BLE001 — the first error is the one to report
+        pass
+    job.writer.close()
+    job.tmp.unlink(missing_ok=True)
 
 
 def finish_unit(stage: StageDir, backend, job: _UnitInFlight) -> dict:
@@ -370,24 +373,37 @@ def finish_unit(stage: StageDir, backend, job: _UnitInFlight) -> dict:
 
 def extract_units(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, index: TokenizedIndex,
                   units: list[Unit], bar=None) -> None:
-    """Extract units in order; each unit is finished (drain, fsync, rename, sidecar) on a background thread
-    while the device already computes the next one.  At most one unit is finishing at a time."""
+    """Extract units in groups of ``extract.parallel_shards`` (their batches alternate, so each shard's hash
+    thread runs in parallel).  A group is finished (drain, fsync, rename, sidecar) on background threads
+    while the device already computes the next group."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extract-finish") as finisher:
-        pending = None
+    lanes = max(1, cfg.extract.parallel_shards)
+    with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="extract-finish") as finisher:
+        pending: list = []
         try:
-            for unit in units:
-                job = start_unit(stage, ctx, cfg, backend, index, unit, bar)
-                if pending is not None:
-                    pending.result()
-                pending = finisher.submit(finish_unit, stage, backend, job)
-            if pending is not None:
-                pending.result()
-                pending = None
+            for g in range(0, len(units), lanes):
+                jobs = [open_unit(stage, ctx, cfg, backend, index, u, bar) for u in units[g:g + lanes]]
+                work = [(j.writer, j.input_ids) for j in jobs if j.writer is not None]
+                try:
+                    if hasattr(backend, "extract_units"):
+                        backend.extract_units(work, progress=bar)
+                    else:
+                        for writer, ids in work:
+                            backend.extract_unit(writer, ids, progress=bar)
+                except BaseException:
+                    for j in jobs:
+                        _discard(backend, j)
+                    raise
+                for f in pending:
+                    f.result()
+                pending = [finisher.submit(finish_unit, stage, backend, j) for j in jobs]
+            for f in pending:
+                f.result()
+            pending = []
         finally:
-            if pending is not None:
-                pending.cancel()
+            for f in pending:
+                f.cancel()
 
 
 def _finalize(cfg: RunConfig, ctx: ExtractContext, stage: StageDir, index: TokenizedIndex, units: list[Unit],

@@ -139,7 +139,8 @@ class ExtractConfig:
     tensor_parallel_size: int = doc("vLLM tensor parallelism", 1)
     enforce_eager: bool = doc("vLLM: no CUDA graphs / torch.compile (faster start, slower run)", False)
     writer_threads: int = doc("threads writing feature bytes to disk in parallel (pwrite into the shard)", 4)
-    staging_buffers: int = doc("host buffers of `tokens_per_batch` tokens in flight between GPU and disk", 3)
+    staging_buffers: int = doc("host buffers of `tokens_per_batch` tokens in flight between GPU and disk", 4)
+    parallel_shards: int = doc("shards written at once, batches alternating (each shard's sha256 has its own thread)", 2)
 
 
 @dataclass
@@ -214,6 +215,10 @@ class EvalConfig:
     drafter: Optional[str] = doc("drafter dir in the z-lab layout (None = this run's train export)", None)
     seed: int = doc("sampling seed", 0)
     warmup_tokens: int = doc("untimed warm-up decode of this many tokens before each method is timed (0 = none)", 16)
+    phase_timing: bool = doc(
+        "synchronize at phase boundaries to split decode time into draft/tree build/verify/walk (costs a little "
+        "speed on GPU; false for pure speed numbers, the split is then empty)", True
+    )
 
 
 @dataclass

@@ -1,0 +1,62 @@
+"""The hf backend's batching and its device->disk pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from extract.hf import HFExtractor, plan_batches
+from extract.store import Shard, ShardWriter
+from tests.extract.conftest import extract_config
+
+
+def test_batches_respect_the_padded_token_budget():
+    lengths = [900, 500, 300, 300, 200, 100, 100, 100, 50, 10]
+    batches = plan_batches(lengths, 600)
+    assert batches[0] == (0, 1)  # longer than the budget: alone
+    assert [i for a, b in batches for i in range(a, b)] == list(range(len(lengths)))
+    for a, b in batches[1:]:
+        assert (b - a) * lengths[a] <= 600
+    with pytest.raises(ValueError, match="longest first"):
+        plan_batches([1, 2], 10)
+
+
+def test_interleaved_shards_are_each_written_and_hashed_in_order(tmp_path, random_target):
+    from pipeline.runner import sha256_file
+
+    _, model = random_target("qwen3")
+    cfg = extract_config(tmp_path, "extract.tokens_per_batch=128", "extract.storage_dtype=fp8")
+    ex = HFExtractor("x", cfg.target, cfg.extract, [1, 3, 5], model=model, device=torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    work = []
+    for k in range(3):
+        ids = [rng.integers(3, 300, size=n).astype(np.int32) for n in sorted(rng.integers(1, 90, size=9), reverse=True)]
+        w = ShardWriter(tmp_path / f"{k}.safetensors", [f"{k}/{i}" for i in range(len(ids))], ids,
+                        [np.ones(len(x), np.uint8) for x in ids], num_taps=3, hidden_size=64, storage_dtype="fp8",
+                        stream_hash=True)
+        work.append((w, ids))
+    ex.extract_units(work)
+    for k, (w, ids) in enumerate(work):
+        ex.wait(w)
+        assert w.close() == sha256_file(tmp_path / f"{k}.safetensors")
+        sh = Shard(tmp_path / f"{k}.safetensors")
+        for i, x in enumerate(ids):
+            ref = ex.features([x]).float()
+            got = sh.sample(i, torch.float32)["features"]
+            assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.998
+    ex.close()
+
+
+def test_a_failed_write_surfaces_in_the_main_thread_without_hanging(tmp_path, random_target):
+    _, model = random_target("qwen3")
+    cfg = extract_config(tmp_path, "extract.tokens_per_batch=64", "extract.staging_buffers=1")
+    ex = HFExtractor("x", cfg.target, cfg.extract, [1, 3], model=model, device=torch.device("cpu"))
+    ids = [np.arange(3, 40, dtype=np.int32)] * 6
+    w = ShardWriter(tmp_path / "x.safetensors", [str(i) for i in range(6)], ids, [np.ones(37, np.uint8)] * 6,
+                    num_taps=2, hidden_size=64, storage_dtype="bfloat16")
+    w.close()  # every write into it now fails
+    with pytest.raises(RuntimeError, match="writing features failed"):
+        ex.extract_unit(w, ids)
+        ex.wait(w)
+    ex.close()
