@@ -59,21 +59,23 @@ def target_head_weights(location: str, tcfg) -> tuple[torch.Tensor, torch.Tensor
     config = AutoConfig.from_pretrained(location, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=tcfg.trust_remote_code)
-    names = {id(p): n for n, p in meta.named_parameters(remove_duplicate=False)}
-    emb_name = names.get(id(meta.get_input_embeddings().weight))
+    names: dict[int, list[str]] = {}  # a tied weight has several names; the file holds one of them
+    for n, p in meta.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    emb_param = meta.get_input_embeddings().weight
     head = meta.get_output_embeddings()
-    head_name = names.get(id(head.weight)) if head is not None else None
-    tied = head is None or head.weight is meta.get_input_embeddings().weight
-    files = _safetensors_files(location, tcfg)
-    found: dict[str, torch.Tensor] = {}
-    wanted = {emb_name} | ({head_name} if not tied else set())
-    for f in files:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = head is None or head.weight is emb_param or bool(getattr(text, "tie_word_embeddings", False))
+    stored: dict[str, torch.Tensor] = {}
+    wanted = set(names.get(id(emb_param), [])) | (set(names.get(id(head.weight), [])) if not tied else set())
+    for f in _safetensors_files(location, tcfg):
         with safe_open(str(f), framework="pt") as sf:
             for key in wanted & set(sf.keys()):
-                found[key] = sf.get_tensor(key)
-    if emb_name in found and (tied or head_name in found):
-        emb = found[emb_name]
-        return emb, (emb if tied else found[head_name])
+                stored[key] = sf.get_tensor(key)
+    emb = next((stored[n] for n in names.get(id(emb_param), []) if n in stored), None)
+    out = emb if tied else next((stored[n] for n in names.get(id(head.weight), []) if n in stored), None)
+    if emb is not None and out is not None:
+        return emb, out
     from pipeline.target import load_target
 
     log.warning("embedding/LM head not found by name in the target's safetensors; loading the full target on CPU")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import make_config
+from tests.conftest import CACHE, make_config
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FAST = ["train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.save_every=3",
@@ -168,3 +168,18 @@ def subprocess_env() -> dict:
     env.update(DS_ACCELERATOR="cpu", DRAFTER_NO_PROGRESS="1", WANDB_MODE="offline", OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     return env
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_frozen_embedding_and_lm_head_are_read_from_the_target_safetensors(tied):
+    from pipeline.config import TargetConfig
+    from pipeline.target import load_target, materialize_target
+    from train.stage import target_head_weights
+
+    tcfg = TargetConfig(model="random:llama", random_init={"tie_word_embeddings": tied}, device="cpu", dtype="float32")
+    location = materialize_target(tcfg, CACHE)
+    emb, head = target_head_weights(location, tcfg)
+    model = load_target(location, tcfg)
+    assert torch.equal(emb, model.get_input_embeddings().weight)
+    assert torch.equal(head, model.get_output_embeddings().weight)
+    assert (emb is head) == tied
