@@ -360,13 +360,26 @@ def main(argv=None) -> int:
     model, target_desc = build_target(args.shape, device, dtype, args.cache_dir)
     cfg = model.config.get_text_config()
     layer_ids = default_layer_ids(cfg.num_hidden_layers, args.taps)
+    bpt = bytes_per_token(len(layer_ids), cfg.hidden_size, args.storage_dtype)
+    free = shutil.disk_usage(out_dir).free
+    if args.num_tokens * bpt > 0.8 * free:  # the shards are really written: stay inside the disk
+        fit = int(0.8 * free / bpt)
+        print(f"note: {args.num_tokens:,} tokens x {bpt:,} B = {args.num_tokens * bpt / 1e9:.1f} GB does not fit "
+              f"in {free / 1e9:.1f} GB free at {out_dir}; timing {fit:,} tokens", flush=True)
+        args.num_tokens = fit
+        args.shard_tokens = min(args.shard_tokens, max(fit // 8, 1))
     lengths = length_mix(args.num_tokens)
     ctx_mean = float((lengths * (lengths + 1) / 2).sum() / lengths.sum())
     fpt = flops_per_token(model, layer_ids, ctx_mean)
     fpt_full = flops_per_token(model, layer_ids, ctx_mean, upto=cfg.num_hidden_layers - 1, lm_head=True)
-    bpt = bytes_per_token(len(layer_ids), cfg.hidden_size, args.storage_dtype)
 
-    compute_only = None if args.no_compute_only else run_compute_only(args, model, device, layer_ids, lengths)
+    compute_only = None
+    if not args.no_compute_only:  # over the same samples the pipeline times (all but the first, warm-up shard)
+        from extract.stage import plan_units
+
+        units = plan_units(lengths, np.ones(len(lengths), bool), args.shard_tokens)
+        timed = [r for u in (units[1:] or units) for r in u.rows]
+        compute_only = run_compute_only(args, model, device, layer_ids, lengths[timed])
     seconds, tokens, written, pad, units = run_pipeline(args, model, device, layer_ids, out_dir, lengths)
     e2e = tokens / seconds
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if gpu else None
