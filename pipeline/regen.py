@@ -377,3 +377,17 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
 
         run_tokenize(cfg, force=force, ranks=ranks)
     return manifest
+
+
+def merge_ranks(cfg: RunConfig) -> dict:
+    """After a split run (e.g. a SLURM array): refuse if any unit is missing, else write the manifest (if the
+    last rank has not) and tokenize — exactly what a single-rank `run_regen` does when no unit is left to do."""
+    stage = StageDir(cfg.run_dir, "regen")
+    if not stage.is_complete():
+        units, _ = plan_units(curate_train_files(StageDir(cfg.run_dir, "curate")), cfg.regen.shard_size,
+                              cfg.regen.max_samples)
+        missing = [u.name for u in units if not stage.unit_done(u.name)]
+        if missing:
+            raise StageError(f"regen --merge: {len(missing)} of {len(units)} units are not done "
+                             f"(e.g. {missing[:3]}); re-run the missing ranks first")
+    return run_regen(cfg)

@@ -216,3 +216,19 @@ def test_a_request_the_model_cannot_run_fails_alone_with_its_reason(tmp_path):
     done, failures = regenerate(gen, tok, items, cfg)
     assert sorted(done) == ["ok/0", "ok/1"] and all(len(a.answers) == 1 for a in done.values())
     assert failures["bad"][0] == "generation_error" and "IndexError" in failures["bad"][1]
+
+
+def test_merge_refuses_missing_rank_work_then_writes_the_manifest_and_tokenizes(tmp_path):
+    from pipeline.regen import merge_ranks
+
+    cfg = make_config(tmp_path, overrides=["regen.backend=none", "regen.shard_size=2", "regen.max_samples=null"])
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} " * 20}]
+             for i in range(5)]
+    write_curated(cfg.run_dir, convs)
+    run_regen(cfg, ranks=RankInfo(0, 2))
+    with pytest.raises(StageError, match=r"regen --merge: 1 of 3 units are not done"):
+        merge_ranks(cfg)
+    run_regen(cfg, ranks=RankInfo(1, 2))
+    merge_ranks(cfg)
+    assert StageDir(cfg.run_dir, "regen").is_complete()
+    assert StageDir(cfg.run_dir, "tokenize").manifest()["counts"]["input"] == 5
