@@ -183,35 +183,50 @@ def rank_micro_batches(plan: list[Step], rank: int, start_step: int = 0) -> list
 
 
 def collate(samples: list[dict], *, block_size: int, num_anchors: int, mask_token_id: int, seed: int,
-            epoch: int) -> dict:
+            epoch: int, tile: int | None = None) -> dict:
     """Pack samples into one row and build its blocks.
 
     Returns {"ids": [str], "seq_lens": [int], "input_ids": Long[S], "loss_mask": Bool[S],
-    "features": [1, S, n*D] or None (online), "batch": BlockBatch, "tokens": S}. A padding micro-batch
-    (no samples) is one token with one padding block: it sees nothing and carries no label.
+    "features": [1, S, n*D] or None (online), "batch": BlockBatch, "tokens": real tokens, "pad_tokens": int}.
+    With `tile` (GPU flex attention: 128) the row length S and the query rows N*B are padded up to multiples of
+    it, with a trailing dummy sequence (zero features, no loss, no anchors: no block ever sees it) and padding
+    blocks (see nothing, weight 0): the loss is unchanged, kernel tiles are aligned and few shapes recompile.
+    A padding micro-batch (no samples) is one token with one padding block: it sees nothing and carries no label.
     """
     if not samples:
         ids = torch.zeros(1, dtype=torch.long)
         batch = build_block_batch(ids, torch.zeros(1, dtype=torch.bool), torch.zeros(0, dtype=torch.long),
                                   block_size, mask_token_id, pad_to=1)
         return {"ids": [], "seq_lens": [1], "input_ids": ids, "loss_mask": torch.zeros(1, dtype=torch.bool),
-                "features": None, "batch": batch, "tokens": 0, "padding": True}
+                "features": None, "batch": batch, "tokens": 0, "pad_tokens": 1, "padding": True}
     anchors, offset = [], 0
     for s in samples:
         g = torch.Generator().manual_seed(anchor_seed(seed, epoch, s["id"]))
         anchors.append(sample_anchors(s["loss_mask"], block_size, num_anchors, g) + offset)
         offset += len(s["input_ids"])
-    input_ids = torch.cat([s["input_ids"] for s in samples])
-    loss_mask = torch.cat([s["loss_mask"] for s in samples])
-    seq_lens = [len(s["input_ids"]) for s in samples]
     anchors = torch.cat(anchors)
-    batch = build_block_batch(input_ids, loss_mask, anchors, block_size, mask_token_id, seq_lens=seq_lens,
-                              pad_to=max(1, anchors.numel()))
-    features = None
+    parts = {k: [s[k] for s in samples] for k in ("input_ids", "loss_mask")}
     if "features" in samples[0]:
-        features = torch.cat([s["features"] for s in samples])[None]
+        parts["features"] = [s["features"] for s in samples]
+    seq_lens = [len(s["input_ids"]) for s in samples]
+    num_blocks = max(1, anchors.numel())
+    pad_tokens = (-offset) % tile if tile else 0
+    if pad_tokens:
+        parts["input_ids"].append(torch.zeros(pad_tokens, dtype=torch.long))
+        parts["loss_mask"].append(torch.zeros(pad_tokens, dtype=torch.bool))
+        if "features" in parts:
+            f = parts["features"][0]
+            parts["features"].append(torch.zeros(pad_tokens, f.shape[1], dtype=f.dtype))
+        seq_lens.append(pad_tokens)
+    if tile:
+        per = tile // math.gcd(tile, block_size)  # blocks per multiple of `tile` query rows
+        num_blocks = -(-num_blocks // per) * per
+    input_ids, loss_mask = torch.cat(parts["input_ids"]), torch.cat(parts["loss_mask"])
+    batch = build_block_batch(input_ids, loss_mask, anchors, block_size, mask_token_id, seq_lens=seq_lens,
+                              pad_to=num_blocks)
+    features = torch.cat(parts["features"])[None] if "features" in parts else None
     return {"ids": [s["id"] for s in samples], "seq_lens": seq_lens, "input_ids": input_ids, "loss_mask": loss_mask,
-            "features": features, "batch": batch, "tokens": int(offset), "padding": False}
+            "features": features, "batch": batch, "tokens": int(offset), "pad_tokens": pad_tokens, "padding": False}
 
 
 class MicroBatchDataset(torch.utils.data.Dataset):
@@ -219,11 +234,11 @@ class MicroBatchDataset(torch.utils.data.Dataset):
     (`open_source()`, e.g. `functools.partial(FeatureReader, path)`): memory maps are not shared across forks."""
 
     def __init__(self, open_source: Callable[[], object], micro_batches: list[MicroBatch], *, block_size: int,
-                 num_anchors: int, mask_token_id: int, seed: int, epoch: int):
+                 num_anchors: int, mask_token_id: int, seed: int, epoch: int, tile: int | None = None):
         self.open_source = open_source
         self.micro_batches = micro_batches
         self.kw = dict(block_size=block_size, num_anchors=num_anchors, mask_token_id=mask_token_id, seed=seed,
-                       epoch=epoch)
+                       epoch=epoch, tile=tile)
         self._source = None
 
     def __len__(self) -> int:

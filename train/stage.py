@@ -216,6 +216,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     shape = DrafterShape.from_args(args)
     peak = peak_flops(device, tcfg.precision)
     features_of = _features_fn(target, args, device, compute_dtype, batch_to)
+    tile = 128 if device.type == "cuda" else None  # flex tile: aligned rows, few distinct shapes to compile
 
     # -- resume ---------------------------------------------------------------------------------------
     ckpt_dir = stage.path / "checkpoints"
@@ -241,7 +242,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
             return None
         ds = MicroBatchDataset(open_source, rank_micro_batches(eval_plan, rank), block_size=args.block_size,
                                num_anchors=tcfg.num_anchors, mask_token_id=args.mask_token_id, seed=tcfg.seed,
-                               epoch=EVAL_EPOCH)
+                               epoch=EVAL_EPOCH, tile=tile)
         loader = make_loader(ds, tcfg.num_workers, pin_memory=device.type == "cuda")
         stats = eval_step(engine, loader, features_of, gamma=gamma, chunk_rows=chunk, attention=attention,
                           device=device)
@@ -266,7 +267,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
         steps = plan(epoch)
         ds = MicroBatchDataset(open_source, rank_micro_batches(steps, rank, start), block_size=args.block_size,
                                num_anchors=tcfg.num_anchors, mask_token_id=args.mask_token_id, seed=tcfg.seed,
-                               epoch=epoch)
+                               epoch=epoch, tile=tile)
         batches = iter(make_loader(ds, tcfg.num_workers, pin_memory=device.type == "cuda"))
         for s in range(start, len(steps)):
             mbs = [next(batches) for _ in range(tcfg.grad_accum)]
@@ -368,7 +369,10 @@ def _features_fn(target, args, device, dtype, batch_to):
         if mb.get("padding"):
             features = torch.zeros(1, batch.seq_len, width, device=device, dtype=dtype)
         elif online is not None:
-            features = online(mb["input_ids"], mb["seq_lens"]).to(dtype)
+            n = len(mb["ids"])  # real sequences; a trailing dummy (tile padding) gets zero features
+            features = online(mb["input_ids"][: sum(mb["seq_lens"][:n])], mb["seq_lens"][:n]).to(dtype)
+            if mb["pad_tokens"]:
+                features = torch.cat([features, features.new_zeros(1, mb["pad_tokens"], width)], dim=1)
         return features, batch
 
     return features_of

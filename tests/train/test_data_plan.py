@@ -147,3 +147,25 @@ def test_held_out_plan_covers_every_eval_sample_once_with_one_micro_batch_per_ra
     plan = plan_eval(lengths, np.arange(0, 50, 3), budget=600, world_size=3)
     assert all(len(step) == 3 and all(len(r) == 1 for r in step) for step in plan)
     assert sorted(i for mb in _flat(plan) for i in mb.indices) == list(range(0, 50, 3))
+
+
+def test_tile_padding_aligns_row_and_query_lengths_without_changing_the_loss():
+    from train.loss import dflash_loss
+    from train.model import DFlashDrafter, DrafterArgs
+
+    args = DrafterArgs(hidden_size=3, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=4,
+                       intermediate_size=8, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=320, block_size=B,
+                       mask_token_id=MASK, target_layer_ids=[0, 1], num_target_layers=3)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(args).double()
+    drafter.attach_target_head(torch.randn(320, 3, dtype=torch.float64), torch.randn(320, 3, dtype=torch.float64))
+    samples = [_sample(i, n) for i, n in enumerate([37, 20, 51])]
+    for s in samples:
+        s["features"] = s["features"].double()
+    kw = dict(block_size=B, num_anchors=5, mask_token_id=MASK, seed=0, epoch=0)
+    plain, tiled = collate(samples, **kw), collate(samples, tile=32, **kw)
+    assert tiled["batch"].seq_len % 32 == 0 and tiled["batch"].block_ids.numel() % 32 == 0
+    assert tiled["pad_tokens"] == 128 - 108 and tiled["tokens"] == plain["tokens"] == 108
+    losses = [dflash_loss(drafter.forward_train(mb["features"], mb["batch"], "dense"), drafter.lm_head_weight,
+                          mb["batch"], gamma=2.0)[0] for mb in (plain, tiled)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=1e-12)
