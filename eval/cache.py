@@ -17,8 +17,9 @@ Implementations:
   * `KVTargetCache(static=True)`: a preallocated K/V buffer [layers, 2, 1, KVH, capacity, hd] that HF writes
     through `StaticKV.update` at explicit row indices; the mask spans the whole capacity (unused rows hidden), so
     every verify of N rows has the same shapes. Compaction is one gather + one copy over all layers at once.
-    With `graphs=True` (CUDA) each verify size N is captured once as a CUDA graph and replayed; the first replay of
-    each graph is checked against the eager forward, and any mismatch turns graphs off (with a warning).
+    With `graphs=True` (CUDA) each verify size N is captured once as a CUDA graph (`CudaGraphFn`) and replayed;
+    `past` lives on the device too, so the decoder also captures its tree build + mask and its walk. The first
+    replay of each graph is checked against the eager call; a mismatch or failed capture falls back to eager.
   * `RecurrentTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers, e.g. qwen3_5_text.
     Only root/chain verification: a mask cannot stop recurrent state from flowing between tree branches
     (ddtree.md §6.7), so trees raise `TreeUnsupportedError`. Chain rollback: the recurrent/conv states are
@@ -128,6 +129,7 @@ class TargetCache:
 
     supports_tree = True
     length: int = 0
+    round_ops: dict  # the decoder's per-configuration round helpers (CUDA graphs); cleared with the buffers
 
     def reset(self, capacity: int) -> None:
         raise NotImplementedError
@@ -191,12 +193,14 @@ class KVTargetCache(TargetCache):
         self.kv: StaticKV | None = None
         self.dynamic: DynamicCache | None = None
         self.length = 0
-        self._graphs: dict[int, _GraphedVerify] = {}
+        self.past = torch.zeros((), dtype=torch.long, device=self.forward.device)  # device copy of `length`
+        self._verify_fns: dict[int, object] = {}
+        self.round_ops: dict = {}
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def reset(self, capacity: int) -> None:
-        self.length = 0
+        self._set_length(0)
         if not self.static:
             self.dynamic = DynamicCache()
             return
@@ -204,10 +208,15 @@ class KVTargetCache(TargetCache):
             cfg = text_config(self.forward.target.config)
             heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            capacity = -(-capacity // 256) * 256  # buckets: graphs are reused across similar lengths
+            capacity = -(-capacity // 1024) * 1024  # buckets: graphs are reused across similar lengths
             self.kv = None
-            self._graphs.clear()
+            self._verify_fns.clear()
+            self.round_ops.clear()
             self.kv = StaticKV(cfg.num_hidden_layers, heads, head_dim, capacity, self.forward.dtype, self.forward.device)
+
+    def _set_length(self, n: int) -> None:
+        self.length = n
+        self.past.fill_(n)  # an async device fill, no sync
 
     # -- forwards ---------------------------------------------------------------------------------
 
@@ -221,33 +230,34 @@ class KVTargetCache(TargetCache):
             out = self.forward(input_ids, positions, mask, self.kv, last_logits_only=True)
         else:
             out = self.forward(input_ids, positions, None, self.dynamic, last_logits_only=True)
-        self.length = S
+        self._set_length(S)
         return out
 
     def verify_inputs(self, tree: Tree) -> VerifyInputs:
+        """Static cache: `past` is the device scalar, so this is capturable in a CUDA graph (fixed shapes)."""
+        past = self.past if self.static else self.length
         kv_len = self.kv.capacity if self.static else self.length + tree.size
-        mask = self.forward.mask_arg(lambda w: tree_attention_mask(
-            tree, self.length, kv_len, self.forward.dtype, sliding_window=w))
-        return VerifyInputs(verify_positions(tree, self.length), mask)
+        mask = self.forward.mask_arg(lambda w: tree_attention_mask(tree, past, kv_len, self.forward.dtype,
+                                                                   sliding_window=w))
+        return VerifyInputs(verify_positions(tree, past), mask)
 
     def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
         if not self.static:
             return self.forward(tree.tokens, vin.positions, vin.mask, self.dynamic)
-        rows = torch.arange(self.length, self.length + tree.size, device=self.forward.device)
-        if self.graphs:
-            graph = self._graphs.get(tree.size)
-            if graph is None:
-                graph = self._graphs[tree.size] = _GraphedVerify(self, tree.size)
-            out = graph(tree.tokens, vin.positions, vin.mask, rows)
-            if out is not None:
-                return out
-            self.graphs = False  # the self-check failed: eager from now on
-        self.kv.write_rows = rows
-        return self.forward(tree.tokens, vin.positions, vin.mask, self.kv)
+        fn = self._verify_fns.get(tree.size)
+        if fn is None:
+            fn = self._static_verify
+            if self.graphs:
+                fn = CudaGraphFn(self._static_verify, f"verify forward N={tree.size}", check=_logits_close)
+            self._verify_fns[tree.size] = fn
+        logits, features = fn(tree.tokens, vin.positions, vin.mask)
+        return ForwardOutput(logits, features)
 
-    def eager_static_verify(self, ids, positions, mask, rows) -> ForwardOutput:
-        self.kv.write_rows = rows
-        return self.forward(ids, positions, mask, self.kv)
+    def _static_verify(self, ids: Tensor, positions: Tensor, mask) -> tuple[Tensor, Tensor | None]:
+        """Rows past..past+N-1 of the static buffer (all shapes fixed by N and the capacity)."""
+        self.kv.write_rows = self.past + torch.arange(ids.shape[0], device=ids.device)
+        out = self.forward(ids, positions, mask, self.kv)
+        return out.logits, out.features
 
     # -- commit -----------------------------------------------------------------------------------
 
@@ -265,64 +275,78 @@ class KVTargetCache(TargetCache):
                     compact_rows(layer.values, 2, self.length, keep)
                 layer.keys = layer.keys[:, :, :end]
                 layer.values = layer.values[:, :, :end]
-        self.length += n
+        self._set_length(self.length + n)
 
 
-class _GraphedVerify:
-    """One CUDA graph of the static-cache verify forward for a fixed row count N (and the cache's capacity).
+def _logits_close(graph_out, eager_out) -> bool:
+    g, e = graph_out[0].float(), eager_out[0].float()
+    return bool((g - e).abs().max() <= 1e-2 * (e.abs().max() + 1e-6))
 
-    Static inputs: ids [N], positions [1, N], mask(s) [1, 1, N, capacity], write rows [N]; outputs logits/features
-    live in the graph's pool and are overwritten by the next replay. Nothing inside depends on host values.
+
+def _same_buffer(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+class CudaGraphFn:
+    """`fn(*args)` (args/outputs: tensors, or tuples/dicts of them, or constants) captured once as a CUDA graph.
+
+    The first call warms up, captures with the given tensors as the graph's input buffers (kept by reference) and
+    replays. Later calls copy each input into its captured buffer unless it IS that buffer (graph outputs chained
+    into the next graph cost nothing), replay, and return the captured outputs (overwritten by the next replay).
+    Pass only tensors the caller no longer needs, or this graph's/other graphs' static buffers.
+    The first replay is checked against an eager call on the same inputs (`check(graph_out, eager_out)`; exact
+    equality by default); a failed check or capture logs a warning and `fn` runs eagerly from then on.
+    Host values inside `fn` (shapes, budgets) are frozen at capture: key one instance per static configuration.
     """
 
-    def __init__(self, cache: KVTargetCache, N: int):
-        self.cache = cache
-        self.N = N
+    def __init__(self, fn, name: str, check=None):
+        self.fn, self.name = fn, name
+        self.check = check or (lambda g, e: all(torch.equal(a, b) for a, b in zip(_leaves(g), _leaves(e))))
         self.graph = None
+        self.disabled = False
         self.checked = False
 
-    def _capture(self, ids, positions, mask, rows) -> None:
-        c = self.cache
-        self.ids, self.positions, self.rows = ids.clone(), positions.clone(), rows.clone()
-        self.mask = {k: v.clone() for k, v in mask.items()} if isinstance(mask, dict) else mask.clone()
+    def __call__(self, *args):
+        if self.disabled:
+            return self.fn(*args)
+        if self.graph is None:
+            try:
+                self._capture(args)
+            except Exception as exc:  # e.g. a host sync inside fn
+                log.warning("CUDA-graph capture of %s failed (%s): running eagerly", self.name, exc)
+                self.disabled = True
+                return self.fn(*args)
+        for buf, x in zip(_leaves(self.args), _leaves(args)):
+            if not _same_buffer(buf, x):
+                buf.copy_(x)
+        self.graph.replay()
+        if not self.checked:
+            self.checked = True
+            eager = self.fn(*self.args)
+            if not self.check(self.out, eager):
+                log.warning("CUDA-graph %s differs from eager: running eagerly from now on", self.name)
+                self.disabled = True
+                return eager
+        return self.out
+
+    def _capture(self, args) -> None:
+        self.args = args
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up (allocator, cuBLAS handles) outside the graph
-                c.eager_static_verify(self.ids, self.positions, self.mask, self.rows)
+            for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS handles, lazy caches)
+                self.fn(*args)
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = c.eager_static_verify(self.ids, self.positions, self.mask, self.rows)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self.fn(*args)
+        self.graph = graph
 
-    def __call__(self, ids, positions, mask, rows) -> ForwardOutput | None:
-        if self.graph is None:
-            try:
-                self._capture(ids, positions, mask, rows)
-            except Exception as exc:  # e.g. a host sync inside the model's forward
-                log.warning("CUDA-graph capture of the verify forward (N=%d) failed: %s; graphs disabled", self.N, exc)
-                return None
-        self.ids.copy_(ids)
-        self.positions.copy_(positions)
-        self.rows.copy_(rows)
-        if isinstance(mask, dict):
-            for k, v in mask.items():
-                self.mask[k].copy_(v)
-        else:
-            self.mask.copy_(mask)
-        self.graph.replay()
-        if not self.checked:  # first replay: compare with the eager forward on the same inputs (same KV rows)
-            self.checked = True
-            graph_logits = self.out.logits.clone()
-            eager = self.cache.eager_static_verify(self.ids, self.positions, self.mask, self.rows)
-            err = (graph_logits.float() - eager.logits.float()).abs().max().item()
-            scale = eager.logits.float().abs().max().item() + 1e-6
-            if err > 1e-2 * scale:
-                log.warning("CUDA-graph verify (N=%d) differs from eager by %.3g (scale %.3g): graphs disabled",
-                            self.N, err, scale)
-                return None
-            return eager
-        return self.out
+
+def _leaves(tree) -> list[Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,6 +370,7 @@ class RecurrentTargetCache(TargetCache):
         self.config = target.config
         self.cache: DynamicCache | None = None
         self.length = 0
+        self.round_ops: dict = {}
         self._saved: list[tuple[Tensor, Tensor]] | None = None
         self._tokens: Tensor | None = None
 

@@ -27,9 +27,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from eval.cache import TreeUnsupportedError, target_cache, tree_unsupported_reason
-from eval.tree import build_tree, build_tree_heap, chain_tree, root_tree, tree_size
-from eval.walk import target_choices, walk_tree
+from eval.cache import TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
+from eval.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
+from eval.walk import Walk, target_choices, walk_tree
 
 METHODS = ("ar", "chain", "ddtree")
 BUILDERS = {"device": build_tree, "heap": build_tree_heap}
@@ -136,7 +136,7 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
     t0 = clock.now()
     cache.reset(prompt.numel() + max_new_tokens + rows_max + 1)
     out = cache.prefill(prompt)
-    bonus_dev = target_choices(out.logits[-1:], temperature, uniforms())
+    bonus_dev = target_choices(out.logits[-1:], temperature, uniforms())  # [1]
     bonus = int(bonus_dev)
     context = out.features
     draft_cache = drafter.new_cache() if method != "ar" else None
@@ -157,25 +157,19 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         return False
 
     done = emit([bonus])
-    build = BUILDERS.get(tree_builder, build_tree)
+    ops = _round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device)
     while not done:
         clock.start()
+        draft_logits = None
         if method != "ar":
             draft_logits = drafter.draft_logits(draft_cache, context.unsqueeze(0), bonus, cache.length)
         clock.lap("draft")
-        if method == "ar":
-            tree = root_tree(bonus_dev, device)
-        elif method == "chain":
-            tree = chain_tree(draft_logits, bonus_dev)
-        else:
-            tree = build(draft_logits, budget, bonus_dev)
-        vin = cache.verify_inputs(tree)
+        tree, vin = ops.build(draft_logits, bonus_dev)
         clock.lap("tree_build")
         out = cache.verify(tree, vin)
         clock.lap("verify")
-        choices = target_choices(out.logits, temperature, uniforms())
-        walk = walk_tree(tree, choices)
-        record = walk.host_record(tree).tolist()  # the round's one host sync
+        walk, record = ops.walk(tree, out.logits, uniforms())
+        record = record.tolist()  # the round's one host sync
         accepted, bonus, depth = record[0], record[1], record[2]
         path = record[3: 3 + tree.depth_limit + 1][: accepted + 1]
         path_tokens = record[3 + tree.depth_limit + 1:][1: accepted + 1]
@@ -195,3 +189,66 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
     result.num_rounds = len(result.accept_lengths)
     result.timings = {"prefill": t1 - t0, "decode": t2 - t1, **clock.totals}
     return result
+
+
+# ----------------------------------------------------------------------------------------------
+# The round's device work around the verify forward (plain calls, or CUDA graphs on the static cache)
+# ----------------------------------------------------------------------------------------------
+
+
+class _RoundOps:
+    """build(draft logits, bonus) -> (tree, verify inputs) and walk(tree, logits, uniforms) -> (walk, host record).
+
+    With a graph-enabled static cache both run as CUDA graphs keyed by the round's static shape (so a round
+    launches: drafter, build graph, verify graph, walk graph, then one D2H read). Tree fields that are host
+    values (num_nodes, depth_limit, kind) are fixed per method/budget and restored around the graphs.
+    """
+
+    def __init__(self, method, budget, builder, cache, temperature, L, vocab, device):
+        self.method, self.budget, self.cache, self.temperature = method, budget, cache, temperature
+        self.builder, self.device = builder, device
+        self.num_nodes = {"ar": 0, "chain": L, "ddtree": tree_size(budget or 0, L, vocab)}[method]
+        self.depth_limit = 0 if method == "ar" else L
+        self.kind = {"ar": "root", "chain": "chain", "ddtree": "tree"}[method]
+        graphs = getattr(cache, "graphs", False)
+        from eval.cache import CudaGraphFn
+
+        capturable_build = not (method == "ddtree" and builder is build_tree_heap)  # the heap reads the host
+        self._build = CudaGraphFn(self._build_eager, f"{method} tree build") if graphs and capturable_build \
+            else self._build_eager
+        self._walk = CudaGraphFn(self._walk_eager, f"{method} walk") if graphs else self._walk_eager
+
+    def _tree(self, tokens, parents, depths) -> Tree:
+        return Tree(tokens, parents, depths, self.num_nodes, self.depth_limit, self.kind)
+
+    def _build_eager(self, draft_logits, bonus):
+        if self.method == "ar":
+            tree = root_tree(bonus, self.device)
+        elif self.method == "chain":
+            tree = chain_tree(draft_logits, bonus)
+        else:
+            tree = self.builder(draft_logits, self.budget, bonus)
+        vin = self.cache.verify_inputs(tree)
+        return (tree.tokens, tree.parents, tree.depths), (vin.positions, vin.mask)
+
+    def build(self, draft_logits, bonus):
+        (tokens, parents, depths), (positions, mask) = self._build(draft_logits, bonus.reshape(1))
+        return self._tree(tokens, parents, depths), VerifyInputs(positions, mask)
+
+    def _walk_eager(self, tokens, parents, depths, logits, uniforms):
+        tree = self._tree(tokens, parents, depths)
+        walk = walk_tree(tree, target_choices(logits, self.temperature, uniforms))
+        return (walk.accepted, walk.path, walk.bonus, walk.last), walk.host_record(tree)
+
+    def walk(self, tree, logits, uniforms):
+        (accepted, path, bonus, last), record = self._walk(tree.tokens, tree.parents, tree.depths, logits, uniforms)
+        return Walk(accepted, path, bonus, last), record
+
+
+def _round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device) -> _RoundOps:
+    """One _RoundOps (and its CUDA graphs) per cache object and static round configuration, reused across calls."""
+    store = cache.round_ops  # the cache clears it when its buffers (and so the graphs' shapes) change
+    key = (method, budget, tree_builder, temperature, L, vocab)  # temperature is a constant inside the graphs
+    if key not in store:
+        store[key] = _RoundOps(method, budget, BUILDERS[tree_builder], cache, temperature, L, vocab, device)
+    return store[key]
