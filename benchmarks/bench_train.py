@@ -167,7 +167,7 @@ def step_flops(args, micro_batches) -> float:
     from train.metrics import DrafterShape
 
     shape = DrafterShape.from_args(args)
-    return sum(micro_batch_flops(shape, mb["batch"], float(mb["batch"].label_mask.sum())) for mb in micro_batches)
+    return sum(micro_batch_flops(shape, mb["batch"]) for mb in micro_batches)
 
 
 # ----------------------------------------------------------------------------------------------

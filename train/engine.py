@@ -300,31 +300,31 @@ class StepStats:
 
 
 def _reduce(per_mb: list[tuple[dict, int, float]], block_size: int, device: torch.device) -> StepStats:
-    """Sum (stats, tokens, flops) of this rank's micro-batches, then over ranks (one all-reduce)."""
-    n = len(SCALAR_STATS)
-    vec = torch.zeros(n + 2 + 2 * (block_size - 1), dtype=torch.float64, device=device)
+    """Sum (stats, tokens, flops) of this rank's micro-batches on the device, then over ranks: one all-reduce
+    and one host sync per step."""
+    rows = []
     for stats, tokens, flops in per_mb:
-        for i, k in enumerate(SCALAR_STATS):
-            vec[i] += float(stats[k])
-        vec[n] += tokens
-        vec[n + 1] += flops
-        vec[n + 2 : n + 1 + block_size] += stats["correct_per_pos"].double()
-        vec[n + 1 + block_size :] += stats["count_per_pos"].double()
+        scalars = torch.stack([torch.as_tensor(stats[k], device=device).double() for k in SCALAR_STATS])
+        host = torch.tensor([tokens, flops], dtype=torch.float64, device=device)
+        rows.append(torch.cat([scalars, host, stats["correct_per_pos"].double().to(device),
+                               stats["count_per_pos"].double().to(device)]))
+    vec = torch.stack(rows).sum(0)
     all_reduce_sum(vec)
     vec = vec.cpu()
+    n = len(SCALAR_STATS)
     sums = {k: float(vec[i]) for i, k in enumerate(SCALAR_STATS)}
     sums["tokens"], sums["flops"] = float(vec[n]), float(vec[n + 1])
     return StepStats(sums, vec[n + 2 : n + 1 + block_size].clone(), vec[n + 1 + block_size :].clone())
 
 
-def micro_batch_flops(shape, batch, num_labels: float) -> float:
-    """Useful FLOPs (train/metrics.py::train_flops) of one collated micro-batch."""
+def micro_batch_flops(shape, batch) -> float:
+    """Useful FLOPs (train/metrics.py::train_flops) of one micro-batch's BlockBatch (pass the host copy: no sync)."""
     from train.metrics import train_flops
 
     valid = batch.block_valid
     offsets = (batch.anchors - batch.doc_start)[valid].cpu()
     return train_flops(shape, context_rows=batch.seq_len if bool(valid.any()) else 0, anchor_offsets=offsets,
-                       label_rows=int(num_labels))
+                       label_rows=int(batch.label_mask.sum()))
 
 
 def train_step(engine, micro_batches: list[dict], features_of: Callable, *, gamma: float | None, chunk_rows: int,
@@ -351,7 +351,7 @@ def train_step(engine, micro_batches: list[dict], features_of: Callable, *, gamm
         if k == len(micro_batches) - 1 and _needs_manual_grad_norm(engine):
             grad_norm = _grad_norm(engine)
         engine.step()
-        flops = micro_batch_flops(flops_shape, batch, stats["num_labels"]) if flops_shape is not None else 0.0
+        flops = micro_batch_flops(flops_shape, mb["batch"]) if flops_shape is not None else 0.0
         per_mb.append((stats, 0 if mb.get("padding") else mb["tokens"], flops))
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm()
