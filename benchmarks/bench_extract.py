@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from extract.layers import default_layer_ids, forward_taps, tap_features  # noqa: E402
+from extract.layers import default_layer_ids, tap_features  # noqa: E402
 from extract.store import bytes_per_token, encode_features  # noqa: E402
 
 SHAPES = {

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from extract.layers import forward_taps
-from extract.store import STORAGE_DTYPES, ShardWriter, as_bytes, encode_features
+from extract.store import STORAGE_DTYPES, ShardWriter, encode_features
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
 from pipeline.target import load_target, resolve_device, resolve_dtype
@@ -312,4 +312,4 @@ class HFExtractor:
         self.sink.close()
 
 
-__all__ = ["HFExtractor", "DiskSink", "plan_batches", "as_bytes"]
+__all__ = ["HFExtractor", "DiskSink", "plan_batches"]

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from extract.layers import forward_taps
 from extract.store import FeatureReader
