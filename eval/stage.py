@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from eval.cache import tree_unsupported_reason
 from eval.metrics import PHASES, ResponseRecord, speedup, summarize
 from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, load_benchmark
 from eval.report import cell_label, json_ready, tau_table, write_report
@@ -49,9 +50,6 @@ from pipeline.target import (
 )
 
 log = get_logger("eval")
-
-HYBRID_LAYER_TYPES = ("linear_attention",)
-
 
 @dataclass(frozen=True)
 class Unit:
@@ -162,17 +160,6 @@ def check_drafter_fits_target(drafter_cfg: dict, target_config: Any) -> None:
         raise StageError("the drafter does not fit this target:\n  " + "\n  ".join(problems))
 
 
-def tree_unsupported_reason(target_config: Any) -> str | None:
-    """Why DDTree cannot verify on this target (recurrent/linear-attention layers cannot roll back a tree), or None."""
-    text = getattr(target_config, "text_config", None) or target_config
-    types = getattr(text, "layer_types", None) or []
-    hybrid = sorted({t for t in types if t in HYBRID_LAYER_TYPES})
-    if hybrid:
-        return (f"target '{text.model_type}' has {', '.join(hybrid)} layers: tree verification needs a cache that "
-                "keeps only the accepted path, which recurrent state cannot do yet (decode refuses it)")
-    return None
-
-
 def plan_units(cfg: RunConfig, tree_reason: str | None) -> tuple[list[Unit], list[dict]]:
     """Every unit of this eval, and the (method, budget) pairs skipped with their reason."""
     units, skipped = [], []
@@ -195,19 +182,13 @@ def plan_units(cfg: RunConfig, tree_reason: str | None) -> tuple[list[Unit], lis
 # ----------------------------------------------------------------------------------------------
 
 
-def response_record(result: Any, *, prompt_id: str, turn: int, prompt_tokens: int, block_size: int,
-                    method: str, budget: int | None) -> ResponseRecord:
-    """eval.decode.DecodeResult -> ResponseRecord (the one place that knows DecodeResult's field names)."""
-    taus = [int(t) for t in result.accept_lengths]
-    depths = getattr(result, "draft_depths", None)
-    if depths is None:  # decode did not report the offered depth: the chain offers B-1, a tree at most budget
-        depth = 0 if method == "ar" else block_size - 1 if method == "chain" else min(block_size - 1, budget)
-        depths = [depth] * len(taus)
+def response_record(result: Any, *, prompt_id: str, turn: int, prompt_tokens: int) -> ResponseRecord:
+    """eval.decode.DecodeResult -> ResponseRecord (the one place that reads DecodeResult's field names)."""
     t = result.timings
     return ResponseRecord(
         prompt_id=prompt_id, turn=turn, prompt_tokens=prompt_tokens,
         num_new_tokens=int(result.num_new_tokens), num_rounds=int(result.num_rounds),
-        accept_lengths=taus, draft_depths=[int(d) for d in depths],
+        accept_lengths=[int(x) for x in result.accept_lengths], draft_depths=[int(d) for d in result.draft_depths],
         decode_seconds=float(t["decode"]), prefill_seconds=float(t["prefill"]),
         phase_seconds={p: float(t.get(p, 0.0)) for p in PHASES},
         output_ids=[int(i) for i in result.output_ids],
@@ -395,10 +376,15 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     table = write_report(report, stage.path)
     _log_wandb(cfg, report, stage.path)
     counts: dict[str, int] = {"units": len(units), "responses": sum(c["responses"] for c in report["cells"]),
-                              "new_tokens": sum(c["new_tokens"] for c in report["cells"])}
-    for c in report["cells"]:
+                              "new_tokens": sum(c["new_tokens"] for c in report["cells"]),
+                              "records_read": sum(b.read for b in benchmarks.values()),
+                              "prompts": sum(len(b.prompts) for b in benchmarks.values())}
+    for b in benchmarks.values():  # records_read = prompts + dropped.*
+        for reason, n in b.skipped.items():
+            counts[f"dropped.{reason}"] = counts.get(f"dropped.{reason}", 0) + n
+    for c in report["cells"]:  # turns not decoded, summed over units
         for reason, n in c["skipped"].items():
-            counts[f"skipped.{reason}"] = counts.get(f"skipped.{reason}", 0) + n
+            counts[f"turns_skipped.{reason}"] = counts.get(f"turns_skipped.{reason}", 0) + n
     manifest = stage.write_manifest(config_hash=config_hash, fingerprint=fingerprint, counts=counts, started=started,
                                     inputs={"drafter": {"path": str(dpath), "sha": d_sha}},
                                     extra={"report": ["report.json", "report.md", "report.html"],
@@ -423,10 +409,11 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
     total = sum(len(benchmarks[u.benchmark].prompts) for u in units)
     bar = progress(total=total, desc="eval", unit="prompt")
     for unit in units:
+        @torch.inference_mode()
         def generate(ids: list[int], max_new: int = cfg.eval.max_new_tokens):
-            torch.manual_seed(cfg.eval.seed)
             return decode(unit.method, target, drafter, ids, max_new_tokens=max_new, budget=unit.budget,
-                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, stop_token_ids=stop)
+                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, stop_token_ids=stop,
+                          phase_timing=cfg.eval.phase_timing)
 
         if cfg.eval.warmup_tokens > 0:
             generate(warm_ids, min(cfg.eval.warmup_tokens, cfg.eval.max_new_tokens))
@@ -440,8 +427,7 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
                     skipped[item] = skipped.get(item, 0) + 1
                     continue
                 ids, result = item
-                records.append(response_record(result, prompt_id=prompt.id, turn=turn, prompt_tokens=len(ids),
-                                               block_size=block_size, method=unit.method, budget=unit.budget))
+                records.append(response_record(result, prompt_id=prompt.id, turn=turn, prompt_tokens=len(ids)))
             bar.update(1)
         _write_unit(stage, unit, records, skipped)
         log.info("%s: %d responses, %d new tokens", unit.name, len(records), sum(r.num_new_tokens for r in records))

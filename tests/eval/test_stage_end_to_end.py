@@ -1,0 +1,170 @@
+"""`drafter eval` end to end on configs/tiny.yaml with a random drafter exported by train/export.py:
+reports written, greedy chain/DDTree reproduce AR, MT-Bench turn 2 follows the target's own answer,
+kill -9 resume redoes no finished unit, and mismatched drafters are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from eval.decode import decode
+from eval.stage import run_conversation, run_eval
+from eval.prompts import EvalPrompt, chat_prompt_ids
+from pipeline.config import load_config
+from pipeline.runner import FingerprintMismatch, StageDir, StageError
+from pipeline.target import load_target, load_tokenizer, materialize_target, tokenizer_fingerprint
+from train.export import export_zlab
+from train.model import DFlashDrafter, DrafterArgs
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".cache"
+SMALL = [  # two benchmarks (one multi-turn), every method, two budgets; seconds on a CPU
+    "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1},"
+    " {name: mt_bench, path: data/prompts/mt_bench.jsonl, num_samples: 1}]",
+    "eval.budgets=[4,12]", "eval.max_new_tokens=12", "eval.warmup_tokens=2", "train.wandb.mode=disabled",
+]
+
+
+def make_config(tmp_path: Path, overrides=()):
+    return load_config(REPO / "configs/tiny.yaml",
+                       [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, *overrides])
+
+
+def export_random_drafter(cfg, out: Path, *, seed=0, tokenizer_fp: dict | None = None, **arg_overrides) -> Path:
+    """A random-init drafter for cfg's target in the z-lab layout, plus the train manifest a train run writes."""
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tok = load_tokenizer(location, cfg.target)
+    args = DrafterArgs.from_run_config(cfg, AutoConfig.from_pretrained(location), len(tok))
+    for k, v in arg_overrides.items():
+        setattr(args, k, v)
+    torch.manual_seed(seed)
+    export_zlab(DFlashDrafter(args), args, out / "export")
+    StageDir(out.parent, out.name).write_manifest(
+        config_hash="test", started=time.time(),
+        fingerprint={"drafter": {"block_size": args.block_size},
+                     "features": {"tokenizer": tokenizer_fp or tokenizer_fingerprint(tok)}})
+    return out / "export"
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    cfg = make_config(tmp_path)
+    export_random_drafter(cfg, cfg.run_dir / "train")
+    return cfg
+
+
+def test_eval_writes_every_report_and_greedy_speculation_reproduces_ar(cfg, capsys):
+    manifest = run_eval(cfg, force=False)
+    out = cfg.run_dir / "eval"
+    report = json.loads((out / "report.json").read_text())
+    labels = {(c["benchmark"], c["label"]) for c in report["cells"]}
+    assert labels == {(b, m) for b in ("gsm8k", "mt_bench") for m in ("ar", "chain", "ddtree@4", "ddtree@12")}
+    for c in report["cells"]:
+        assert c["responses"] == (1 if c["benchmark"] == "gsm8k" else 2)  # mt_bench: 1 prompt x 2 turns
+        assert c["ar_match"] == 1.0, f"{c['label']} changed the greedy output"
+        assert 1.0 <= c["tau_mean"] <= cfg.drafter.block_size
+        assert c["speedup"] is not None and c["tokens_per_second"] > 0
+        if c["method"] != "ar":
+            assert sum(c["histogram"]) == c["rounds"] and len(c["per_depth"]) == cfg.drafter.block_size - 1
+    assert manifest["counts"]["units"] == 8 and manifest["counts"]["responses"] == 12
+    html = (out / "report.html").read_text()
+    assert "href=" not in html and html.count("data:image/png;base64,") == 4
+    printed = capsys.readouterr().out
+    assert "[eval]" in printed and "| gsm8k |" in printed and "τ chain (speedup)" in printed
+    # a finished eval with the same config is a no-op that prints the table again
+    assert run_eval(cfg, force=False)["finished_at"] == manifest["finished_at"]
+    assert "| mt_bench |" in capsys.readouterr().out
+
+
+def test_mt_bench_second_turn_is_asked_after_the_targets_own_first_answer(cfg):
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tok = load_tokenizer(location, cfg.target)
+    target = load_target(location, cfg.target)
+    prompt = EvalPrompt(id="mt_bench/81", benchmark="mt_bench", turns=("Write a haiku.", "Now make it rhyme."))
+    gen = lambda ids: decode("ar", target, None, ids, max_new_tokens=12)  # noqa: E731
+    (ids1, r1), (ids2, r2) = run_conversation(prompt, tok, gen, enable_thinking=False, max_prompt_tokens=4000)
+    # the target's own greedy answer to turn 1, computed independently with HF generate
+    hf = target.generate(torch.tensor([ids1]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)[0, len(ids1):].tolist()
+    assert r1.output_ids == hf[: len(r1.output_ids)]
+    answer = tok.decode(r1.output_ids, skip_special_tokens=True)
+    expected = chat_prompt_ids(tok, [{"role": "user", "content": "Write a haiku."},
+                                     {"role": "assistant", "content": answer},
+                                     {"role": "user", "content": "Now make it rhyme."}], enable_thinking=False)
+    assert ids2 == expected
+    assert ids2[: len(ids1)] == ids1 and tok.decode(ids2[len(ids1):]).startswith(answer + "<|im_end|>")
+    # a turn that does not fit the context ends the conversation with a reason
+    assert run_conversation(prompt, tok, gen, enable_thinking=False, max_prompt_tokens=10) == ["prompt_too_long"]
+
+
+def test_hybrid_target_skips_ddtree_with_the_reason_and_still_runs_ar_and_chain(tmp_path):
+    cfg = make_config(tmp_path, ["target.model=random:qwen3_5_text", "eval.budgets=[4]",
+                                 "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
+    export_random_drafter(cfg, cfg.run_dir / "train")
+    manifest = run_eval(cfg, force=False)
+    report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
+    assert [c["label"] for c in report["cells"]] == ["ar", "chain"]
+    assert report["cells"][1]["ar_match"] == 1.0
+    (skip,) = report["skipped_methods"]
+    assert skip["method"] == "ddtree" and skip["budget"] == 4 and "linear_attention" in skip["reason"]
+    assert manifest["skipped_methods"] == report["skipped_methods"]
+    assert "skipped ddtree@4: target 'qwen3_5_text' has linear_attention" in (cfg.run_dir / "eval" / "report.md").read_text()
+
+
+def test_a_drafter_for_another_target_is_refused_before_decoding(tmp_path):
+    cfg = make_config(tmp_path)
+    export_random_drafter(cfg, cfg.run_dir / "train", target_layer_ids=[1, 4, 11], num_target_layers=12)
+    with pytest.raises(StageError, match=r"does not fit this target:\n.*target_layer_ids: \[1, 4, 11\] but the "
+                                         r"target has 8 layers"):
+        run_eval(cfg, force=False)
+    assert not (cfg.run_dir / "eval").exists()
+
+
+def test_a_drafter_trained_with_another_tokenizer_is_refused(tmp_path):
+    cfg = make_config(tmp_path)
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    other = dict(tokenizer_fingerprint(load_tokenizer(location, cfg.target)), chat_template_sha="0123456789abcdef")
+    export_random_drafter(cfg, cfg.run_dir / "train", tokenizer_fp=other)
+    with pytest.raises(FingerprintMismatch, match="tokenizer.chat_template_sha"):
+        run_eval(cfg, force=False)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_eval_resumes_without_redoing_finished_units(tmp_path):
+    cfg = make_config(tmp_path, ["eval.max_new_tokens=48"])
+    export_random_drafter(cfg, cfg.run_dir / "train")
+    shards = cfg.run_dir / "eval" / "shards"
+    cmd = [sys.executable, "-m", "pipeline.cli", "eval", "--config", "configs/tiny.yaml",
+           f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, "eval.max_new_tokens=48"]
+    env = {**os.environ, "DRAFTER_NO_PROGRESS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not list(shards.glob("*.done.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = {p.name: p.read_bytes() for p in shards.glob("*.done.json")}
+    assert done_before, "no unit finished before the kill"
+    assert not (cfg.run_dir / "eval" / "manifest.json").exists()
+    assert len(done_before) < 8, "the eval finished before it could be killed"
+
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    done_after = {p.name: p.read_bytes() for p in shards.glob("*.done.json")}
+    assert len(done_after) == 8
+    for name, content in done_before.items():
+        assert done_after[name] == content, f"{name} was redone after the kill"
+    assert not list((cfg.run_dir / "eval").rglob("*.tmp-*"))
+    report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
+    assert sum(c["responses"] for c in report["cells"]) == 12
+    assert re.search(r"\| gsm8k \| [\d.]+ \(", res.stdout)

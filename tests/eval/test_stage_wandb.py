@@ -1,0 +1,38 @@
+"""The eval W&B run (offline by default) carries the same tables as report.json; disabled mode writes nothing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pipeline.config import load_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_report_files import make_report  # noqa: E402
+
+from eval.report import json_ready  # noqa: E402
+from eval.stage import _log_wandb  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_offline_wandb_run_holds_the_cell_tau_and_depth_tables(tmp_path):
+    cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}", "train.wandb.mode=offline"])
+    report = make_report("tiny", [[3, 2, 1], [4]], [[5, 3]])
+    _log_wandb(cfg, report, tmp_path / "eval")
+    tables = {p.name.split("_")[0]: p for p in (tmp_path / "eval").rglob("*.table.json")}
+    assert {"cells", "tau", "per"} <= set(tables), sorted(tables)
+    cells = json.loads(tables["cells"].read_text())
+    assert cells["columns"][:3] == ["benchmark", "method", "budget"]
+    chain = next(r for r in cells["data"] if r[0] == "gsm8k" and r[1] == "chain")
+    want = next(c for c in json_ready(report)["cells"] if c["benchmark"] == "gsm8k" and c["label"] == "chain")
+    assert chain[6] == want["tau_mean"] and chain[9] == want["speedup"]
+    tau = json.loads(tables["tau"].read_text())
+    assert tau["columns"][0] == "benchmark" and [r[0] for r in tau["data"]] == ["gsm8k", "mt_bench"]
+
+
+def test_disabled_wandb_writes_no_run(tmp_path):
+    cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}", "train.wandb.mode=disabled"])
+    _log_wandb(cfg, make_report("tiny", [[2]], [[3]]), tmp_path / "eval")
+    assert not (tmp_path / "eval").exists()
