@@ -79,8 +79,9 @@ def walk_tree(tree: Tree, choices: Tensor) -> Walk:
     path = torch.zeros(L + 2, dtype=torch.long, device=tokens.device)
     path.scatter_(0, slots, torch.arange(N, device=tokens.device))
     path = path[: L + 1]
-    last = path[accepted]
-    return Walk(accepted, path, choices[last], last)
+    last = path.gather(0, accepted.reshape(1))  # gather, not path[accepted]: a 0-dim index would read the host
+    bonus = choices.gather(0, last)
+    return Walk(accepted, path, bonus.reshape(()), last.reshape(()))
 
 
 def walk_tree_reference(tokens: list[int], parents: list[int], choices: list[int]) -> tuple[list[int], int]:

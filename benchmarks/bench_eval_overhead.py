@@ -1,0 +1,262 @@
+"""Per-round cost of DDTree around the target forward, and of the verify forward itself, per budget.
+
+What runs is the decoder's own code (eval.decode round helpers, eval.cache target caches) on a random-init target
+of the real shape (weights do not change the speed) with a random-init DFlash drafter:
+
+  build+mask   tree build on the device (top-K, best-first selection) + verify positions + 4-D ancestor mask
+  walk+read    target choices, device tree walk, the round's single D2H read (accepted count, bonus, path)
+  compact+ctx  KV compaction of an accepted path of depth min(L, tree depth) that is NOT contiguous (the worst
+               case; contiguous paths skip the copy) + drafter context gather (index_select at the path)
+  overhead     build+mask + walk+read + compact+ctx     (reference, DDTree authors' code on H200:
+               0.89 / 1.02 / 1.52 / 4.28 ms at budgets 16 / 64 / 256 / 1024)
+  verify       the target forward over 1+n rows with ~`--past` committed rows: static KV + CUDA graphs (the
+               decoder's default on CUDA), static KV eager, and the dynamic-cache reference path
+               (reference code: ~29 ms up to budget 256, 48 ms at 1024)
+  round        end-to-end decode: decode wall time / rounds (includes the drafter), phase timing off
+Host syncs: the overhead steps and the verify run once under torch.cuda.set_sync_debug_mode("error") with only
+the round's one read outside it; the `syncs` column says whether that passed.
+
+    python benchmarks/bench_eval_overhead.py --device cuda --shape qwen3-8b --past 1024 \\
+        --budgets 16,32,64,128,256,512,1024 --iters 30
+    python benchmarks/bench_eval_overhead.py --device cpu --shape tiny --past 128 --budgets 16,64,256 --iters 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eval.cache import target_cache  # noqa: E402
+from eval.decode import _round_ops, decode  # noqa: E402
+from extract.layers import default_layer_ids  # noqa: E402
+from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
+
+SHAPES = {
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     tie_word_embeddings=False, rope_theta=1e6),
+    "tiny": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=320,
+                 tie_word_embeddings=False),
+}
+DRAFT_LAYERS = {"qwen3-8b": 5, "tiny": 2}
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_target(shape: str, device, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(SHAPES[shape])
+    config = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=40960, **spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def build_drafter(target, shape: str, block_size: int) -> DFlashDrafter:
+    cfg = target.config
+    args = DrafterArgs(hidden_size=cfg.hidden_size, num_hidden_layers=DRAFT_LAYERS[shape],
+                       num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, rms_norm_eps=1e-6,
+                       rope_theta=1e6, vocab_size=cfg.vocab_size, block_size=block_size,
+                       mask_token_id=cfg.vocab_size - 1,
+                       target_layer_ids=default_layer_ids(cfg.num_hidden_layers, 5 if shape != "tiny" else 3),
+                       num_target_layers=cfg.num_hidden_layers)
+    torch.manual_seed(1)
+    weight = target.get_input_embeddings().weight
+    drafter = DFlashDrafter(args).to(device=weight.device, dtype=weight.dtype).eval()
+    drafter.attach_target_head(weight, target.get_output_embeddings().weight)
+    return drafter
+
+
+def timed(device, fn):
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def deepest_path(tree) -> list[int]:
+    """Root path to the first deepest node (host read outside the timed region)."""
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    node = max(range(len(depths)), key=lambda i: (depths[i], -i))
+    path = [node]
+    while node:
+        node = parents[node]
+        path.append(node)
+    return path[::-1]
+
+
+def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, device) -> dict:
+    """Median seconds per step for one budget on `cache` (which holds the prefilled prompt)."""
+    past = prompt.numel()
+    L = drafter.args.block_size - 1
+    vocab = target.get_output_embeddings().weight.shape[0]
+    ops = _round_ops("ddtree", budget, "device", cache, 0.0, L, vocab, device)
+    rewind(cache, past)  # an end-to-end decode may have run on this cache (same prompt rows, longer length)
+    draft_cache = drafter.new_cache()
+    draft_logits = drafter.draft_logits(draft_cache, _FEATURES["ctx"], 7, past)
+    bonus = torch.tensor([7], device=device)
+    samples = {k: [] for k in ("build", "walk", "compact", "verify")}
+    syncs_ok = None
+    for it in range(iters + 3):
+        (tree, vin), t_build = timed(device, lambda: ops.build(draft_logits, bonus))
+        out, t_verify = timed(device, lambda: cache.verify(tree, vin))
+        (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], w[1].tolist()))(ops.walk(tree, out.logits, None)))
+        path = deepest_path(tree)
+        path_t = torch.tensor(path + [0] * (L + 1 - len(path)), device=device)
+        _, t_compact = timed(device, lambda: (cache.commit(path_t, len(path), contiguous=False),
+                                              out.features.index_select(0, path_t[: len(path)])))
+        rewind(cache, past)
+        if it >= 3:
+            for k, v in zip(("build", "walk", "compact", "verify"), (t_build, t_walk, t_compact, t_verify)):
+                samples[k].append(v)
+        if it == 2 and device.type == "cuda":
+            syncs_ok = one_sync_round(ops, cache, draft_logits, bonus, path_t, len(path), past)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    med["N"] = tree.size
+    med["syncs_ok"] = syncs_ok
+    med["graphs"] = all(not getattr(f, "disabled", True) for f in (ops._build, ops._walk))
+    return med
+
+
+def one_sync_round(ops, cache, draft_logits, bonus, path_t, n, past) -> bool:
+    """A full round with sync debug mode 'error' except around the one host read."""
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        tree, vin = ops.build(draft_logits, bonus)
+        out = cache.verify(tree, vin)
+        walk, record = ops.walk(tree, out.logits, None)
+        torch.cuda.set_sync_debug_mode(0)
+        record.tolist()  # the read
+        torch.cuda.set_sync_debug_mode("error")
+        cache.commit(path_t, n, contiguous=False)
+        out.features.index_select(0, path_t[:n])
+        ok = True
+    except RuntimeError as exc:
+        print(f"  hidden host sync: {exc}", file=sys.stderr)
+        ok = False
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        rewind(cache, past)
+    return ok
+
+
+def rewind(cache, past: int) -> None:
+    """Back to `past` committed rows (the timing loop verifies at the same position every iteration)."""
+    if not cache.static:
+        for layer in cache.dynamic.layers:
+            layer.keys, layer.values = layer.keys[:, :, :past], layer.values[:, :, :past]
+    cache._set_length(past)
+
+
+_FEATURES: dict = {}  # "ctx": the prompt's tap features [1, past, F] from the first prefill
+
+
+def prefill(cache, prompt, capacity):
+    cache.reset(capacity)
+    out = cache.prefill(prompt)
+    _FEATURES.setdefault("ctx", out.features.unsqueeze(0))
+
+
+def verify_only(cache, target, drafter, prompt, budget, iters, device) -> float:
+    """Median seconds of the verify forward alone on `cache` (eager static or dynamic reference)."""
+    L = drafter.args.block_size - 1
+    vocab = target.get_output_embeddings().weight.shape[0]
+    ops = _round_ops("ddtree", budget, "device", cache, 0.0, L, vocab, device)
+    rewind(cache, prompt.numel())
+    draft_logits = drafter.draft_logits(drafter.new_cache(), _FEATURES["ctx"], 7, prompt.numel())
+    tree, vin = ops.build(draft_logits, torch.tensor([7], device=device))
+    times = []
+    for it in range(iters + 2):
+        _, t = timed(device, lambda: cache.verify(tree, vin))
+        rewind(cache, prompt.numel())
+        if it >= 2:
+            times.append(t)
+    return statistics.median(times)
+
+
+def end_to_end(method, target, drafter, prompt, budget, new_tokens, impl) -> tuple[float, float]:
+    """(seconds per round, mean tau) of a real decode (phase timing off: one sync per round)."""
+    decode(method, target, drafter, prompt.tolist(), max_new_tokens=8, budget=budget, cache_impl=impl,
+           phase_timing=False)  # warm-up / capture
+    res = decode(method, target, drafter, prompt.tolist(), max_new_tokens=new_tokens, budget=budget, cache_impl=impl,
+                 phase_timing=False)
+    return res.timings["decode"] / max(res.num_rounds, 1), sum(res.accept_lengths) / max(res.num_rounds, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    ap.add_argument("--past", type=int, default=1024, help="committed context rows during the verify")
+    ap.add_argument("--budgets", default="16,32,64,128,256,512,1024")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens of the end-to-end decode per budget (0 = skip)")
+    ap.add_argument("--skip-reference", action="store_true", help="skip the eager-static and dynamic verify columns")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    target = build_target(args.shape, device, dtype)
+    drafter = build_drafter(target, args.shape, args.block_size)
+    taps = tuple(drafter.args.target_layer_ids)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.config.vocab_size - 1, (args.past,), generator=gen).to(device)
+    capacity = args.past + args.new_tokens + max(budgets) + 2
+    fast = "graphs" if device.type == "cuda" else "static"
+    caches = {impl: target_cache(target, taps, impl) for impl in ([fast] + ([] if args.skip_reference else
+                                                                             ["static", "dynamic"]))}
+    with torch.no_grad():
+        for cache in caches.values():
+            prefill(cache, prompt, capacity)
+        print(f"target {args.shape} ({dtype}) on {device}, past {args.past}, block {args.block_size}, "
+              f"fast path: {fast}")
+        head = (f"{'budget':>6} {'N':>5} {'build+mask':>10} {'walk+read':>9} {'compact':>8} {'overhead':>8} "
+                f"{'verify':>8} {'v.static':>8} {'v.dynamic':>9} {'round':>8} {'tau':>5} {'graphs':>6} {'syncs':>5}")
+        print(head + "\n" + "-" * len(head))
+        ms = lambda s: f"{s * 1e3:8.3f}" if s is not None else f"{'-':>8}"
+        for budget in budgets:
+            m = measure_budget(target, drafter, caches[fast], prompt, budget, args.iters, device)
+            v_static = v_dyn = None
+            if not args.skip_reference and fast != "static":
+                v_static = verify_only(caches["static"], target, drafter, prompt, budget, args.iters, device)
+            if not args.skip_reference:
+                v_dyn = verify_only(caches["dynamic"], target, drafter, prompt, budget, args.iters, device)
+            if fast == "static":
+                v_static = m["verify"]
+            round_s, tau = (end_to_end("ddtree", target, drafter, prompt, budget, args.new_tokens, "auto")
+                            if args.new_tokens else (None, float("nan")))
+            overhead = m["build"] + m["walk"] + m["compact"]
+            syncs = {True: "1", False: "MORE", None: "n/a"}[m["syncs_ok"]]
+            print(f"{budget:>6} {m['N']:>5} {ms(m['build']):>10} {ms(m['walk']):>9} {ms(m['compact'])} "
+                  f"{ms(overhead)} {ms(m['verify'])} {ms(v_static)} {ms(v_dyn):>9} {ms(round_s)} {tau:5.2f} "
+                  f"{str(m['graphs']):>6} {syncs:>5}")
+        if args.new_tokens:
+            for method in ("ar", "chain"):
+                round_s, tau = end_to_end(method, target, drafter, prompt, None, args.new_tokens, "auto")
+                print(f"{method:>6} e2e: {round_s * 1e3:.3f} ms/round, tau {tau:.2f}")
+    print("reference (DDTree authors' code, H200): overhead 0.89/1.02/1.52/4.28 ms at budgets 16/64/256/1024; "
+          "verify ~29 ms up to 256, 48 ms at 1024. Targets: overhead <= 0.3 ms and verify <= 10 ms at 256.")
+
+
+if __name__ == "__main__":
+    main()
