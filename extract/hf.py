@@ -34,22 +34,34 @@ log = get_logger("extract.hf")
 WRITE_CHUNK_BYTES = 64 << 20  # one pwrite job; several run in parallel on the writer threads
 
 
-def plan_batches(lengths: Sequence[int], tokens_per_batch: int) -> list[tuple[int, int]]:
-    """Cut samples sorted longest-first into ``[start, end)`` batches with ``count * longest <= budget``.
+def plan_batches(lengths: Sequence[int], tokens_per_batch: int, overhead_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Cut samples sorted longest-first into contiguous ``[start, end)`` batches with ``count * longest <= budget``.
 
-    A sample longer than the budget forms a batch of its own.
+    Minimizes the padded tokens computed plus ``overhead_tokens`` per batch (the fixed cost of one forward;
+    default ``budget // 64``), by dynamic programming: a long sample does not drag a run of much shorter
+    ones into a half-empty batch, and short samples still fill the budget.  A sample longer than the
+    budget forms a batch of its own.
     """
-    lengths = [int(x) for x in lengths]
-    if any(b > a for a, b in zip(lengths, lengths[1:])):
+    L = np.asarray([int(x) for x in lengths], dtype=np.int64)
+    if (L[1:] > L[:-1]).any():
         raise ValueError("plan_batches needs lengths sorted longest first")
-    out, i = [], 0
-    while i < len(lengths):
-        longest, j = lengths[i], i + 1
-        while j < len(lengths) and (j - i + 1) * longest <= tokens_per_batch:
-            j += 1
-        out.append((i, j))
-        i = j
-    return out
+    n = len(L)
+    c0 = max(1, tokens_per_batch // 64) if overhead_tokens is None else overhead_tokens
+    best = np.zeros(n + 1, dtype=np.float64)
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):  # best[j]: cheapest plan for samples [0, j); last batch [i, j) padded to L[i]
+        lo = max(0, j - max(1, tokens_per_batch // int(L[j - 1])))
+        i = np.arange(lo, j)
+        cost = best[i] + (j - i) * L[i] + c0
+        cost[(j - i) * L[i] > tokens_per_batch] = np.inf
+        cost[-1] = best[j - 1] + L[j - 1] + c0  # a batch of one is always allowed
+        k = int(np.argmin(cost))
+        best[j], cut[j] = cost[k], lo + k
+    out, j = [], n
+    while j > 0:
+        out.append((int(cut[j]), j))
+        j = int(cut[j])
+    return out[::-1]
 
 
 # ----------------------------------------------------------------------------------------------
