@@ -22,6 +22,12 @@ def test_batches_respect_the_padded_token_budget():
         plan_batches([1, 2], 10)
 
 
+def test_a_long_sample_does_not_drag_short_ones_into_a_padded_batch():
+    lengths = [4000] + [1000] * 10
+    assert plan_batches(lengths, 65536) == [(0, 1), (1, 11)]  # greedy would pad 10 samples to 4000 (3x the work)
+    assert plan_batches([100] * 50, 1000) == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 50)]  # still fills the budget
+
+
 def test_interleaved_shards_are_each_written_and_hashed_in_order(tmp_path, random_target):
     from pipeline.runner import sha256_file
 
