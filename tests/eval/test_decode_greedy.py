@@ -216,3 +216,19 @@ def test_bad_arguments_are_refused_with_clear_messages(qwen3):
         decode("ddtree", qwen3, random_drafter(qwen3), [5, 6], max_new_tokens=4)
     with pytest.raises(ValueError, match="drafter"):
         decode("chain", qwen3, None, [5, 6], max_new_tokens=4)
+
+
+def test_drafter_loaded_from_the_zlab_layout_decodes_like_the_original(qwen3, tmp_path):
+    from train.export import export_zlab, load_zlab
+
+    drafter = random_drafter(qwen3, seed=3)
+    export_zlab(drafter, drafter.args, tmp_path / "export")
+    loaded, args = load_zlab(tmp_path / "export")
+    loaded.eval().attach_target_head(qwen3.get_input_embeddings().weight, qwen3.get_output_embeddings().weight)
+    assert args.block_size == BLOCK and args.target_layer_ids == TAPS
+    prompt = prompts(1, 9)[0]
+    ar = decode("ar", qwen3, None, prompt, max_new_tokens=20).output_ids
+    for method, budget in (("chain", None), ("ddtree", 16)):
+        a = decode(method, qwen3, drafter, prompt, max_new_tokens=20, budget=budget)
+        b = decode(method, qwen3, loaded, prompt, max_new_tokens=20, budget=budget)
+        assert a.output_ids == b.output_ids == ar and a.accept_lengths == b.accept_lengths
