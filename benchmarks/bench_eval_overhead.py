@@ -113,9 +113,9 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
     samples = {k: [] for k in ("build", "walk", "compact", "verify")}
     syncs_ok = None
     for it in range(iters + 3):
-        (tree, vin), t_build = timed(device, lambda: ops.build(draft_logits, bonus))
+        (tree, vin, anc), t_build = timed(device, lambda: ops.build(draft_logits, bonus))
         out, t_verify = timed(device, lambda: cache.verify(tree, vin))
-        (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], w[1].tolist()))(ops.walk(tree, out.logits, None)))
+        (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], w[1].tolist()))(ops.walk(tree, anc, out.logits, None)))
         path = deepest_path(tree)
         path_t = torch.tensor(path + [0] * (L + 1 - len(path)), device=device)
         _, t_compact = timed(device, lambda: (cache.commit(path_t, len(path), contiguous=False),
@@ -137,9 +137,9 @@ def one_sync_round(ops, cache, draft_logits, bonus, path_t, n, past) -> bool:
     """A full round with sync debug mode 'error' except around the one host read."""
     try:
         torch.cuda.set_sync_debug_mode("error")
-        tree, vin = ops.build(draft_logits, bonus)
+        tree, vin, anc = ops.build(draft_logits, bonus)
         out = cache.verify(tree, vin)
-        walk, record = ops.walk(tree, out.logits, None)
+        walk, record = ops.walk(tree, anc, out.logits, None)
         torch.cuda.set_sync_debug_mode(0)
         record.tolist()  # the read
         torch.cuda.set_sync_debug_mode("error")
@@ -179,7 +179,7 @@ def verify_only(cache, target, drafter, prompt, budget, iters, device) -> float:
     ops = _round_ops("ddtree", budget, "device", cache, 0.0, L, vocab, device)
     rewind(cache, prompt.numel())
     draft_logits = drafter.draft_logits(drafter.new_cache(), _FEATURES["ctx"], 7, prompt.numel())
-    tree, vin = ops.build(draft_logits, torch.tensor([7], device=device))
+    tree, vin, _ = ops.build(draft_logits, torch.tensor([7], device=device))
     times = []
     for it in range(iters + 2):
         _, t = timed(device, lambda: cache.verify(tree, vin))

@@ -137,7 +137,7 @@ class TargetCache:
     def prefill(self, input_ids: Tensor) -> ForwardOutput:
         raise NotImplementedError
 
-    def verify_inputs(self, tree: Tree) -> VerifyInputs:
+    def verify_inputs(self, tree: Tree, ancestors: Tensor | None = None) -> VerifyInputs:
         raise NotImplementedError
 
     def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
@@ -233,12 +233,13 @@ class KVTargetCache(TargetCache):
         self._set_length(S)
         return out
 
-    def verify_inputs(self, tree: Tree) -> VerifyInputs:
-        """Static cache: `past` is the device scalar, so this is capturable in a CUDA graph (fixed shapes)."""
+    def verify_inputs(self, tree: Tree, ancestors: Tensor | None = None) -> VerifyInputs:
+        """Static cache: `past` is the device scalar, so this is capturable in a CUDA graph (fixed shapes).
+        ancestors: the tree's eval.verify.ancestor_table, if the caller has it."""
         past = self.past if self.static else self.length
         kv_len = self.kv.capacity if self.static else self.length + tree.size
         mask = self.forward.mask_arg(lambda w: tree_attention_mask(tree, past, kv_len, self.forward.dtype,
-                                                                   sliding_window=w))
+                                                                   sliding_window=w, ancestors=ancestors))
         return VerifyInputs(verify_positions(tree, past), mask)
 
     def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
@@ -385,7 +386,7 @@ class RecurrentTargetCache(TargetCache):
         self.length = S
         return out
 
-    def verify_inputs(self, tree: Tree) -> VerifyInputs:
+    def verify_inputs(self, tree: Tree, ancestors: Tensor | None = None) -> VerifyInputs:
         if tree.kind == "tree":
             raise TreeUnsupportedError(tree_unsupported_reason(self.config) or "recurrent target: no tree verify")
         return VerifyInputs(verify_positions(tree, self.length), None)  # root/chain: plain causal rows

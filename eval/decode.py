@@ -29,6 +29,7 @@ from torch import Tensor
 
 from eval.cache import TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
 from eval.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
+from eval.verify import ancestor_table
 from eval.walk import Walk, target_choices, walk_tree
 
 METHODS = ("ar", "chain", "ddtree")
@@ -164,11 +165,11 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         if method != "ar":
             draft_logits = drafter.draft_logits(draft_cache, context.unsqueeze(0), bonus, cache.length)
         clock.lap("draft")
-        tree, vin = ops.build(draft_logits, bonus_dev)
+        tree, vin, ancestors = ops.build(draft_logits, bonus_dev)
         clock.lap("tree_build")
         out = cache.verify(tree, vin)
         clock.lap("verify")
-        walk, record = ops.walk(tree, out.logits, uniforms())
+        walk, record = ops.walk(tree, ancestors, out.logits, uniforms())
         record = record.tolist()  # the round's one host sync
         accepted, bonus, depth = record[0], record[1], record[2]
         path = record[3: 3 + tree.depth_limit + 1][: accepted + 1]
@@ -228,20 +229,24 @@ class _RoundOps:
             tree = chain_tree(draft_logits, bonus)
         else:
             tree = self.builder(draft_logits, self.budget, bonus)
-        vin = self.cache.verify_inputs(tree)
-        return (tree.tokens, tree.parents, tree.depths), (vin.positions, vin.mask)
+        ancestors = ancestor_table(tree.parents, tree.depth_limit)  # shared by the mask and the walk
+        vin = self.cache.verify_inputs(tree, ancestors)
+        return (tree.tokens, tree.parents, tree.depths, ancestors), (vin.positions, vin.mask)
 
     def build(self, draft_logits, bonus):
-        (tokens, parents, depths), (positions, mask) = self._build(draft_logits, bonus.reshape(1))
-        return self._tree(tokens, parents, depths), VerifyInputs(positions, mask)
+        """-> (tree, verify inputs, ancestor table)."""
+        (tokens, parents, depths, ancestors), (positions, mask) = self._build(draft_logits, bonus.reshape(1))
+        return self._tree(tokens, parents, depths), VerifyInputs(positions, mask), ancestors
 
-    def _walk_eager(self, tokens, parents, depths, logits, uniforms):
+    def _walk_eager(self, tokens, parents, depths, ancestors, logits, uniforms):
         tree = self._tree(tokens, parents, depths)
-        walk = walk_tree(tree, target_choices(logits, self.temperature, uniforms))
+        walk = walk_tree(tree, target_choices(logits, self.temperature, uniforms), ancestors)
         return (walk.accepted, walk.path, walk.bonus, walk.last), walk.host_record(tree)
 
-    def walk(self, tree, logits, uniforms):
-        (accepted, path, bonus, last), record = self._walk(tree.tokens, tree.parents, tree.depths, logits, uniforms)
+    def walk(self, tree, ancestors, logits, uniforms):
+        """-> (walk, host record [3 + 2(L+1)])."""
+        (accepted, path, bonus, last), record = self._walk(tree.tokens, tree.parents, tree.depths, ancestors,
+                                                           logits, uniforms)
         return Walk(accepted, path, bonus, last), record
 
 

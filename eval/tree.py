@@ -73,11 +73,11 @@ def top_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """fp32 top-k log-probs and token ids per depth: ([L, k], [L, k]), each row sorted descending.
 
     log_softmax in fp32 then topk (two dispatches on the device); log-probs clamped at LOGPROB_FLOOR and
-    normalised to +0.0 (so -0.0 can never make float comparisons disagree between builders).
+    never -0.0 (x - logsumexp rounds an exact zero to +0.0), so float sorts and Python comparisons agree.
     """
     lp = torch.log_softmax(draft_logits.float(), dim=-1)
     top_lp, top_ids = torch.topk(lp, k, dim=-1)
-    return top_lp.clamp_min(LOGPROB_FLOOR) + 0.0, top_ids
+    return top_lp.clamp_min(LOGPROB_FLOOR), top_ids
 
 
 def tree_size(budget: int, depth_limit: int, vocab: int) -> int:
@@ -194,11 +194,14 @@ def _staircase_host(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 _STAIRCASE: dict = {}
 
 
-def _staircase(budget: int, k: int, device) -> tuple[Tensor, Tensor]:
+def _staircase(budget: int, k: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(slot_of, rank_of, root frontier) device constants, built once per (budget, K, device)."""
     key = (budget, k, str(device))
     if key not in _STAIRCASE:
         i, j = _staircase_host(budget, k)
-        _STAIRCASE[key] = (torch.from_numpy(i).to(device), torch.from_numpy(j).to(device))
+        frontier = torch.full((budget,), float("-inf"))
+        frontier[0] = 0.0  # depth 0: the root alone in slot 0
+        _STAIRCASE[key] = (torch.from_numpy(i).to(device), torch.from_numpy(j).to(device), frontier.to(device))
     return _STAIRCASE[key]
 
 
@@ -219,11 +222,8 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     B = budget
     top_lp, top_ids = top_log_probs(draft_logits, min(B, V))
     K = top_lp.shape[1]
-    slot_of, rank_of = _staircase(B, K, device)  # [M] each, candidates in (slot, rank) order
+    slot_of, rank_of, frontier = _staircase(B, K, device)  # [M] candidates in (slot, rank) order; root frontier
     lp_cand = top_lp[:, rank_of]  # [L, M]
-
-    frontier = torch.full((B,), float("-inf"), device=device)
-    frontier[0] = 0.0  # depth 0: the root alone in slot 0
     scores, picks = [], []
     for d in range(L):
         cand = frontier.index_select(0, slot_of) + lp_cand[d]

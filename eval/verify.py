@@ -42,31 +42,30 @@ def ancestor_table(parents: Tensor, depth_limit: int) -> Tensor:
     return table
 
 
-def ancestor_matrix(tree: Tree) -> Tensor:
-    """Bool [N, N]: vis[i, j] iff node j is node i or one of its ancestors (diagonal included; row 0 = {0})."""
+def ancestor_matrix(tree: Tree, ancestors: Tensor | None = None) -> Tensor:
+    """Bool [N, N]: vis[i, j] iff node j is node i or one of its ancestors (diagonal included; row 0 = {0}).
+    ancestors: `ancestor_table(tree.parents, tree.depth_limit)` if already computed."""
     N = tree.size
-    table = ancestor_table(tree.parents, tree.depth_limit)
+    table = ancestor_table(tree.parents, tree.depth_limit) if ancestors is None else ancestors
     vis = torch.zeros(N, N, dtype=torch.bool, device=tree.parents.device)
     return vis.scatter_(1, table, True)
 
 
 def tree_attention_mask(tree: Tree, past, kv_len: int, dtype: torch.dtype, *,
-                        sliding_window: int | None = None) -> Tensor:
+                        sliding_window: int | None = None, ancestors: Tensor | None = None) -> Tensor:
     """Additive mask [1, 1, 1+n, kv_len] for verifying `tree` on top of `past` committed rows (layout above).
 
     kv_len: key columns the attention sees (dynamic cache: past + 1 + n; static cache: its capacity).
     sliding_window: if set, also hide keys at real position <= query position - window.
+    ancestors: the tree's `ancestor_table`, if the caller already has it (the walk reuses it).
     """
-    vis = ancestor_matrix(tree)
+    vis = ancestor_matrix(tree, ancestors)
     N = tree.size
-    device = vis.device
-    col = torch.arange(kv_len, device=device)
-    rel = col - past  # tree index of each key column (valid where 0 <= rel < N)
-    in_tree = (rel >= 0) & (rel < N)
-    tree_vis = vis.gather(1, rel.clamp(0, N - 1).unsqueeze(0).expand(N, kv_len)) & in_tree
-    visible = (col < past).unsqueeze(0) | tree_vis
+    rel = torch.arange(kv_len, device=vis.device) - past  # tree index of each key column (past rows: < 0)
+    idx = rel.clamp(0, N - 1)
+    visible = (rel < 0) | (vis.index_select(1, idx) & (rel < N))
     if sliding_window is not None:
-        key_pos = torch.where(col < past, col, tree.depths[rel.clamp(0, N - 1)] + past)
+        key_pos = torch.where(rel < 0, rel, tree.depths[idx]) + past
         query_pos = (tree.depths + past).unsqueeze(1)
         visible = visible & (key_pos.unsqueeze(0) > query_pos - sliding_window)
     return _additive(visible, dtype)

@@ -64,16 +64,24 @@ def jump_rounds(depth_limit: int) -> int:
     return math.ceil(math.log2(depth_limit)) if depth_limit > 1 else 0
 
 
-def walk_tree(tree: Tree, choices: Tensor) -> Walk:
-    """Accepted root path of `tree` given the target's choice at every row (choices: int64 [1+n])."""
+def walk_tree(tree: Tree, choices: Tensor, ancestors: Tensor | None = None) -> Walk:
+    """Accepted root path of `tree` given the target's choice at every row (choices: int64 [1+n]).
+
+    ancestors: the tree's `eval.verify.ancestor_table` [N, 2^k] (distances 0..L) if the caller built it for the
+    mask; then ok = AND of match over each row of the table (the doubling already done); otherwise pointer jumping.
+    """
     tokens, parents, depths = tree.tokens, tree.parents, tree.depths
     N, L = tree.size, tree.depth_limit
     match = tokens == choices[parents]
     match[0] = True
-    ok, anc = match, parents
-    for _ in range(jump_rounds(L)):
-        ok = ok & ok[anc]
-        anc = anc[anc]
+    if ancestors is not None:
+        ok = match[ancestors].all(dim=1)
+    else:
+        ok, anc = match, parents
+        for r in range(jump_rounds(L)):
+            ok = ok & ok[anc]
+            if r + 1 < jump_rounds(L):
+                anc = anc[anc]
     accepted = (depths * ok).max()
     slots = torch.where(ok, depths, L + 1)  # rejected nodes write to a dump slot
     path = torch.zeros(L + 2, dtype=torch.long, device=tokens.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from eval.tree import Tree, build_tree
+from eval.verify import ancestor_table
 from eval.walk import compact_rows, target_choices, walk_tree, walk_tree_reference
 
 
@@ -46,7 +47,11 @@ def test_device_walk_equals_sequential_walk_on_thousands_of_random_trees():
             else:
                 choices.append(int(torch.randint(V, (1,), generator=gen)))
         path, bonus = walk_tree_reference(tokens, parents, choices)
+        # both forms of the ancestor-AND: pointer jumping, and the mask's ancestor table
+        table_walk = walk_tree(tree, torch.tensor(choices), ancestor_table(tree.parents, L))
         walk = walk_tree(tree, torch.tensor(choices))
+        assert [int(table_walk.accepted), int(table_walk.bonus)] + table_walk.path.tolist() == \
+            [int(walk.accepted), int(walk.bonus)] + walk.path.tolist()
         a = int(walk.accepted)
         assert a == len(path) - 1
         assert walk.path[: a + 1].tolist() == path and walk.path[a + 1:].eq(0).all()
