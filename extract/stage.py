@@ -363,12 +363,9 @@ def finish_unit(stage: StageDir, backend, job: _UnitInFlight) -> dict:
         job.tmp.unlink(missing_ok=True)
         raise
     os.replace(job.tmp, job.final)
-    if digest is None:  # written by another process (vLLM): hash the file
-        return stage.finish_unit(job.unit.name, [job.final], **job.counts)
-    record = {"unit": job.unit.name, "files": [{"name": job.final.name, "bytes": job.final.stat().st_size,
-                                                "sha256": digest}], **job.counts}
-    atomic_write_json(stage.sidecar_path(job.unit.name), record)  # hashed on the way to disk: no read-back
-    return record
+    # hashed on the way to disk: no read-back (digest is None when another process, vLLM, wrote the bytes)
+    known = {job.final.name: digest} if digest is not None else None
+    return stage.finish_unit(job.unit.name, [job.final], sha256=known, **job.counts)
 
 
 def extract_units(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, index: TokenizedIndex,

@@ -303,9 +303,15 @@ class StageDir:
                 return None
         return info
 
-    def finish_unit(self, unit: str, files: Iterable[Path], **info: Any) -> dict:
-        """Record a unit as done: its files (already renamed into place) plus counts and notes."""
-        entries = [{"name": Path(f).name, "bytes": Path(f).stat().st_size, "sha256": sha256_file(f)} for f in files]
+    def finish_unit(self, unit: str, files: Iterable[Path], *, sha256: dict[str, str] | None = None, **info: Any) -> dict:
+        """Record a unit as done: its files (already renamed into place) plus counts and notes.
+
+        `sha256` maps file names to digests computed while the bytes went to disk (no read-back);
+        files not in it are hashed here.
+        """
+        known = sha256 or {}
+        entries = [{"name": Path(f).name, "bytes": Path(f).stat().st_size,
+                    "sha256": known.get(Path(f).name) or sha256_file(f)} for f in files]
         record = {"unit": unit, "files": entries, **info}
         atomic_write_json(self.sidecar_path(unit), record)
         return record
