@@ -168,3 +168,18 @@ def test_kill_9_mid_eval_resumes_without_redoing_finished_units(tmp_path):
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
     assert sum(c["responses"] for c in report["cells"]) == 12
     assert re.search(r"\| gsm8k \| [\d.]+ \(", res.stdout)
+
+
+def test_split_ranks_share_the_units_and_the_last_rank_writes_the_report(tmp_path):
+    from pipeline.runner import RankInfo
+
+    cfg = make_config(tmp_path, ["eval.methods=[ar,chain]",
+                                 "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
+    export_random_drafter(cfg, cfg.run_dir / "train")
+    first = run_eval(cfg, force=False, ranks=RankInfo(0, 2))
+    assert first == {"stage": "eval", "complete": False, "missing_units": ["gsm8k.chain"]}
+    assert not (cfg.run_dir / "eval" / "report.json").exists()
+    manifest = run_eval(cfg, force=False, ranks=RankInfo(1, 2))
+    assert manifest["num_units"] == 2 and manifest["counts"]["responses"] == 2
+    report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
+    assert report["cells"][1]["label"] == "chain" and report["cells"][1]["speedup"] > 0
