@@ -33,8 +33,8 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def tiny_target(model_type: str, **overrides):
-    tcfg = TargetConfig(model=f"random:{model_type}", random_init=overrides, device="cpu", dtype="float32")
+def tiny_target(model_type: str, device: str = "cpu", **overrides):
+    tcfg = TargetConfig(model=f"random:{model_type}", random_init=overrides, device=device, dtype="float32")
     return load_target(materialize_target(tcfg, CACHE), tcfg)
 
 
@@ -72,7 +72,8 @@ class OracleDrafter:
         self.seq = prompt + greedy
         self.args = random_drafter(target).args
         self.vocab = target.config.vocab_size
-        self.features = forward_taps(target, torch.tensor([self.seq]), TAPS)[0]
+        self.device = target.get_input_embeddings().weight.device
+        self.features = forward_taps(target, torch.tensor([self.seq], device=self.device), TAPS)[0]
         self.seed, self.decoy, self.miss = seed, decoy, miss
         self.context_rows_checked = 0
 
@@ -99,7 +100,7 @@ class OracleDrafter:
             logits[k - 1, true] = 8.0
             if u < self.miss + self.decoy:
                 logits[k - 1, (true + 1 + int(torch.randint(50, (1,), generator=gen))) % self.vocab] = 9.0
-        return logits
+        return logits.to(self.device)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -110,9 +111,10 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def naive_greedy(target, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
+    device = target.get_input_embeddings().weight.device
     with torch.no_grad():
         for _ in range(n):
-            seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
+            seq.append(int(target(torch.tensor([seq], device=device)).logits[0, -1].argmax()))
     return seq[len(prompt):]
 
 
@@ -232,3 +234,35 @@ def test_drafter_loaded_from_the_zlab_layout_decodes_like_the_original(qwen3, tm
         a = decode(method, qwen3, drafter, prompt, max_new_tokens=20, budget=budget)
         b = decode(method, qwen3, loaded, prompt, max_new_tokens=20, budget=budget)
         assert a.output_ids == b.output_ids == ar and a.accept_lengths == b.accept_lengths
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_cuda_graph_rounds_equal_ar_greedy_stay_on_graphs_and_sync_once_per_round():
+    import warnings
+
+    from eval.cache import target_cache
+
+    target = tiny_target("qwen3", device="cuda")
+    for i, prompt in enumerate(prompts(3, 11)):
+        greedy = naive_greedy(target, prompt, 40 + BLOCK)
+        oracle = OracleDrafter(target, prompt, greedy, seed=i)
+        ar = decode("ar", target, None, prompt, max_new_tokens=40, cache_impl="graphs")
+        assert ar.output_ids == greedy[:40]
+        assert decode("chain", target, oracle, prompt, max_new_tokens=40, cache_impl="graphs").output_ids == ar.output_ids
+        for budget in (1, 16, 64):
+            res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=budget, cache_impl="graphs")
+            assert res.output_ids == ar.output_ids, (i, budget)
+    cache = target_cache(target, TAPS, "graphs")
+    fns = list(cache._verify_fns.values()) + [f for ops in cache.round_ops.values() for f in (ops._build, ops._walk)]
+    assert fns and not any(f.disabled for f in fns), "a CUDA graph failed its capture or its eager self-check"
+    # host syncs of a whole decode: the prefill read, one read per round, the two timer syncs
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16, cache_impl="graphs",
+                         phase_timing=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) <= res.num_rounds + 3, [str(w.message) for w in syncs[:5]]
