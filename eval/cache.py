@@ -208,7 +208,7 @@ class KVTargetCache(TargetCache):
             cfg = text_config(self.forward.target.config)
             heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            capacity = -(-capacity // 1024) * 1024  # buckets: graphs are reused across similar lengths
+            capacity = -(-capacity // 2048) * 2048  # buckets: graphs (keyed by capacity) survive across prompts
             self.kv = None
             self._verify_fns.clear()
             self.round_ops.clear()

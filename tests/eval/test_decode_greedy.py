@@ -160,6 +160,19 @@ def test_chain_and_ddtree_equal_ar_greedy_with_deep_acceptance(target_name, requ
         assert oracle.context_rows_checked > 0
 
 
+def test_sliding_window_target_tree_masks_use_real_positions():
+    """Qwen3 with sliding-attention layers (window 5 < prompt): the per-layer-type masks keep DDTree lossless."""
+    target = tiny_target("qwen3", use_sliding_window=True, sliding_window=5, max_window_layers=2)
+    assert "sliding_attention" in target.config.layer_types
+    for i, prompt in enumerate(prompts(2, 21)):
+        greedy = naive_greedy(target, prompt, 30 + BLOCK)
+        oracle = OracleDrafter(target, prompt, greedy, seed=i)
+        for impl in ("dynamic", "static"):
+            assert decode("ar", target, None, prompt, max_new_tokens=30, cache_impl=impl).output_ids == greedy[:30]
+            res = decode("ddtree", target, oracle, prompt, max_new_tokens=30, budget=32, cache_impl=impl)
+            assert res.output_ids == greedy[:30] and max(res.accept_lengths) > 3
+
+
 def test_heap_builder_static_cache_and_dynamic_cache_decode_identically(qwen3):
     prompt = prompts(1, 3)[0]
     oracle = OracleDrafter(qwen3, prompt, naive_greedy(qwen3, prompt, 30 + BLOCK), seed=7)
