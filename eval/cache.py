@@ -61,10 +61,15 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def recurrent_layer_types(config) -> list[str]:
+    """The recurrent (linear-attention / SSM / conv) layer types of a HF config, sorted; [] for pure attention."""
+    return sorted({t for t in (getattr(text_config(config), "layer_types", None) or []) if t in RECURRENT_LAYER_TYPES})
+
+
 def tree_unsupported_reason(config) -> str | None:
     """Why DDTree cannot verify on a target with this HF config, or None."""
     text = text_config(config)
-    recurrent = sorted({t for t in (getattr(text, "layer_types", None) or []) if t in RECURRENT_LAYER_TYPES})
+    recurrent = recurrent_layer_types(config)
     if recurrent:
         return (f"target '{text.model_type}' has {', '.join(recurrent)} layers: a tree mask cannot stop recurrent "
                 "state from flowing between branches, and a per-node state path is not implemented "
@@ -184,9 +189,8 @@ class KVTargetCache(TargetCache):
     """A target with only (full or sliding) attention layers; dynamic (reference) or static (+ CUDA graphs)."""
 
     def __init__(self, target, tap_ids: Sequence[int], *, static: bool = False, graphs: bool = False):
-        reason = tree_unsupported_reason(target.config)
-        if reason and "recurrent" in reason:
-            raise TreeUnsupportedError(reason)
+        if recurrent_layer_types(target.config):
+            raise TreeUnsupportedError(tree_unsupported_reason(target.config))
         self.forward = _Forward(target, tap_ids)
         self.static = static
         self.graphs = graphs and static and self.forward.device.type == "cuda"
@@ -368,6 +372,9 @@ class RecurrentTargetCache(TargetCache):
 
     def __init__(self, target, tap_ids: Sequence[int]):
         self.forward = _Forward(target, tap_ids)
+        if self.forward.sliding_window is not None:
+            raise NotImplementedError("hybrid target with sliding-window layers: crop-based rollback would cut the "
+                                      "window caches; not supported")
         self.config = target.config
         self.cache: DynamicCache | None = None
         self.length = 0
@@ -410,7 +417,7 @@ class RecurrentTargetCache(TargetCache):
             for live, saved in self._saved:
                 live.copy_(saved)
             for layer in self.cache.layers:
-                if hasattr(layer, "keys") and getattr(layer, "keys", None) is not None and layer.keys.numel():
+                if getattr(layer, "keys", None) is not None:
                     layer.keys = layer.keys[:, :, : self.length]
                     layer.values = layer.values[:, :, : self.length]
             positions = torch.arange(self.length, self.length + n, device=self.forward.device).unsqueeze(0)
@@ -437,7 +444,7 @@ def target_cache(target, tap_ids: Sequence[int] = (), impl: str = "auto") -> Tar
     device = target.get_input_embeddings().weight.device
     if impl == "auto":
         impl = "graphs" if device.type == "cuda" else "dynamic"
-    recurrent = any(t in RECURRENT_LAYER_TYPES for t in (getattr(text_config(target.config), "layer_types", None) or []))
+    recurrent = bool(recurrent_layer_types(target.config))
     key = ("recurrent" if recurrent else impl, tuple(tap_ids))
     per_target = _CACHES.setdefault(target, {})
     if key not in per_target:
