@@ -34,8 +34,6 @@ from pipeline.log import get_logger
 
 log = get_logger("train.engine")
 
-TORCH_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
 
 # ----------------------------------------------------------------------------------------------
 # Process-group environment
@@ -131,6 +129,9 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[DistEnv, torch.device]:
         device = torch.device("cpu")
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+        if d.is_main:
+            log.info("process group: %d rank(s) from %s, rendezvous %s:%d, backend %s, device %s", d.world_size,
+                     d.source, d.master_addr, d.master_port, torch.distributed.get_backend(), device)
     return d, device
 
 

@@ -17,10 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import RunConfig, to_dict
-from pipeline.log import get_logger
 from pipeline.runner import atomic_write_text
-
-log = get_logger("train.metrics")
 
 
 # ----------------------------------------------------------------------------------------------
