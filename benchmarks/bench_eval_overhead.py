@@ -14,7 +14,9 @@ of the real shape (weights do not change the speed) with a random-init DFlash dr
                (reference code: ~29 ms up to budget 256, 48 ms at 1024)
   round        end-to-end decode: decode wall time / rounds (includes the drafter), phase timing off
 Host syncs: the overhead steps and the verify run once under torch.cuda.set_sync_debug_mode("error") with only
-the round's one read outside it; the `syncs` column says whether that passed.
+the round's one read outside it; the `syncs` column says whether that passed. `graphs`: the build and walk
+CUDA graphs passed capture and their eager self-check. `dev=heap`: the device builder equals the CPU heap
+reference on this device (5 random drafts per budget).
 
     python benchmarks/bench_eval_overhead.py --device cuda --shape qwen3-8b --past 1024 \\
         --budgets 16,32,64,128,256,512,1024 --iters 30
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.cache import target_cache  # noqa: E402
 from eval.decode import _round_ops, decode  # noqa: E402
+from eval.tree import build_tree, build_tree_heap  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402
 from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
@@ -76,7 +79,8 @@ def build_drafter(target, shape: str, block_size: int) -> DFlashDrafter:
                        num_target_layers=cfg.num_hidden_layers)
     torch.manual_seed(1)
     weight = target.get_input_embeddings().weight
-    drafter = DFlashDrafter(args).to(device=weight.device, dtype=weight.dtype).eval()
+    with torch.device(weight.device):
+        drafter = DFlashDrafter(args).to(dtype=weight.dtype).eval()
     drafter.attach_target_head(weight, target.get_output_embeddings().weight)
     return drafter
 
@@ -130,7 +134,19 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
     med["N"] = tree.size
     med["syncs_ok"] = syncs_ok
     med["graphs"] = all(not getattr(f, "disabled", True) for f in (ops._build, ops._walk))
+    med["builders"] = builders_agree(budget, L, vocab, device)
     return med
+
+
+def builders_agree(budget: int, L: int, vocab: int, device, trials: int = 5) -> bool:
+    """The device builder equals the heap reference on this device (random peaked draft logits)."""
+    gen = torch.Generator(device=device).manual_seed(budget)
+    for _ in range(trials):
+        logits = torch.randn(L, vocab, generator=gen, device=device) * 4
+        a, b = build_tree(logits, budget, 0), build_tree_heap(logits, budget, 0)
+        if not all(torch.equal(x, y) for x, y in ((a.tokens, b.tokens), (a.parents, b.parents), (a.depths, b.depths))):
+            return False
+    return True
 
 
 def one_sync_round(ops, cache, draft_logits, bonus, path_t, n, past) -> bool:
@@ -231,7 +247,8 @@ def main() -> None:
         print(f"target {args.shape} ({dtype}) on {device}, past {args.past}, block {args.block_size}, "
               f"fast path: {fast}")
         head = (f"{'budget':>6} {'N':>5} {'build+mask':>10} {'walk+read':>9} {'compact':>8} {'overhead':>8} "
-                f"{'verify':>8} {'v.static':>8} {'v.dynamic':>9} {'round':>8} {'tau':>5} {'graphs':>6} {'syncs':>5}")
+                f"{'verify':>8} {'v.static':>8} {'v.dynamic':>9} {'round':>8} {'tau':>5} {'graphs':>6} {'syncs':>5} "
+                f"{'dev=heap':>8}")
         print(head + "\n" + "-" * len(head))
         ms = lambda s: f"{s * 1e3:8.3f}" if s is not None else f"{'-':>8}"
         for budget in budgets:
@@ -249,7 +266,7 @@ def main() -> None:
             syncs = {True: "1", False: "MORE", None: "n/a"}[m["syncs_ok"]]
             print(f"{budget:>6} {m['N']:>5} {ms(m['build']):>10} {ms(m['walk']):>9} {ms(m['compact'])} "
                   f"{ms(overhead)} {ms(m['verify'])} {ms(v_static)} {ms(v_dyn):>9} {ms(round_s)} {tau:5.2f} "
-                  f"{str(m['graphs']):>6} {syncs:>5}")
+                  f"{str(m['graphs']):>6} {syncs:>5} {str(m['builders']):>8}")
         if args.new_tokens:
             for method in ("ar", "chain"):
                 round_s, tau = end_to_end(method, target, drafter, prompt, None, args.new_tokens, "auto")
