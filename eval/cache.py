@@ -33,7 +33,6 @@ Targets must run with attn_implementation "sdpa" or "eager" for tree masks (neve
 
 from __future__ import annotations
 
-import logging
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -46,8 +45,9 @@ from eval.tree import Tree
 from eval.verify import causal_attention_mask, tree_attention_mask, verify_positions
 from eval.walk import compact_rows
 from extract.layers import TapHooks
+from pipeline.log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger("eval.cache")
 
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding")
 MASKABLE_ATTENTION = ("sdpa", "eager")
