@@ -9,7 +9,7 @@ Layout of one stage:  <runs_dir>/<run>/<stage>/
 
 Invariants:
   * a unit is done iff its sidecar exists and its shard's size + sha256 match the sidecar
-    (kill -9 can leave only `*.tmp-*` files, which are removed on the next start);
+    (kill -9 can leave only `*.tmp-<host>-<pid>` files; the next start removes those whose writer is dead);
   * `manifest.json` holds `config_hash`: re-running a finished stage with the same hash is a no-op,
     a different hash is refused (naming the differing fields) unless `force=True`;
   * `fingerprint` is what a downstream stage must agree with; `check_fingerprint` names the field.
@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -44,8 +45,29 @@ class FingerprintMismatch(StageError):
 # ----------------------------------------------------------------------------------------------
 
 
+_HOST = socket.gethostname().split(".")[0].replace("-", "_")
+
+
 def _tmp_path(path: Path) -> Path:
-    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    """`<name>.tmp-<host>-<pid>`: the writer is identifiable, so cleanup never removes a live writer's file."""
+    return path.with_name(f"{path.name}.tmp-{_HOST}-{os.getpid()}")
+
+
+def _is_debris(tmp: Path) -> bool:
+    """A temp file whose writer is gone: written on this host by a pid that no longer runs.
+
+    Temp files of other hosts (a multi-node job on a shared filesystem) or of live processes (another rank
+    still writing) are left alone."""
+    host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
+    if host != _HOST or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return int(pid) == os.getpid()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -276,7 +298,8 @@ class StageDir:
                 )
         self.shards.mkdir(parents=True, exist_ok=True)
         for tmp in self.path.rglob("*.tmp-*"):
-            tmp.unlink(missing_ok=True)  # debris of a killed writer
+            if _is_debris(tmp):
+                tmp.unlink(missing_ok=True)  # debris of a killed writer (never another live rank's file)
         atomic_write_json(state, {"config_hash": config_hash})
         return True
 

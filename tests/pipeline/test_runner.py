@@ -147,3 +147,26 @@ def test_atomic_write_json_roundtrip(tmp_path):
     atomic_write_json(tmp_path / "x.json", {"a": [1, 2]})
     assert read_json(tmp_path / "x.json") == {"a": [1, 2]}
     assert os.listdir(tmp_path) == ["x.json"]
+
+
+def test_begin_removes_only_temp_files_of_dead_writers(tmp_path):
+    """A rank relaunched while others still write must not delete their in-flight temp files."""
+    stage = StageDir(tmp_path, "s")
+    stage.begin("h")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    from pipeline.runner import _HOST
+
+    live_tmp = stage.shards / f"a.bin.tmp-{_HOST}-{live.pid}"
+    dead_tmp = stage.shards / f"b.bin.tmp-{_HOST}-{dead.pid}"
+    other_host_tmp = stage.shards / "c.bin.tmp-otherhost-1"
+    for p in (live_tmp, dead_tmp, other_host_tmp):
+        p.write_bytes(b"x")
+    try:
+        stage.begin("h")
+        assert live_tmp.exists() and other_host_tmp.exists()
+        assert not dead_tmp.exists()
+    finally:
+        live.kill()
+        live.wait()
