@@ -94,9 +94,9 @@ def check_eval_config(cfg: RunConfig) -> None:
 def drafter_dir(cfg: RunConfig) -> Path:
     """`eval.drafter` (a local dir, or a hub id resolved by train.export), else this run's train export."""
     if cfg.eval.drafter:
-        from train.export import _local_dir
+        from train.export import resolve_drafter_dir
 
-        path = _local_dir(cfg.eval.drafter, None)
+        path = resolve_drafter_dir(cfg.eval.drafter, None)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"eval.drafter: {path} is not a drafter directory (no config.json)")
         return path

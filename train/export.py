@@ -146,7 +146,7 @@ def args_from_zlab_config(config: dict) -> DrafterArgs:
     )
 
 
-def _local_dir(path: str | Path, revision: Optional[str]) -> Path:
+def resolve_drafter_dir(path: str | Path, revision: Optional[str]) -> Path:
     p = Path(path)
     if p.is_dir():
         return p
@@ -166,7 +166,7 @@ def load_zlab(path: str | Path, revision: Optional[str] = None) -> tuple[DFlashD
     The parameter set must match exactly (missing/unexpected names raise). Returns the drafter in the stored
     dtype, on CPU, without the target head: call `attach_target_head` before running it.
     """
-    root = _local_dir(path, revision)
+    root = resolve_drafter_dir(path, revision)
     config = json.loads((root / CONFIG_NAME).read_text())
     args = args_from_zlab_config(config)
     files = sorted(root.glob("*.safetensors"))
