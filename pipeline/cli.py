@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="compare two or more eval runs side by side")
     rep.add_argument("eval_dirs", nargs="+", help="runs/<name>/eval directories")
     rep.add_argument("--out", required=True, help="output directory for the comparison report")
-    sub.add_parser("config-reference", help="print every config key with its default and doc")
+    ref = sub.add_parser("config-reference", help="print every config key with its default and doc")
+    ref.add_argument("--markdown", action="store_true", help="as the markdown table of docs/config.md")
     return parser
 
 
@@ -93,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     if args.command == "config-reference":
-        from pipeline.config import describe_fields
+        from pipeline.config import describe_fields, reference_markdown
 
+        if args.markdown:
+            print(reference_markdown(), end="")
+            return 0
         for key, default, text in describe_fields():
             print(f"{key:40s} {default:24s} {text}")
         return 0

@@ -85,3 +85,10 @@ def test_every_field_is_documented():
     undocumented = [key for key, _, text in rows if not text]
     assert not undocumented, undocumented
     assert any(key == "train.wandb.mode" for key, _, _ in rows)
+
+
+def test_docs_config_reference_is_in_sync_with_the_schema():
+    from pipeline.config import reference_markdown
+
+    assert (REPO / "docs/config.md").read_text() == reference_markdown(), (
+        "docs/config.md is stale: run `drafter config-reference --markdown > docs/config.md`")
