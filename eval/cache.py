@@ -15,11 +15,15 @@ features: the target's taps (extract/layers.py convention, concatenated shallow 
 Implementations:
   * `KVTargetCache(static=False)`: HF `DynamicCache`, additive 4-D mask over past+N keys. The reference path.
   * `KVTargetCache(static=True)`: a preallocated K/V buffer [layers, 2, 1, KVH, capacity, hd] that HF writes
-    through `StaticKV.update` at explicit row indices; the mask spans the whole capacity (unused rows hidden), so
-    every verify of N rows has the same shapes. Compaction is one gather + one copy over all layers at once.
-    With `graphs=True` (CUDA) each verify size N is captured once as a CUDA graph (`CudaGraphFn`) and replayed;
-    `past` lives on the device too, so the decoder also captures its tree build + mask and its walk. The first
-    replay of each graph is checked against the eager call; a mismatch or failed capture falls back to eager.
+    through `StaticKV.update` at explicit row indices. A verify of N rows attends to the first kv_len rows only,
+    kv_len = length + N rounded up to a multiple of KV_BUCKET (<= capacity); the mask hides the unused ones.
+    The 4-D mask is built inside the verify call from the tree's ancestor matrix (`VerifyInputs.visibility`) and
+    the device scalar `past`, so all shapes are fixed by (N, kv_len). Compaction is one gather + one copy over all
+    layers at once. With `graphs=True` (CUDA) the whole verify (mask + every layer + head + taps) for each
+    (N, kv_len) is captured once as a CUDA graph (`CudaGraphFn`) and replayed; the mask then lives in the graph's
+    private memory and is rewritten in place by each replay. The decoder also captures its tree build and its
+    walk. The first replay of each graph is checked against the eager call; a mismatch or failed capture falls
+    back to eager.
   * `RecurrentTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers, e.g. qwen3_5_text.
     Only root/chain verification: a mask cannot stop recurrent state from flowing between tree branches
     (ddtree.md §6.7), so trees raise `TreeUnsupportedError`. Chain rollback: the recurrent/conv states are
@@ -33,6 +37,7 @@ Targets must run with attn_implementation "sdpa" or "eager" for tree masks (neve
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -42,13 +47,15 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache
 
 from eval.tree import Tree
-from eval.verify import causal_attention_mask, tree_attention_mask, verify_positions
+from eval.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
+                         visibility_attention_mask)
 from eval.walk import compact_rows
 from extract.layers import TapHooks
 from pipeline.log import get_logger
 
 log = get_logger("eval.cache")
 
+KV_BUCKET = 512  # static-cache verify: attended key rows are rounded up to this (one verify graph per bucket)
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding")
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
@@ -89,7 +96,8 @@ class ForwardOutput:
 @dataclass
 class VerifyInputs:
     positions: Tensor  # [1, N] = start + depth
-    mask: object  # additive [1, 1, N, kv_len] tensor, a {layer_type: mask} dict, or None (causal)
+    mask: object  # additive [1, 1, N, kv_len] tensor, a {layer_type: mask} dict, or None (causal / built later)
+    visibility: Tensor | None = None  # static cache: bool [N, N] ancestor matrix; verify builds the mask from it
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,8 +168,9 @@ class TargetCache:
 class StaticKV(Cache):
     """HF cache over one preallocated buffer kv [layers, 2, 1, KVH, capacity, hd].
 
-    `update` writes the new K/V rows at `write_rows` (int64 [q], set before each forward) and returns the whole
-    capacity; the caller's mask hides rows that are not committed or not part of this forward.
+    `update` writes the new K/V rows at `write_rows` (int64 [q], set before each forward) and returns rows
+    [0, kv_len) (views, no copy; kv_len set before each forward); the caller's mask hides rows that are not
+    committed or not part of this forward.
     """
 
     is_compileable = True
@@ -171,6 +180,7 @@ class StaticKV(Cache):
         self.kv = torch.zeros(num_layers, 2, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.write_rows = torch.zeros(0, dtype=torch.long, device=device)
         self.capacity = capacity
+        self.kv_len = capacity
 
     def __len__(self):
         return self.kv.shape[0]
@@ -179,7 +189,7 @@ class StaticKV(Cache):
         keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
         keys.index_copy_(2, self.write_rows, key_states)
         values.index_copy_(2, self.write_rows, value_states)
-        return keys, values
+        return keys.narrow(2, 0, self.kv_len), values.narrow(2, 0, self.kv_len)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise RuntimeError("StaticKV has no implicit length: pass position_ids and a 4-D mask")
@@ -198,7 +208,7 @@ class KVTargetCache(TargetCache):
         self.dynamic: DynamicCache | None = None
         self.length = 0
         self.past = torch.zeros((), dtype=torch.long, device=self.forward.device)  # device copy of `length`
-        self._verify_fns: dict[int, object] = {}
+        self._verify_fns: dict[tuple[int, int], object] = {}  # (N, kv_len) -> verify fn / CUDA graph
         self.round_ops: dict = {}
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -229,6 +239,7 @@ class KVTargetCache(TargetCache):
         positions = torch.arange(S, device=self.forward.device).unsqueeze(0)
         if self.static:
             self.kv.write_rows = torch.arange(S, device=self.forward.device)
+            self.kv.kv_len = self.kv.capacity
             mask = self.forward.mask_arg(lambda w: causal_attention_mask(
                 S, 0, self.kv.capacity, self.forward.dtype, self.forward.device, sliding_window=w))
             out = self.forward(input_ids, positions, mask, self.kv, last_logits_only=True)
@@ -238,29 +249,40 @@ class KVTargetCache(TargetCache):
         return out
 
     def verify_inputs(self, tree: Tree, ancestors: Tensor | None = None) -> VerifyInputs:
-        """Static cache: `past` is the device scalar, so this is capturable in a CUDA graph (fixed shapes).
-        ancestors: the tree's eval.verify.ancestor_table, if the caller has it."""
-        past = self.past if self.static else self.length
-        kv_len = self.kv.capacity if self.static else self.length + tree.size
-        mask = self.forward.mask_arg(lambda w: tree_attention_mask(tree, past, kv_len, self.forward.dtype,
-                                                                   sliding_window=w, ancestors=ancestors))
-        return VerifyInputs(verify_positions(tree, past), mask)
+        """Dynamic cache: positions + the 4-D mask over past + N keys. Static cache: positions (from the device
+        scalar `past`) + the ancestor matrix; `verify` turns it into the mask for its key bucket. Both are
+        capturable in a CUDA graph (fixed shapes, no host read). ancestors: the tree's eval.verify.ancestor_table,
+        if the caller has it."""
+        if self.static:
+            return VerifyInputs(verify_positions(tree, self.past), None, ancestor_matrix(tree, ancestors))
+        mask = self.forward.mask_arg(lambda w: tree_attention_mask(tree, self.length, self.length + tree.size,
+                                                                   self.forward.dtype, sliding_window=w,
+                                                                   ancestors=ancestors))
+        return VerifyInputs(verify_positions(tree, self.length), mask)
 
     def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
         if not self.static:
             return self.forward(tree.tokens, vin.positions, vin.mask, self.dynamic)
-        fn = self._verify_fns.get(tree.size)
+        kv_len = min(self.kv.capacity, -(-(self.length + tree.size) // KV_BUCKET) * KV_BUCKET)
+        key = (tree.size, kv_len)
+        fn = self._verify_fns.get(key)
         if fn is None:
-            fn = self._static_verify
+            fn = functools.partial(self._static_verify, kv_len)
             if self.graphs:
-                fn = CudaGraphFn(self._static_verify, f"verify forward N={tree.size}", check=_logits_close)
-            self._verify_fns[tree.size] = fn
-        logits, features = fn(tree.tokens, vin.positions, vin.mask)
+                fn = CudaGraphFn(fn, f"verify forward N={tree.size} keys={kv_len}", check=_logits_close)
+            self._verify_fns[key] = fn
+        logits, features = fn(tree.tokens, vin.positions, vin.mask, vin.visibility)
         return ForwardOutput(logits, features)
 
-    def _static_verify(self, ids: Tensor, positions: Tensor, mask) -> tuple[Tensor, Tensor | None]:
-        """Rows past..past+N-1 of the static buffer (all shapes fixed by N and the capacity)."""
+    def _static_verify(self, kv_len: int, ids: Tensor, positions: Tensor, mask,
+                       visibility: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Rows past..past+N-1 of the static buffer, attending to rows [0, kv_len) (all shapes fixed by N and
+        kv_len). The mask is `mask` if given, else built here from `visibility` and the device scalar `past`."""
+        self.kv.kv_len = kv_len
         self.kv.write_rows = self.past + torch.arange(ids.shape[0], device=ids.device)
+        if mask is None:
+            mask = self.forward.mask_arg(lambda w: visibility_attention_mask(
+                visibility, positions, self.past, kv_len, self.forward.dtype, sliding_window=w))
         out = self.forward(ids, positions, mask, self.kv)
         return out.logits, out.features
 

@@ -231,12 +231,12 @@ class _RoundOps:
             tree = self.builder(draft_logits, self.budget, bonus)
         ancestors = ancestor_table(tree.parents, tree.depth_limit)  # shared by the mask and the walk
         vin = self.cache.verify_inputs(tree, ancestors)
-        return (tree.tokens, tree.parents, tree.depths, ancestors), (vin.positions, vin.mask)
+        return (tree.tokens, tree.parents, tree.depths, ancestors), (vin.positions, vin.mask, vin.visibility)
 
     def build(self, draft_logits, bonus):
         """-> (tree, verify inputs, ancestor table)."""
-        (tokens, parents, depths, ancestors), (positions, mask) = self._build(draft_logits, bonus.reshape(1))
-        return self._tree(tokens, parents, depths), VerifyInputs(positions, mask), ancestors
+        (tokens, parents, depths, ancestors), (positions, mask, vis) = self._build(draft_logits, bonus.reshape(1))
+        return self._tree(tokens, parents, depths), VerifyInputs(positions, mask, vis), ancestors
 
     def _walk_eager(self, tokens, parents, depths, ancestors, logits, uniforms):
         tree = self._tree(tokens, parents, depths)

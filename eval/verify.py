@@ -59,15 +59,23 @@ def tree_attention_mask(tree: Tree, past, kv_len: int, dtype: torch.dtype, *,
     sliding_window: if set, also hide keys at real position <= query position - window.
     ancestors: the tree's `ancestor_table`, if the caller already has it (the walk reuses it).
     """
-    vis = ancestor_matrix(tree, ancestors)
-    N = tree.size
+    return visibility_attention_mask(ancestor_matrix(tree, ancestors), verify_positions(tree, past), past, kv_len,
+                                     dtype, sliding_window=sliding_window)
+
+
+def visibility_attention_mask(vis: Tensor, positions: Tensor, past, kv_len: int, dtype: torch.dtype, *,
+                              sliding_window: int | None = None) -> Tensor:
+    """The additive tree mask [1, 1, N, kv_len] (layout above) from the tree's ancestor matrix vis [N, N] and its
+    position ids [1, N] (= past + depth). A fixed number of device ops over [N, kv_len]; `past` may be a 0-dim
+    device tensor (no host read), so the static cache builds this inside its verify CUDA graph."""
+    N = vis.shape[0]
     rel = torch.arange(kv_len, device=vis.device) - past  # tree index of each key column (past rows: < 0)
     idx = rel.clamp(0, N - 1)
     visible = (rel < 0) | (vis.index_select(1, idx) & (rel < N))
     if sliding_window is not None:
-        key_pos = torch.where(rel < 0, rel, tree.depths[idx]) + past
-        query_pos = (tree.depths + past).unsqueeze(1)
-        visible = visible & (key_pos.unsqueeze(0) > query_pos - sliding_window)
+        pos = positions.reshape(-1)
+        key_pos = torch.where(rel < 0, rel + past, pos.index_select(0, idx))  # real position of each key column
+        visible = visible & (key_pos.unsqueeze(0) > pos.unsqueeze(1) - sliding_window)
     return _additive(visible, dtype)
 
 

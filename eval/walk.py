@@ -72,8 +72,9 @@ def walk_tree(tree: Tree, choices: Tensor, ancestors: Tensor | None = None) -> W
     """
     tokens, parents, depths = tree.tokens, tree.parents, tree.depths
     N, L = tree.size, tree.depth_limit
-    match = tokens == choices[parents]
-    match[0] = True
+    # match[0] = True, written without `match[0] = True`: on CUDA that assignment builds the Python scalar as a
+    # CPU tensor and copies it H2D (a blocking copy, and illegal inside CUDA-graph capture)
+    match = (tokens == choices[parents]) | (torch.arange(N, device=tokens.device) == 0)
     if ancestors is not None:
         ok = match[ancestors].all(dim=1)
     else:

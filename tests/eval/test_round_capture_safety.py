@@ -1,0 +1,87 @@
+"""The round's device work (tree build + mask, static-cache verify forward, walk, compaction) can be captured in a
+CUDA graph and has no hidden host sync: run on the 'meta' device (no data, so any data-dependent host read
+raises), under a dispatch checker that also fails on every op that would read device data on the host or copy
+host data to the device on CUDA (e.g. `x[0] = True` on a CUDA tensor is a blocking H2D copy, illegal in capture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from eval.cache import KV_BUCKET, target_cache
+from eval.decode import _round_ops
+
+HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_unique", "_unique2",
+              "unique_consecutive", "equal", "is_nonzero", "lift_fresh", "lift_fresh_copy"}
+
+
+class HostTrafficChecker(TorchDispatchMode):
+    """Records ops that sync with or copy from the host when the inputs live on a device ('meta' here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bad: list[str] = []
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        name = func.overloadpacket.__name__
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        if name in HOST_READS:
+            self.bad.append(f"{func}: host read / host data")
+        elif any(t.device.type != "meta" for t in tensors):
+            self.bad.append(f"{func}: CPU tensor argument (an H2D copy or a host constant on CUDA)")
+        elif name in ("copy_", "index_put_", "index_put") and len(tensors) >= 2 and tensors[-1].dim() == 0:
+            self.bad.append(f"{func}: element assignment from a host scalar (CPU scalar tensor -> H2D on CUDA)")
+        elif name == "repeat_interleave" and tensors:
+            self.bad.append(f"{func}: tensor repeats (output size read on the host)")
+        elif name == "index" and any(t.dtype == torch.bool for t in tensors[1:]):
+            self.bad.append(f"{func}: boolean-mask indexing (nonzero)")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def meta_cache():
+    cfg = AutoConfig.for_model("qwen3", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=320,
+                               tie_word_embeddings=False)
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    cache = target_cache(target, (1, 3), "static")
+    cache.reset(3000)
+    return cache
+
+
+@pytest.mark.parametrize("method,budget", [("ddtree", 64), ("ddtree", 1), ("chain", None), ("ar", None)])
+def test_round_ops_have_no_host_read_and_no_host_to_device_copy(meta_cache, method, budget):
+    cache, L, V, dev = meta_cache, 7, 320, torch.device("meta")
+    ops = _round_ops(method, budget, "device", cache, 0.0, L, V, dev)
+    logits = torch.empty(L, V, device=dev)
+    bonus = torch.empty(1, dtype=torch.long, device=dev)
+    cache._set_length(700)
+    ops.build(logits, bonus)  # warm-up (per-shape device constants), as CudaGraphFn does before capturing
+    with torch.no_grad(), HostTrafficChecker() as checker:
+        tree, vin, ancestors = ops.build(logits, bonus)
+        out = cache.verify(tree, vin)  # the whole target forward: mask, every layer, head, taps
+        walk, record = ops.walk(tree, ancestors, out.logits, None)
+        cache.commit(walk.path, 3 if method != "ar" else 1, contiguous=False)  # KV compaction
+        out.features.index_select(0, walk.path[:1])  # drafter context gather
+    assert checker.ops > 100 and not checker.bad, checker.bad[:10]
+    assert record.shape == (3 + 2 * (ops.depth_limit + 1),)
+    # the verify attended to a key bucket near past + N, not to the whole capacity
+    assert cache.kv.kv_len == -(-(700 + tree.size) // KV_BUCKET) * KV_BUCKET < cache.kv.capacity
+
+
+def test_checker_catches_the_patterns_it_guards_against():
+    x = torch.zeros(5, dtype=torch.bool, device="meta")
+    for bad in (lambda: x.__setitem__(0, True), lambda: x[x], lambda: torch.tensor([1, 2]).to("meta")):
+        with HostTrafficChecker() as checker:
+            try:
+                bad()
+            except Exception:  # meta raises on data-dependent output sizes after the checker has seen the op
+                pass
+        assert checker.bad
