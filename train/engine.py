@@ -232,11 +232,11 @@ def build_engine(model: torch.nn.Module, tcfg: TrainConfig, *, total_steps: int,
 
 
 def compile_layers(drafter: torch.nn.Module) -> None:
-    """torch.compile every draft decoder layer (attention + MLP over the block rows). Automatic dynamic shapes:
-    the varying packed-row lengths recompile once, not once per shape. Applied to the modules in place, so
-    parameter names, checkpoints and ZeRO hooks are unchanged."""
-    for layer in drafter.layers:
-        layer.compile()
+    """torch.compile the drafter's training forward (`DFlashDrafter.compile_training`: feature fusion, every layer
+    step including its context K/V, final norm). Automatic dynamic shapes: the varying packed-row lengths
+    recompile once, not once per shape. The modules are not replaced, so parameter names, checkpoints and ZeRO
+    hooks are unchanged."""
+    drafter.compile_training()
 
 
 def _cast_float_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -4,8 +4,9 @@
     loss = sum_q w_{k(q)} m_q CE(logits_q, label_q) / sum_q w_{k(q)} m_q          m = batch.label_mask
 
 Logits are never materialised for all rows at once: `chunked_cross_entropy` computes them `chunk_rows` rows at a time
-in forward and recomputes them chunk by chunk in backward (a custom autograd.Function that saves only the
-hidden rows and one logsumexp per row).
+(in the matmul's dtype; logsumexp/CE in fp32, fused into one compiled kernel group on CUDA). With the frozen LM head
+the same pass also computes each row's input gradient, so the head costs two matmuls per labelled row (logits,
+input gradient) and nothing of [rows, V] is kept for backward.
 """
 
 from __future__ import annotations
@@ -43,29 +44,79 @@ def label_weights(batch: BlockBatch, gamma: Optional[float] = None) -> Tensor:
     return w[batch.slots] * batch.label_mask
 
 
+def _chunk_ce(logits: Tensor, labels: Tensor, with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """One chunk: logits [c, V] (the matmul's dtype), labels Long[c] -> (ce [c], lse [c], argmax Long[c], dlogits).
+
+    Reductions run in >= fp32; dlogits = softmax - onehot(label) [c, V] in the logits' dtype (the gradient of ce
+    with respect to the logits, per unit of upstream gradient), or None. On CUDA this is one compiled kernel
+    group: the logits are read twice and dlogits written once, no fp32 [c, V] copy is ever materialised."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(x, dim=-1)
+    ce = lse - x.gather(1, labels[:, None]).squeeze(1)
+    pred = x.argmax(dim=-1)
+    if not with_grad:
+        return ce, lse, pred, None
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    return ce, lse, pred, (torch.exp(x - lse[:, None]) - onehot.to(x.dtype)).to(logits.dtype)
+
+
+_compiled_chunk_ce = None
+
+
+def _chunk_ce_fn(device: torch.device):
+    """`_chunk_ce`, torch.compile'd on CUDA (automatic dynamic rows: the last, shorter chunk compiles once more);
+    eager elsewhere."""
+    global _compiled_chunk_ce
+    if device.type != "cuda":
+        return _chunk_ce
+    if _compiled_chunk_ce is None:
+        _compiled_chunk_ce = torch.compile(_chunk_ce)
+    return _compiled_chunk_ce
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Per-row CE of logits = hidden @ weight.T, chunk by chunk; backward recomputes each chunk's logits."""
+    """Per-row CE of logits = hidden @ weight.T, chunk by chunk; logits are never kept for backward.
+
+    Frozen weight (the trainer's case): the forward also computes d ce_q / d hidden_q = (softmax - onehot) @ weight
+    per row (the upstream gradient of a per-row output only scales its row), so the LM head costs two matmuls per
+    chunk in all -- logits and input gradient -- and backward is one row scaling of the saved [M, D] gradient.
+    Trainable weight: its gradient needs the upstream gradient inside the matmul, so backward recomputes each
+    chunk's logits (three matmuls per chunk).
+    """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int, with_grad: bool):
         rows = hidden.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)  # logits/CE in at least fp32
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # CE statistics in at least fp32
         ce = torch.empty(rows, dtype=acc, device=hidden.device)
         lse = torch.empty_like(ce)
         pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        need_w = with_grad and ctx.needs_input_grad[1]
+        fused = with_grad and not need_w  # input gradient computed here, in the same pass
+        grad_h = torch.empty_like(hidden) if fused else None
+        chunk_ce = _chunk_ce_fn(hidden.device)
         for s in range(0, rows, chunk_rows):
             e = min(s + chunk_rows, rows)
-            logits = (hidden[s:e] @ weight.T).to(acc)  # [c, V]
-            lse[s:e] = torch.logsumexp(logits, dim=-1)
-            ce[s:e] = lse[s:e] - logits.gather(1, labels[s:e, None]).squeeze(1)
-            pred[s:e] = logits.argmax(dim=-1)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_rows = chunk_rows
+            logits = hidden[s:e] @ weight.T  # [c, V]
+            ce[s:e], lse[s:e], pred[s:e], dlogits = chunk_ce(logits, labels[s:e], fused)
+            del logits
+            if fused:
+                torch.mm(dlogits, weight, out=grad_h[s:e])  # [c, D]; logits, hidden and weight share one dtype
         ctx.mark_non_differentiable(pred)
+        ctx.fused, ctx.chunk_rows = fused, chunk_rows
+        if fused:
+            ctx.save_for_backward(grad_h)
+        elif with_grad:
+            ctx.save_for_backward(hidden, weight, labels, lse)
         return ce, pred
 
     @staticmethod
     def backward(ctx, grad_ce: Tensor, _grad_pred):
+        if ctx.fused:
+            (grad_h,) = ctx.saved_tensors
+            # in place (a second backward through this graph fails the saved-tensor version check); the product
+            # is computed in fp32 and rounded once to the hidden dtype
+            return grad_h.mul_(grad_ce[:, None]), None, None, None, None
         hidden, weight, labels, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -82,14 +133,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_h[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
                 grad_w += g.T @ hidden[s:e].to(acc)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int = 2048) -> tuple[Tensor, Tensor]:
-    """(ce [M] in >= fp32, argmax Long[M]) of logits = hidden [M, D] @ weight [V, D].T; memory O(chunk_rows * V)."""
+    """(ce [M] in >= fp32, argmax Long[M]) of logits = hidden [M, D] @ weight [V, D].T; memory O(chunk_rows * V).
+
+    With a frozen `weight` and gradients enabled the forward also produces the input gradient (two LM-head
+    matmuls per row in all, see `_ChunkedLinearCrossEntropy`): O(M * D) extra memory, like saving `hidden`.
+    """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, int(chunk_rows))
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, int(chunk_rows), with_grad)
 
 
 def tau_hat(correct_per_pos: Tensor, count_per_pos: Tensor) -> float:

@@ -164,6 +164,8 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
+    if torch.compiler.is_compiling():  # inside a compiled training step: traced into its graph
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention)
@@ -284,6 +286,32 @@ class DrafterCache:
 
 
 # ----------------------------------------------------------------------------------------------
+# Training-forward pieces (plain functions so one compiled graph serves every layer)
+# ----------------------------------------------------------------------------------------------
+
+
+def _fuse_step(drafter: "DFlashDrafter", features: Tensor) -> Tensor:
+    """H_t [S, D] of the packed row's features [S, n_taps*D]."""
+    return drafter.fuse(features)
+
+
+def _layer_step(layer: DecoderLayer, x: Tensor, ctx: Tensor, ctx_cos: Tensor, ctx_sin: Tensor, cos: Tensor,
+                sin: Tensor, mask) -> Tensor:
+    """One decoder layer over the block rows x [Q, D]; its context K/V come from H_t ctx [S, D] (this layer's
+    k_proj/v_proj, k_norm, RoPE at ctx_cos/ctx_sin)."""
+    ctx_k, ctx_v = layer.self_attn.key_value(ctx, ctx_cos, ctx_sin)
+    return layer(x, ctx_k, ctx_v, cos, sin, mask)
+
+
+def _final_step(drafter: "DFlashDrafter", x: Tensor, row_valid: Tensor) -> Tensor:
+    """norm(x) [Q, D], zero on the rows of padded blocks (row_valid Bool[Q] False)."""
+    return torch.where(row_valid[:, None], drafter.norm(x), 0.0)
+
+
+_TRAIN_FNS = {"fuse": _fuse_step, "layer": _layer_step, "final": _final_step}
+
+
+# ----------------------------------------------------------------------------------------------
 # The drafter
 # ----------------------------------------------------------------------------------------------
 
@@ -301,7 +329,17 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_weight", None, persistent=False)
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.gradient_checkpointing = False  # recompute each layer in backward (forward_train only)
+        self._train_fns = _TRAIN_FNS  # forward_train's pieces; compile_training() swaps in compiled ones
         self.apply(self._init_weights)
+
+    def compile_training(self, backend: str = "inductor") -> None:
+        """torch.compile the pieces of `forward_train`: the feature fusion (fc + hidden_norm), each layer step
+        (the context rows' K/V projection, norm and RoPE + the decoder layer: one graph shared by all layers) and
+        the final norm. The BlockMask construction and the loss stay eager. Automatic dynamic shapes: varying
+        row lengths recompile once, not per shape. Modules are not replaced, so parameter names, state_dict,
+        checkpoints and ZeRO hooks are unchanged; inference (`draft_logits`) stays eager. `backend`: torch.compile's
+        (CPU tests trace with 'aot_eager')."""
+        self._train_fns = {name: torch.compile(fn, backend=backend) for name, fn in _TRAIN_FNS.items()}
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -360,14 +398,15 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"attention must be 'dense', 'flex' or 'auto', got {attention!r}")
         if features.dim() != 3 or features.shape[0] != 1 or features.shape[1] != batch.seq_len:
             raise ValueError(f"features must be [1, {batch.seq_len}, n*D], got {tuple(features.shape)}")
-        ctx = self.fuse(features[0])  # [S, D]
+        fns = self._train_fns
+        ctx = fns["fuse"](self, features[0])  # [S, D]
         dtype = ctx.dtype
         x = self._embed(batch.block_ids, dtype)  # [Q, D]
         ctx_cos, ctx_sin = self._rope(batch.context_positions, dtype)
         cos, sin = self._rope(batch.block_positions, dtype)
         masks = {t: self._train_mask(batch, t, attention) for t in set(self.args.layer_types)}
         for layer in self.layers:
-            run = self._layer_step
+            run = fns["layer"]
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(
                     run, layer, x, ctx, ctx_cos, ctx_sin, cos, sin, masks[layer.layer_type], use_reentrant=False
@@ -375,12 +414,7 @@ class DFlashDrafter(nn.Module):
             else:
                 x = run(layer, x, ctx, ctx_cos, ctx_sin, cos, sin, masks[layer.layer_type])
         row_valid = batch.block_valid.repeat_interleave(batch.block_size)
-        return torch.where(row_valid[:, None], self.norm(x), 0.0)
-
-    @staticmethod
-    def _layer_step(layer, x, ctx, ctx_cos, ctx_sin, cos, sin, mask):
-        ctx_k, ctx_v = layer.self_attn.key_value(ctx, ctx_cos, ctx_sin)
-        return layer(x, ctx_k, ctx_v, cos, sin, mask)
+        return fns["final"](self, x, row_valid)
 
     def _train_mask(self, batch: BlockBatch, layer_type: str, attention: str):
         args = (batch.anchors, batch.seq_len, batch.block_size, layer_type, self.args.sliding_window)
