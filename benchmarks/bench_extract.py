@@ -226,7 +226,8 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
                              f"target.dtype={str(model.dtype).replace('torch.', '')}",
                              f"extract.storage_dtype={args.storage_dtype}", f"extract.tokens_per_batch={args.tokens_per_batch}",
                              f"extract.shard_tokens={args.shard_tokens}", f"extract.writer_threads={args.writer_threads}",
-                             f"extract.staging_buffers={args.staging_buffers}", f"extract.parallel_shards={args.parallel_shards}"])
+                             f"extract.staging_buffers={args.staging_buffers}", f"extract.parallel_shards={args.parallel_shards}",
+                             f"extract.compile={args.compile}"])
     tok = write_tokens(cfg.run_dir, lengths, model.config.get_text_config().vocab_size)
     index = read_tokenized_index(tok)
     keep, _, _ = screen_index(index)
@@ -264,8 +265,12 @@ def run_compute_only(args, model, device, layer_ids, lengths: np.ndarray) -> flo
     from extract.hf import HFExtractor, plan_batches
     from pipeline.config import load_config
 
-    cfg = load_config(None, [f"extract.storage_dtype={args.storage_dtype}", f"extract.tokens_per_batch={args.tokens_per_batch}"])
+    from extract.layers import forward_taps
+
+    cfg = load_config(None, [f"extract.storage_dtype={args.storage_dtype}", f"extract.tokens_per_batch={args.tokens_per_batch}",
+                             f"extract.compile={args.compile}"])
     ex = HFExtractor("bench", cfg.target, cfg.extract, layer_ids, model=model, device=device)
+    args.compiled = ex.forward is not forward_taps
     order = np.argsort(-lengths, kind="stable")
     ls = lengths[order]
     rng = np.random.default_rng(2)
@@ -329,13 +334,17 @@ def main(argv=None) -> int:
     p.add_argument("--num-tokens", type=int, default=2_000_000)
     p.add_argument("--out-dir", default="/tmp/bench-extract", help="where shards are written (local disk!)")
     p.add_argument("--taps", type=int, default=5)
-    p.add_argument("--tokens-per-batch", type=int, default=None, help="default: 65536 on GPU, 4096 on CPU")
+    p.add_argument("--tokens-per-batch", type=int, default=None,
+                   help="default: 32768 on GPU (a short first batch: the disk starts sooner), 4096 on CPU")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: num_tokens / 8)")
     p.add_argument("--writer-threads", type=int, default=8)
     p.add_argument("--staging-buffers", type=int, default=4)
     p.add_argument("--parallel-shards", type=int, default=2)
     p.add_argument("--disk-bytes", type=int, default=None, help="bytes per disk-bandwidth probe (default 4 GiB GPU, 256 MiB CPU)")
-    p.add_argument("--baselines", action="store_true", help="also time the naive and padded full-model loops (on 1/10 of the tokens)")
+    p.add_argument("--baselines", action="store_true", help="also time the naive and padded full-model loops")
+    p.add_argument("--baseline-tokens", type=int, default=50_000, help="tokens the baselines run (at most 1/10 of --num-tokens)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="extract.compile: torch.compile the decoder layers (auto = on for CUDA)")
     p.add_argument("--no-compute-only", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--cache-dir", default=".cache")
@@ -346,7 +355,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    args.tokens_per_batch = args.tokens_per_batch or (65536 if gpu else 4096)
+    args.tokens_per_batch = args.tokens_per_batch or (32768 if gpu else 4096)
+    args.compiled = None
     args.shard_tokens = args.shard_tokens or max(args.num_tokens // 8, 1)
     disk_bytes = args.disk_bytes or ((4 << 30) if gpu else (256 << 20))
     out_dir = Path(args.out_dir)
@@ -385,7 +395,7 @@ def main(argv=None) -> int:
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if gpu else None
     baselines = {}
     if args.baselines:
-        sub = length_mix(max(args.num_tokens // 10, 4096), seed=5)
+        sub = length_mix(max(min(args.num_tokens // 10, args.baseline_tokens), 4096), seed=5)
         baselines = run_baselines(model, device, layer_ids, sub, min(args.tokens_per_batch, 16384))
 
     roof = mm / fpt
@@ -397,6 +407,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if gpu else f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__, "shape": args.shape, "target": target_desc, "layers": cfg.num_hidden_layers,
         "hidden": cfg.hidden_size, "taps": layer_ids, "compute_dtype": str(dtype).replace("torch.", ""),
+        "compile": args.compile, "compiled": args.compiled,
         "storage_dtype": args.storage_dtype, "tokens": tokens, "samples": int(len(lengths)), "units_timed": units,
         "padding_overhead": pad, "tokens_per_batch": args.tokens_per_batch, "matmul_flops": mm, "matmul": mm_desc,
         "disk_single_Bps": disk1, "disk_parallel_Bps": diskn, "writer_threads": args.writer_threads,
@@ -423,6 +434,8 @@ def format_table(r: dict) -> str:
         ("device", r["device"]),
         ("target", f"{r['target']}: {r['layers']} layers, hidden {r['hidden']}, taps {r['taps']}"),
         ("compute / storage dtype", f"{r['compute_dtype']} / {r['storage_dtype']} ({r['bytes_per_token']:,} B/token)"),
+        ("decoder layers", {True: "torch.compile (checked against eager)", False: "eager"}.get(r["compiled"], "-")
+         + f" (extract.compile={r['compile']})"),
         ("tokens timed", f"{r['tokens']:,} ({r['samples']:,} samples, lognormal ~700, 64..4096; "
                          f"{r['units_timed']} shards; padding +{100 * r['padding_overhead']:.1f}%)"),
         ("matmul rate", f"{r['matmul_flops'] / 1e12:,.1f} TFLOP/s ({r['matmul']})"),

@@ -4,13 +4,16 @@ Per unit (one shard) the samples arrive sorted by length, longest first.  They a
 whose padded size ``B * S_max`` fits ``extract.tokens_per_batch``; each batch is right-padded with no
 attention mask (pads follow the real tokens, so a causal model — attention or Gated DeltaNet — computes
 the real tokens exactly as it would unbatched), run through `extract.layers.forward_taps` (no later
-layers, no final norm, no LM head), gathered to the real tokens ``[T, n*D]`` on the device, encoded to
+layers, no final norm, no LM head; on CUDA by default as a loop of torch.compiled decoder layers, see
+`compiled_forward`: fused RMSNorm/RoPE/SiLU, one graph for all layers and batch shapes), gathered to the real tokens ``[T, n*D]`` on the device, encoded to
 the storage dtype on the device (fp8 halves the copy too) and handed to `DiskSink`:
 
     GPU compute stream ──► copy stream: D2H into a pinned staging buffer ──► writer threads: pwrite
                                                                         └──► hash thread: sha256 in order
 
 The GPU never waits for the disk unless every staging buffer is still being written (back-pressure).
+Each pwrite also starts the kernel's writeback of its bytes (`extract.store.start_writeback`), so the
+disk is busy from the first batch instead of idling until the dirty-page threshold or the shard's fsync.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from extract.layers import forward_taps
+from extract.layers import call_decoder_layer, forward_taps, forward_taps_loop, plain_decoder_refusal
 from extract.store import STORAGE_DTYPES, ShardWriter, encode_features
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
@@ -32,6 +35,9 @@ from pipeline.target import load_target, resolve_device, resolve_dtype
 log = get_logger("extract.hf")
 
 WRITE_CHUNK_BYTES = 64 << 20  # one pwrite job; several run in parallel on the writer threads
+COMPILE_PROBES = ((2, 64), (1, 48))  # (B, S) of the probe batches: one graph for B >= 2, one for B == 1
+LOOP_MAX_ERROR = 1e-3  # eager layer loop vs forward_taps (the same kernels: expected 0)
+COMPILED_MAX_ERROR = 3e-2  # compiled vs eager (bf16 rounding through fused kernels; a wrong graph gives ~1)
 
 
 def plan_batches(lengths: Sequence[int], tokens_per_batch: int, overhead_tokens: int | None = None) -> list[tuple[int, int]]:
@@ -65,6 +71,87 @@ def plan_batches(lengths: Sequence[int], tokens_per_batch: int, overhead_tokens:
 
 
 # ----------------------------------------------------------------------------------------------
+# Compiled decoder layers
+# ----------------------------------------------------------------------------------------------
+
+_COMPILED: dict = {}
+
+
+def compiled_layer_call():
+    """``layer_call(layer, hidden [B,S,D], cos, sin)`` for `forward_taps_loop`: `call_decoder_layer` under torch.compile.
+
+    Every decoder layer runs the same code on the same shapes with its own parameters (graph inputs), so
+    one compiled graph serves all of them.  B and S are marked dynamic (D stays static, so the fused
+    RMSNorm/RoPE/SiLU kernels keep a fixed row width): one graph for every batch shape with B >= 2 and
+    one for B == 1 (dynamo specializes size 1).  One wrapper per process: dynamo caches compiled code
+    on the function's code object, guarded by the wrapper's backend.
+    """
+    if "fn" not in _COMPILED:
+        compiled = torch.compile(call_decoder_layer, dynamic=None)
+
+        def layer_call(layer, hidden, cos, sin):
+            B, S = hidden.shape[:2]
+            if B > 1:
+                torch._dynamo.mark_dynamic(hidden, 0)
+            if S > 1:
+                for t in (hidden, cos, sin):
+                    torch._dynamo.mark_dynamic(t, 1)
+            return compiled(layer, hidden, cos, sin)
+
+        _COMPILED["fn"] = layer_call
+    return _COMPILED["fn"]
+
+
+def _max_relative_error(got: torch.Tensor, ref: torch.Tensor, num_taps: int) -> float:
+    """Largest per-tap relative L2 error ``||got - ref|| / ||ref||`` of two ``[B, S, n*D]`` feature tensors."""
+    g = got.float().reshape(-1, num_taps, got.shape[-1] // num_taps)
+    r = ref.float().reshape(-1, num_taps, ref.shape[-1] // num_taps)
+    return float(((g - r).norm(dim=(0, 2)) / r.norm(dim=(0, 2)).clamp_min(1e-30)).max())
+
+
+def compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torch.device):
+    """``fn(model, input_ids, layer_ids) -> [B, S, n*D]``: the compiled layer loop, or `forward_taps` (eager).
+
+    ``setting`` is `extract.compile`: "auto" compiles on CUDA only, "on" everywhere, "off" never.  The
+    compiled loop is used only after it reproduced `forward_taps` on probe batches (which also compiles
+    both graphs up front, outside any timed or resumable work); with "auto" any refusal, compile error or
+    disagreement falls back to eager with a warning, with "on" it is an error.
+    """
+    import time
+
+    if setting == "off" or (setting == "auto" and device.type != "cuda"):
+        return forward_taps
+    if setting not in ("auto", "on"):
+        raise ValueError(f"extract.compile must be 'auto', 'on' or 'off', got {setting!r}")
+    n = len(layer_ids)
+    try:
+        reason = plain_decoder_refusal(model, layer_ids)
+        if reason is not None:
+            raise RuntimeError(reason)
+        layer_call = compiled_layer_call()
+        vocab = model.config.get_text_config().vocab_size
+        gen = torch.Generator().manual_seed(0)
+        started = time.perf_counter()
+        for B, S in COMPILE_PROBES:
+            ids = torch.randint(0, vocab, (B, S), generator=gen).to(device)
+            ref = forward_taps(model, ids, layer_ids)
+            err = _max_relative_error(forward_taps_loop(model, ids, layer_ids), ref, n)
+            if err > LOOP_MAX_ERROR:
+                raise RuntimeError(f"the layer loop differs from the model's forward (relative error {err:.2e})")
+            err = _max_relative_error(forward_taps_loop(model, ids, layer_ids, layer_call), ref, n)
+            if err > COMPILED_MAX_ERROR:
+                raise RuntimeError(f"compiled layers differ from eager (relative error {err:.2e} > {COMPILED_MAX_ERROR})")
+    except Exception as e:  # noqa: BLE001 — any failure of the optional fast path
+        if setting == "on":
+            raise RuntimeError(f"extract.compile=on: cannot compile the decoder layers: {e}") from e
+        log.warning("extract.compile: running the eager forward (%s: %s)", type(e).__name__, e)
+        return forward_taps
+    log.info("extract.compile: decoder layers compiled and checked against eager in %.1f s",
+             time.perf_counter() - started)
+    return lambda m, ids, taps: forward_taps_loop(m, ids, taps, layer_call)
+
+
+# ----------------------------------------------------------------------------------------------
 # Device -> disk
 # ----------------------------------------------------------------------------------------------
 
@@ -84,7 +171,8 @@ class _Job:
 class DiskSink:
     """Moves encoded feature batches from the device into shard files without stalling the device.
 
-    ``submit`` queues an async D2H copy (CUDA) into one of ``staging_buffers`` pinned buffers and returns.
+    ``submit`` queues an async D2H copy (CUDA) into one of ``staging_buffers`` pinned buffers (all pinned
+    up front) and returns.
     A dispatcher thread waits for each copy (in submission order) and fans the bytes out to the writer
     threads (parallel ``pwrite`` chunks) and to the shard's own hash thread, which feeds them in token
     order to the shard's streaming sha256 — so shards written at the same time are hashed in parallel.
@@ -110,6 +198,10 @@ class DiskSink:
         self.pending: dict[int, int] = {}  # id(writer) -> jobs not finished
         self.cond = threading.Condition()
         self.error: BaseException | None = None
+        if self.cuda and buffer_bytes > 0:  # pin them all now: pinning GBs mid-run would stall the device
+            for _ in range(self.num_buffers):
+                self.free.put(self._alloc(buffer_bytes, scale_bytes))
+            self.allocated = self.num_buffers
         self.dispatcher = threading.Thread(target=self._dispatch_loop, name="extract-dispatch", daemon=True)
         self.dispatcher.start()
 
@@ -266,6 +358,7 @@ class HFExtractor:
         self.model = model if model is not None else load_target(location, tcfg, device=self.device, dtype=self.dtype)
         self.layer_ids = list(layer_ids)
         self.ecfg = ecfg
+        self.forward = compiled_forward(self.model, self.layer_ids, ecfg.compile, self.device)
         n, D = len(self.layer_ids), self.model.config.get_text_config().hidden_size
         row = n * D * STORAGE_DTYPES[ecfg.storage_dtype][2]
         self.sink = DiskSink(self.device, writer_threads=ecfg.writer_threads, staging_buffers=ecfg.staging_buffers,
@@ -280,7 +373,7 @@ class HFExtractor:
         host = torch.zeros(B, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
         for b, ids in enumerate(input_ids):
             host[b, : lengths[b]] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-        feats = forward_taps(self.model, host.to(self.device, non_blocking=True), self.layer_ids)
+        feats = self.forward(self.model, host.to(self.device, non_blocking=True), self.layer_ids)
         flat = feats.reshape(B * S, -1)
         if all(n == S for n in lengths):
             return flat

@@ -210,3 +210,63 @@ def forward_taps(
         except _StopForward:
             pass
         return taps.features()
+
+
+# ----------------------------------------------------------------------------------------------
+# The same forward as an explicit layer loop (what `extract.hf` compiles layer by layer)
+# ----------------------------------------------------------------------------------------------
+
+
+def plain_decoder_refusal(model: nn.Module, layer_ids: Sequence[int]) -> str | None:
+    """Why `forward_taps_loop` cannot stand in for `forward_taps` on ``model``, or None when it can.
+
+    The loop rebuilds the base model's forward as ``embed_tokens -> rotary_emb -> layers[0..deepest]``
+    with causal SDPA and no mask, which is only that forward for a plain decoder: SDPA attention,
+    every layer up to the deepest tap full attention (no sliding window, no linear attention), and the
+    standard ``embed_tokens`` / ``rotary_emb`` modules.  Anything the check cannot see (an embedding scale
+    inside the base forward, say) is caught by comparing both on a probe batch (`extract.hf`).
+    """
+    base = base_model(model)
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(text, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {getattr(text, '_attn_implementation', None)!r} is not 'sdpa'"
+    if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding) or getattr(base, "rotary_emb", None) is None:
+        return f"{type(base).__name__} has no embed_tokens/rotary_emb"
+    types = getattr(text, "layer_types", None) or ["full_attention"] * len(decoder_layers(model))
+    deepest = max(layer_ids)
+    odd = sorted({t for t in types[: deepest + 1] if t != "full_attention"})
+    if odd:
+        return f"layers of type {odd} before the deepest tap (only full attention is rebuilt)"
+    if getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None):
+        return "sliding-window attention"
+    return None
+
+
+def call_decoder_layer(layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One decoder layer ``[B, S, D] -> [B, S, D]``: no mask (SDPA runs causal: exact for right padding), no cache."""
+    out = layer(hidden, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=(cos, sin))
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def forward_taps_loop(model: nn.Module, input_ids: torch.Tensor, layer_ids: Sequence[int], layer_call=call_decoder_layer) -> torch.Tensor:
+    """`forward_taps` as an explicit loop over layers 0..max(layer_ids): ``input_ids [B, S]`` -> ``[B, S, n*D]``.
+
+    ``layer_call(layer, hidden, cos, sin)`` runs one layer (`call_decoder_layer`, or a compiled version of
+    it: every layer has the same code and shapes, so one compiled graph serves them all).  Only valid
+    where `plain_decoder_refusal` returns None.
+    """
+    base = base_model(model)
+    layers = decoder_layers(model)
+    taps = validate_layer_ids(layer_ids, len(layers))
+    hidden = base.embed_tokens(input_ids)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    cos, sin = base.rotary_emb(hidden, positions)
+    outputs = []
+    for l in range(taps[-1] + 1):
+        hidden = layer_call(layers[l], hidden, cos, sin)
+        if l in taps:
+            outputs.append(hidden)
+    return torch.cat(outputs, dim=-1)

@@ -197,6 +197,40 @@ def pwrite_all(fd: int, buf, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _load_sync_file_range():
+    """libc ``sync_file_range`` (Linux) through ctypes, which releases the GIL during the call; None elsewhere."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the dirty pages in the range, do not wait for it
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset+nbytes)`` to the device now (Linux; no-op elsewhere).
+
+    Without it the freshly written pages sit in the page cache until the dirty-memory threshold (10% of
+    RAM: ~13 GB on a 128 GB host, i.e. several shards) or the final ``fsync``: the disk idles while the
+    first shards are computed and the fsync at shard close then has the whole backlog to write.  With it
+    the disk is busy from the first batch on and ``fsync`` finds almost nothing left.  Advisory only:
+    durability still comes from ``fsync`` in `ShardWriter.close`.
+    """
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # an error here only loses the head start
+
+
 def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's bytes as a numpy uint8 array (no copy when contiguous)."""
     t = t.detach()
@@ -272,13 +306,15 @@ class ShardWriter:
         return self.layout.num_tokens
 
     def pwrite(self, offset: int, raw) -> None:
-        """Write raw bytes at an absolute file offset (thread-safe; refused once the writer is closed)."""
+        """Write raw bytes at an absolute file offset and start their writeback (`start_writeback`).
+        Thread-safe; refused once the writer is closed."""
         with self._io:
             if self.fd < 0:
                 raise ValueError(f"{self.path}: write after close")
             self._inflight += 1
         try:
             pwrite_all(self.fd, raw, offset)
+            start_writeback(self.fd, offset, memoryview(raw).nbytes)
         finally:
             with self._io:
                 self._inflight -= 1

@@ -141,6 +141,9 @@ class ExtractConfig:
     writer_threads: int = doc("threads writing feature bytes to disk in parallel (pwrite into the shard)", 4)
     staging_buffers: int = doc("host buffers of `tokens_per_batch` tokens in flight between GPU and disk", 4)
     parallel_shards: int = doc("shards written at once, batches alternating (each shard's sha256 has its own thread)", 2)
+    compile: Literal["auto", "on", "off"] = doc(
+        "hf backend: torch.compile the decoder layers, checked against eager first (auto = on for CUDA)", "auto"
+    )
 
 
 @dataclass

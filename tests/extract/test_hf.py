@@ -66,3 +66,34 @@ def test_a_failed_write_surfaces_in_the_main_thread_without_hanging(tmp_path, ra
         ex.extract_unit(w, ids)
         ex.wait(w)
     ex.close()
+
+
+def test_compile_auto_keeps_cpu_eager_and_compile_on_refuses_a_hybrid_target(random_target):
+    from extract.hf import compiled_forward
+    from extract.layers import forward_taps
+
+    _, model = random_target("qwen3")
+    assert compiled_forward(model, [1, 3], "auto", torch.device("cpu")) is forward_taps
+    assert compiled_forward(model, [1, 3], "off", torch.device("cpu")) is forward_taps
+    _, hybrid = random_target("qwen3_5_text")
+    with pytest.raises(RuntimeError, match="linear_attention"):
+        compiled_forward(hybrid, [1, 3], "on", torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager_with_one_graph_per_batch_rank_for_all_layers_and_shapes(random_target):
+    """~60 s on 2 CPU cores (inductor C++ compile). All layers share one graph; B >= 2 and B == 1 get one each."""
+    from torch._dynamo.utils import counters
+
+    from extract.hf import compiled_forward
+    from extract.layers import forward_taps
+
+    _, model = random_target("qwen3")
+    forward = compiled_forward(model, [1, 3, 5], "on", torch.device("cpu"))
+    assert forward is not forward_taps
+    graphs = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(2)
+    for B, S in [(3, 100), (1, 7), (5, 33), (2, 2)]:
+        ids = torch.randint(3, 300, (B, S), generator=gen)
+        torch.testing.assert_close(forward(model, ids, [1, 3, 5]), forward_taps(model, ids, [1, 3, 5]), rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile for new shapes (or per layer)

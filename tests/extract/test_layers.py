@@ -96,3 +96,17 @@ def test_tap_hooks_record_during_a_full_forward(random_target):
         logits = model(ids, output_hidden_states=True)
     assert logits.logits.shape[-1] == model.config.vocab_size  # the forward ran to the end
     torch.testing.assert_close(taps.features(), tap_features(logits.hidden_states, [2, 4]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_layer_loop_reproduces_forward_taps_exactly_or_is_refused(random_target, arch):
+    from extract.layers import forward_taps_loop, plain_decoder_refusal
+
+    _, model = random_target(arch)
+    reason = plain_decoder_refusal(model, [1, 3, 5])
+    if arch == "qwen3_5_text":  # Gated DeltaNet layers: the loop does not rebuild them
+        assert reason is not None and "linear_attention" in reason
+        return
+    assert reason is None
+    ids = torch.randint(3, 300, (3, 29), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(forward_taps_loop(model, ids, [1, 3, 5]), forward_taps(model, ids, [1, 3, 5]), rtol=0, atol=0)
