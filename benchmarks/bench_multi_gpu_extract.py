@@ -2,7 +2,7 @@
 
     W=/tmp/bench-multi-gpu-extract
     python benchmarks/bench_multi_gpu_extract.py prepare --work-dir $W --shape qwen3-8b --device cuda \\
-        --tokens-per-rank 200000 --world-size 8
+        --tokens-per-rank 150000 --world-size 8
     for r in 0..7: CUDA_VISIBLE_DEVICES=$r RANK=$r WORLD_SIZE=8 python benchmarks/bench_multi_gpu_extract.py rank --work-dir $W &
     wait; python benchmarks/bench_multi_gpu_extract.py merge --work-dir $W --json out/extract.json
 
@@ -117,7 +117,7 @@ def prepare(a) -> dict:
 
     work = Path(a.work_dir).resolve()
     shutil.rmtree(work / "bench", ignore_errors=True)
-    for sub in ("ready", "timing"):
+    for sub in ("ready", "failed", "timing"):
         shutil.rmtree(work / sub, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     gpu = a.device == "cuda"
@@ -132,8 +132,8 @@ def prepare(a) -> dict:
          "world_size": a.world_size, "tokens_per_rank": a.tokens_per_rank, "taps": a.taps,
          "storage_dtype": a.storage_dtype, "num_layers": layers, "hidden_size": hidden, "vocab_size": vocab,
          "tokens_per_batch": a.tokens_per_batch or (65536 if gpu else 4096),
-         # >= 4 units per rank: two shards in flight (parallel_shards) and a balanced round-robin
-         "shard_tokens": a.shard_tokens or max(total // (4 * a.world_size), 1),
+         # 2 units per rank: both shards in flight at once (parallel_shards 2), equal work per rank
+         "shard_tokens": a.shard_tokens or max(total // (2 * a.world_size), 1),
          "writer_threads": a.writer_threads, "parallel_shards": a.parallel_shards, "bytes_per_token": bpt,
          "barrier_timeout_s": a.barrier_timeout}
     lengths = length_mix(total, seed=a.seed, hi=a.max_len)
@@ -153,13 +153,17 @@ def prepare(a) -> dict:
 
 
 def wait_for_all(work: Path, rank: int, world: int, timeout: float) -> None:
-    """File barrier: announce this rank ready, return once all `world` ranks are (array tasks share no process group)."""
+    """File barrier: announce this rank ready, return once all `world` ranks are (array tasks share no process
+    group). Gives up when another rank has failed (work/failed/) or after `timeout` seconds."""
     from pipeline.runner import atomic_write_text
 
     ready = work / "ready"
     atomic_write_text(ready / f"rank-{rank:05d}", str(time.time()))
     deadline = time.time() + timeout
     while len(list(ready.glob("rank-*"))) < world:
+        failed = sorted(p.name for p in (work / "failed").glob("rank-*"))
+        if failed:
+            raise SystemExit(f"rank {rank}: giving up, {failed} failed")
         if time.time() > deadline:
             raise SystemExit(f"rank {rank}: only {len(list(ready.glob('rank-*')))} of {world} ranks became ready "
                              f"within {timeout:.0f} s")
@@ -319,7 +323,7 @@ def main(argv=None) -> int:
     pp.add_argument("--taps", type=int, default=5)
     pp.add_argument("--storage-dtype", choices=["bfloat16", "fp8", "float32"], default="bfloat16")
     pp.add_argument("--tokens-per-batch", type=int, default=None, help="default: 65536 on cuda, 4096 on cpu")
-    pp.add_argument("--shard-tokens", type=int, default=None, help="default: total / (4 x world size)")
+    pp.add_argument("--shard-tokens", type=int, default=None, help="default: total / (2 x world size)")
     pp.add_argument("--writer-threads", type=int, default=8)
     pp.add_argument("--parallel-shards", type=int, default=2)
     pp.add_argument("--barrier-timeout", type=float, default=600.0, help="seconds a rank waits for the others")
@@ -334,7 +338,17 @@ def main(argv=None) -> int:
         prepare(a)
         return 0
     if a.cmd == "rank":
-        run_rank(a)
+        try:
+            run_rank(a)
+        except BaseException as e:  # tell the ranks waiting at the start barrier
+            from pipeline.runner import atomic_write_text, rank_from_env
+
+            try:
+                r = rank_from_env(a.rank, a.world_size).rank
+            except Exception:  # noqa: BLE001 — the rank itself is what failed
+                r = os.getpid()
+            atomic_write_text(Path(a.work_dir) / "failed" / f"rank-{r:05d}", repr(e)[:2000])
+            raise
         return 0
     return 0 if merge(a)["passed"] else 1
 

@@ -11,9 +11,10 @@
 #
 # Options: --gpus N (required)  --out DIR (results, default ./multi_gpu_out)  --work-dir DIR (shards, default
 # /tmp/bench-multi-gpu: local disk, never $OUT)  --device cuda|cpu  --shape qwen3-8b|tiny (drafter)
-# --extract-shape qwen3-8b|tiny|...  --stages "2 3"  --steps 5  --warmup 3  --compile auto|yes|no
-# --tokens-per-rank 300000  --storage-dtype bfloat16|fp8  --run-timeout 300 (s per training run)
-# --skip-train  --skip-extract  --no-single (no 1-GPU training baseline)  --keep (keep the feature shards).  PYTHON=... picks the interpreter.
+# --extract-shape qwen3-8b|tiny|...  --stages "2 3"  --steps 3  --warmup 2  --compile auto|yes|no
+# --tokens-per-rank 150000  --storage-dtype bfloat16|fp8  --run-timeout 300 (s per training run)
+# --skip-train  --skip-extract  --no-single (no 1-GPU training baseline)  --keep (keep the feature shards)
+# PYTHON=... picks the interpreter.
 # Exit status 1 when a run failed, replicas differ, or the merged index does not cover every sample once.
 set -uo pipefail
 
@@ -26,7 +27,7 @@ cd "$REPO"
 PY="${PYTHON:-python}"
 
 GPUS="" OUT="multi_gpu_out" WORK="/tmp/bench-multi-gpu" DEVICE="cuda" SHAPE="qwen3-8b" XSHAPE="qwen3-8b"
-STAGES="2 3" STEPS=5 WARMUP=3 COMPILE="auto" TPR=300000 SDTYPE="bfloat16" RUN_TIMEOUT=300
+STAGES="2 3" STEPS=3 WARMUP=2 COMPILE="auto" TPR=150000 SDTYPE="bfloat16" RUN_TIMEOUT=300
 DO_TRAIN=1 DO_EXTRACT=1 KEEP="" SINGLE=1
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -47,7 +48,7 @@ while [ $# -gt 0 ]; do
     --skip-extract) DO_EXTRACT=0; shift ;;
     --no-single) SINGLE=0; shift ;;
     --keep) KEEP="--keep"; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
