@@ -11,7 +11,7 @@
 #
 # Options: --gpus N (required)  --out DIR (results, default ./multi_gpu_out)  --work-dir DIR (shards, default
 # /tmp/bench-multi-gpu: local disk, never $OUT)  --device cuda|cpu  --shape qwen3-8b|tiny (drafter)
-# --extract-shape qwen3-8b|tiny|...  --stages "2 3"  --steps 3  --warmup 2  --compile auto|yes|no
+# --extract-shape qwen3-8b|tiny|...  --stages "2 3"  --steps 3  --warmup 2  --compile auto|yes|no (auto: compiled layers on cuda for ZeRO<3)
 # --tokens-per-rank 150000  --storage-dtype bfloat16|fp8  --run-timeout 300 (s per training run)
 # --skip-train  --skip-extract  --no-single (no 1-GPU training baseline)  --keep (keep the feature shards)
 # PYTHON=... picks the interpreter.
@@ -53,7 +53,6 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$GPUS" ] && [ "$GPUS" -ge 1 ] 2>/dev/null || { echo "--gpus N (>= 1) is required" >&2; exit 2; }
-if [ "$COMPILE" = auto ]; then [ "$DEVICE" = cuda ] && COMPILE=yes || COMPILE=no; fi
 export DS_ACCELERATOR="$DEVICE"
 mkdir -p "$OUT" "$WORK"
 OUT="$(cd "$OUT" && pwd)" WORK="$(cd "$WORK" && pwd)"
@@ -88,6 +87,9 @@ if [ "$DO_TRAIN" = 1 ]; then
   : > "$OUT/train.jsonl"
   for stage in $STAGES; do
     comp=$COMPILE
+    if [ "$comp" = auto ]; then  # ZeRO-3's partitioning hooks break compiled graphs (pytorch#115484): eager there
+      [ "$DEVICE" = cuda ] && [ "$stage" -lt 3 ] && comp=yes || comp=no
+    fi
     if [ "$SINGLE" = 1 ] && ! train_run 1 "$stage" "$comp"; then
       FAILED=1
       if [ "$comp" = yes ]; then  # e.g. compiled layers under ZeRO-3 hooks: measure both sizes eager instead
