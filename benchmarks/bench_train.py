@@ -21,6 +21,7 @@ Useful FLOPs (train/metrics.py::train_flops), per micro-batch, a multiply-add = 
              + 2*Q*3*D*I [SwiGLU]             forward + input gradient + weight gradient       x3
   attention  4*q_dim*sum_q(visible keys of q) (masked keys not counted)                          x3
   LM head    2*R*D*V over the R labelled rows forward + input gradient (frozen: no weight grad) x2
+             (the work done too: train/loss.py computes the input gradient in the forward, no recompute)
   (Q = anchors*B query rows, S = context rows; norms/RoPE/softmax/CE not counted.)
 MFU = useful FLOPs / step time / peak (H100/H200 dense bf16 989 TFLOP/s; --peak-tflops to override).
 """
@@ -50,7 +51,8 @@ SHAPES = {
 }
 
 # A variant name is <path>-<attention>[-compile][-ac][-ce<rows>][-row<n>], e.g. trainer-flex-compile-row4:
-# path trainer|bare, attention flex|dense, torch.compile of the draft layers, activation checkpointing, the rows
+# path trainer|bare, attention flex|dense, torch.compile of the training forward (fusion, every layer step with its
+# context K/V, final norm: train.engine.compile_layers), activation checkpointing, the rows
 # per chunk of the chunked LM-head cross-entropy (default 4096; 1k = 1024), and sequences packed per micro-batch
 # row (default: all of them for flex, 1 for dense; the rest is gradient accumulation). row4 = the qwen3-8b
 # config's micro_batch_tokens 12288 at seq 3072.
