@@ -92,3 +92,10 @@ def test_docs_config_reference_is_in_sync_with_the_schema():
 
     assert (REPO / "docs/config.md").read_text() == reference_markdown(), (
         "docs/config.md is stale: run `drafter config-reference --markdown > docs/config.md`")
+
+
+def test_on_off_switches_survive_yaml_booleans(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("extract:\n  compile: off\n")  # YAML 1.1 reads this as False
+    assert load_config(p).extract.compile == "off"
+    assert load_config(None, ["extract.compile=on"]).extract.compile == "on"
