@@ -339,6 +339,7 @@ def main() -> int:
     steps = a.steps if a.steps is not None else (5 if a.device == "cuda" else 3)
     warmup = a.warmup if a.warmup is not None else (3 if a.device == "cuda" else 1)
     variants = a.variants.split(",") if a.variants else (GPU_DEFAULT if a.device == "cuda" else CPU_DEFAULT)
+    variants = [] if variants == ["none"] else variants  # e.g. only the --max-batch search
     for v in variants:
         try:
             Variant.parse(v)
