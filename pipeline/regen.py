@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, section_hash
+from pipeline.curate.schema import CONVERSATION_SCHEMA  # regen writes the curate schema back, answers replaced
 from pipeline.conversation import (MalformedConversation, end_of_turn_ids, prompt_ids, skeleton,
                                    strip_reasoning)
 from pipeline.log import get_logger, progress, summary
@@ -40,12 +41,6 @@ from pipeline.target import (load_tokenizer, materialize_target, target_fingerpr
 
 log = get_logger("regen")
 
-CONVERSATION_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("metadata", pa.string()),
-])
 MAX_FAILURE_EXAMPLES = 20
 
 
