@@ -33,6 +33,18 @@ def make_config(tmp_path: Path, base: str = "configs/tiny.yaml", overrides: list
 
 
 @pytest.fixture
+def one_torch_thread():
+    """One intra-op thread for the test: tiny models are overhead-bound, and on the shared 2-core machine two
+    OpenMP threads mostly wait for each other (measured 4-30x slower than one under load)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def tiny_cfg(tmp_path):
     """The tiny config (random Qwen3 target) with outputs under tmp_path."""
     return make_config(tmp_path)

@@ -24,13 +24,7 @@ BLOCK = 8
 TAPS = [1, 3, 5]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are ~20x faster on one thread than on two contended ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_target(model_type: str, device: str = "cpu", **overrides):

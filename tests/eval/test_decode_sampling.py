@@ -24,12 +24,7 @@ from tests.conftest import CACHE
 V, T, PROMPT = 16, 4.0, [3, 7, 1, 12]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

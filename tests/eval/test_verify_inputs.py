@@ -18,12 +18,7 @@ from tests.conftest import CACHE
 MIN = torch.finfo(torch.float32).min
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 #        0 (root, bonus)
 #       / \

@@ -79,14 +79,9 @@ def tokenize_stage():
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The shared 2-core machine makes multi-threaded OpenMP 30x slower under load; one thread is steady."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread_for_every_extract_test(one_torch_thread):
+    """Every extract test runs on one intra-op thread (see tests/conftest.py)."""
     yield
-    torch.set_num_threads(n)
 
 
 # A random target whose layers change the residual stream as much as a trained model's do (adjacent-layer

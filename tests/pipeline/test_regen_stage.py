@@ -22,16 +22,7 @@ from pipeline.runner import RankInfo, StageDir, StageError
 from pipeline.target import load_target, load_tokenizer, materialize_target
 from tests.conftest import CACHE, REPO, make_config
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny models here are overhead-bound: on a shared 2-core machine, two OpenMP threads mostly wait
-    for each other (measured 4x slower than one)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 QUESTIONS = [json.loads(line)["question"] for line in (REPO / "data/prompts/gsm8k_test_100.jsonl").open()]
