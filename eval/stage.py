@@ -327,7 +327,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     config_hash = section_hash(cfg.eval, cfg.target, fingerprint)
 
     stage = StageDir(cfg.run_dir, "eval")
-    if not stage.begin(config_hash, force=force):
+    if not stage.begin(config_hash, force=force, ranks=ranks):
         log.info("eval already complete for this config: %s", stage.path)
         report = read_json(stage.path / "report.json")
         summary("eval", "\n" + tau_table(report).markdown())

@@ -268,7 +268,7 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
     started = time.time()
     ctx = extract_context(cfg)
     stage = StageDir(cfg.run_dir, "extract")
-    if not stage.begin(ctx.config_hash, force=force):
+    if not stage.begin(ctx.config_hash, force=force, ranks=ranks):
         log.info("extract is already complete with this config: %s", stage.path)
         return stage.manifest()
     index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)

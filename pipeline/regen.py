@@ -325,9 +325,6 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
     """Regenerate this rank's units; the rank that completes the last unit writes the manifest.
     With a single rank, tokenize runs afterwards. Returns the manifest (or this rank's summary)."""
     started = time.time()
-    if force and ranks.is_split:
-        raise StageError("--force with several ranks would let each rank wipe the others' work: "
-                         "run once with --force on a single rank, or delete the stage directory first")
     curate = StageDir(cfg.run_dir, "curate")
     curate_manifest = curate.manifest()
     stage = StageDir(cfg.run_dir, "regen")
@@ -338,7 +335,7 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
     if cfg.regen.backend == "none":
         log.warning("regen.backend is 'none': keeping the dataset's answers (off-policy data)")
 
-    if stage.begin(config_hash, force=force):
+    if stage.begin(config_hash, force=force, ranks=ranks):
         units, total = plan_units(curate_train_files(curate), cfg.regen.shard_size, cfg.regen.max_samples)
         mine = units_for_rank(units, ranks)
         todo = [u for u in mine if not stage.unit_done(u.name)]

@@ -272,12 +272,16 @@ class StageDir:
         return read_json(self.manifest_path)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def begin(self, config_hash: str, *, force: bool = False) -> bool:
+    def begin(self, config_hash: str, *, force: bool = False, ranks: RankInfo | None = None) -> bool:
         """Prepare the directory. Returns False if the stage is already complete with this config (no-op).
 
-        A complete stage made with another config is refused unless `force`; `force` wipes the stage.
+        A complete stage made with another config is refused unless `force`; `force` wipes the stage, so it is
+        refused for a rank of a split run (each rank would wipe the others' work).
         Partial work from the same config is kept (resume); partial work from another config is refused.
         """
+        if force and ranks is not None and ranks.is_split:
+            raise StageError("--force with several ranks would let each rank wipe the others' work: "
+                             "run once with --force on a single rank, or delete the stage directory first")
         if force and self.path.exists():
             shutil.rmtree(self.path)
         if self.is_complete():

@@ -184,9 +184,6 @@ def _finalize(stage: StageDir, units: list[str], *, regen: StageDir, config_hash
 def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
     """Tokenize this rank's regen shards; the rank that completes the last one writes the manifest."""
     started = time.time()
-    if force and ranks.is_split:
-        raise StageError("--force with several ranks would let each rank wipe the others' work: "
-                         "run once with --force on a single rank, or delete the stage directory first")
     regen = StageDir(cfg.run_dir, "regen")
     regen_manifest = regen.manifest()
     location = materialize_target(cfg.target, cfg.cache_dir)
@@ -197,7 +194,7 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     config_hash = section_hash(cfg.target, {"max_len": cfg.regen.max_len, "min_loss_tokens": min_loss_tokens(cfg)},
                                regen_manifest["config_hash"])
     stage = StageDir(cfg.run_dir, "tokenize")
-    if not stage.begin(config_hash, force=force):
+    if not stage.begin(config_hash, force=force, ranks=ranks):
         return stage.manifest()
     units = sorted(f["name"][: -len(".parquet")] for f in regen_manifest["files"])
     mine = units_for_rank(units, ranks)

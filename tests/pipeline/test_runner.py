@@ -170,3 +170,11 @@ def test_begin_removes_only_temp_files_of_dead_writers(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_force_is_refused_for_a_rank_of_a_split_run(tmp_path):
+    stage = StageDir(tmp_path, "extract")
+    stage.begin("h")
+    with pytest.raises(StageError, match="--force with several ranks"):
+        stage.begin("h", force=True, ranks=RankInfo(1, 2))
+    assert stage.begin("h", force=True, ranks=RankInfo(0, 1)) is True
