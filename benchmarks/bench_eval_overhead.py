@@ -3,19 +3,22 @@
 What runs is the decoder's own code (eval.decode round helpers, eval.cache target caches) on a random-init target
 of the real shape (weights do not change the speed) with a random-init DFlash drafter:
 
-  build+mask   tree build on the device (top-K, best-first selection) + verify positions + 4-D ancestor mask
+  build+mask   tree build on the device (top-K, best-first selection) + verify positions + ancestor matrix
   walk+read    target choices, device tree walk, the round's single D2H read (accepted count, bonus, path)
   compact+ctx  KV compaction of an accepted path of depth min(L, tree depth) that is NOT contiguous (the worst
                case; contiguous paths skip the copy) + drafter context gather (index_select at the path)
-  overhead     build+mask + walk+read + compact+ctx     (reference, DDTree authors' code on H200:
-               0.89 / 1.02 / 1.52 / 4.28 ms at budgets 16 / 64 / 256 / 1024)
-  verify       the target forward over 1+n rows with ~`--past` committed rows: static KV + CUDA graphs (the
-               decoder's default on CUDA), static KV eager, and the dynamic-cache reference path
+               (these three are timed separately, each between two syncs: a breakdown, not a sum)
+  overhead     the three in ONE timed region, as a round runs them (one sync: the read)
+               (reference, DDTree authors' code on H200: 0.89 / 1.02 / 1.52 / 4.28 ms at budgets 16/64/256/1024)
+  verify       the target forward over 1+n rows with ~`--past` committed rows: the decoder's default on CUDA
+               (static KV + eval.target_forward fused forward + Triton tree attention + CUDA graphs), then
+               HF's forward on the static KV in CUDA graphs, static KV eager, and the dynamic-cache reference path
                (reference code: ~29 ms up to budget 256, 48 ms at 1024)
   round        end-to-end decode: decode wall time / rounds (includes the drafter), phase timing off
 Host syncs: the overhead steps and the verify run once under torch.cuda.set_sync_debug_mode("error") with only
 the round's one read outside it; the `syncs` column says whether that passed. `graphs`: the build and walk
-CUDA graphs passed capture and their eager self-check. `dev=heap`: the device builder equals the CPU heap
+CUDA graphs (and the verify's) passed capture and their eager self-check; `fused`: the verify runs the fused
+forward (it passed its check against HF's forward). `dev=heap`: the device builder equals the CPU heap
 reference on this device (5 random drafts per budget).
 
     python benchmarks/bench_eval_overhead.py --device cuda --shape qwen3-8b --past 1024 \\
@@ -35,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eval.cache import target_cache  # noqa: E402
+from eval.cache import KVTargetCache, target_cache  # noqa: E402
 from eval.decode import _round_ops, decode  # noqa: E402
 from eval.tree import build_tree, build_tree_heap  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402
@@ -114,9 +117,26 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
     draft_cache = drafter.new_cache()
     draft_logits = drafter.draft_logits(draft_cache, _FEATURES["ctx"], 7, past)
     bonus = torch.tensor([7], device=device)
-    samples = {k: [] for k in ("build", "walk", "compact", "verify")}
+    samples = {k: [] for k in ("build", "walk", "compact", "verify", "overhead")}
     syncs_ok = None
     for it in range(iters + 3):
+        # the whole overhead as one region, as a round runs it: build, walk on the verify's logits, the one read,
+        # compaction of a non-contiguous deepest path and the drafter context gather
+        tree, vin, anc = ops.build(draft_logits, bonus)
+        out = cache.verify(tree, vin)
+        path = deepest_path(tree)
+        path_t = torch.tensor(path + [0] * (L + 1 - len(path)), device=device)
+        rewind(cache, past)
+        sync(device)
+        t0 = time.perf_counter()
+        tree, vin, anc = ops.build(draft_logits, bonus)
+        walk, record = ops.walk(tree, anc, out.logits, None)
+        record.tolist()
+        cache.commit(path_t, len(path), contiguous=False)
+        out.features.index_select(0, path_t[: len(path)])
+        sync(device)
+        t_overhead = time.perf_counter() - t0
+        rewind(cache, past)
         (tree, vin, anc), t_build = timed(device, lambda: ops.build(draft_logits, bonus))
         out, t_verify = timed(device, lambda: cache.verify(tree, vin))
         (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], w[1].tolist()))(ops.walk(tree, anc, out.logits, None)))
@@ -126,14 +146,17 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
                                               out.features.index_select(0, path_t[: len(path)])))
         rewind(cache, past)
         if it >= 3:
-            for k, v in zip(("build", "walk", "compact", "verify"), (t_build, t_walk, t_compact, t_verify)):
+            for k, v in zip(("build", "walk", "compact", "verify", "overhead"),
+                            (t_build, t_walk, t_compact, t_verify, t_overhead)):
                 samples[k].append(v)
         if it == 2 and device.type == "cuda":
             syncs_ok = one_sync_round(ops, cache, draft_logits, bonus, path_t, len(path), past)
     med = {k: statistics.median(v) for k, v in samples.items()}
     med["N"] = tree.size
     med["syncs_ok"] = syncs_ok
-    med["graphs"] = all(not getattr(f, "disabled", True) for f in (ops._build, ops._walk))
+    fns = [ops._build, ops._walk] + list(getattr(cache, "_verify_fns", {}).values())
+    med["graphs"] = all(not getattr(f, "disabled", True) for f in fns)
+    med["fused"] = getattr(cache, "fused", None) is not None
     med["builders"] = builders_agree(budget, L, vocab, device)
     return med
 
@@ -238,35 +261,37 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size - 1, (args.past,), generator=gen).to(device)
     capacity = args.past + args.new_tokens + max(budgets) + 2
-    fast = "graphs" if device.type == "cuda" else "static"
+    fast = "graphs" if device.type == "cuda" else "fused"
     caches = {impl: target_cache(target, taps, impl) for impl in ([fast] + ([] if args.skip_reference else
                                                                              ["static", "dynamic"]))}
+    if device.type == "cuda" and not args.skip_reference:  # HF's forward on the static buffer, in CUDA graphs
+        caches["hf-graphs"] = KVTargetCache(target, taps, static=True, graphs=True)
     with torch.no_grad():
         for cache in caches.values():
             prefill(cache, prompt, capacity)
         print(f"target {args.shape} ({dtype}) on {device}, past {args.past}, block {args.block_size}, "
               f"fast path: {fast}")
         head = (f"{'budget':>6} {'N':>5} {'build+mask':>10} {'walk+read':>9} {'compact':>8} {'overhead':>8} "
-                f"{'verify':>8} {'v.static':>8} {'v.dynamic':>9} {'round':>8} {'tau':>5} {'graphs':>6} {'syncs':>5} "
-                f"{'dev=heap':>8}")
+                f"{'verify':>8} {'v.hf-graph':>10} {'v.static':>8} {'v.dynamic':>9} {'round':>8} {'tau':>5} "
+                f"{'graphs':>6} {'fused':>5} {'syncs':>5} {'dev=heap':>8}")
         print(head + "\n" + "-" * len(head))
         ms = lambda s: f"{s * 1e3:8.3f}" if s is not None else f"{'-':>8}"
         for budget in budgets:
             m = measure_budget(target, drafter, caches[fast], prompt, budget, args.iters, device)
-            v_static = v_dyn = None
-            if not args.skip_reference and fast != "static":
+            v_static = v_dyn = v_hf_graph = None
+            if not args.skip_reference:
                 v_static = verify_only(caches["static"], target, drafter, prompt, budget, args.iters, device)
+            if "hf-graphs" in caches:
+                v_hf_graph = verify_only(caches["hf-graphs"], target, drafter, prompt, budget, args.iters, device)
             if not args.skip_reference:
                 v_dyn = verify_only(caches["dynamic"], target, drafter, prompt, budget, args.iters, device)
-            if fast == "static":
-                v_static = m["verify"]
             round_s, tau = (end_to_end("ddtree", target, drafter, prompt, budget, args.new_tokens, "auto")
                             if args.new_tokens else (None, float("nan")))
-            overhead = m["build"] + m["walk"] + m["compact"]
             syncs = {True: "1", False: "MORE", None: "n/a"}[m["syncs_ok"]]
             print(f"{budget:>6} {m['N']:>5} {ms(m['build']):>10} {ms(m['walk']):>9} {ms(m['compact'])} "
-                  f"{ms(overhead)} {ms(m['verify'])} {ms(v_static)} {ms(v_dyn):>9} {ms(round_s)} {tau:5.2f} "
-                  f"{str(m['graphs']):>6} {syncs:>5} {str(m['builders']):>8}")
+                  f"{ms(m['overhead'])} {ms(m['verify'])} {ms(v_hf_graph):>10} {ms(v_static)} {ms(v_dyn):>9} "
+                  f"{ms(round_s)} {tau:5.2f} {str(m['graphs']):>6} {str(m['fused']):>5} {syncs:>5} "
+                  f"{str(m['builders']):>8}")
         if args.new_tokens:
             for method in ("ar", "chain"):
                 round_s, tau = end_to_end(method, target, drafter, prompt, None, args.new_tokens, "auto")

@@ -24,6 +24,10 @@ Implementations:
     private memory and is rewritten in place by each replay. The decoder also captures its tree build and its
     walk. The first replay of each graph is checked against the eager call; a mismatch or failed capture falls
     back to eager.
+  * `fused=True` (static only; impl 'fused', and 'graphs' where the target allows): the verify runs
+    `eval.target_forward.VerifyForward` (fused projections, folded-GQA attention straight from the buffer,
+    compiled pointwise ops under 'graphs') instead of HF's forward. Its first verify is checked against HF's
+    forward on the same inputs; a refusal or a mismatch falls back to HF's forward, with a warning.
   * `RecurrentTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers, e.g. qwen3_5_text.
     Only root/chain verification: a mask cannot stop recurrent state from flowing between tree branches
     (ddtree.md §6.7), so trees raise `TreeUnsupportedError`. Chain rollback: the recurrent/conv states are
@@ -198,12 +202,15 @@ class StaticKV(Cache):
 class KVTargetCache(TargetCache):
     """A target with only (full or sliding) attention layers; dynamic (reference) or static (+ CUDA graphs)."""
 
-    def __init__(self, target, tap_ids: Sequence[int], *, static: bool = False, graphs: bool = False):
+    def __init__(self, target, tap_ids: Sequence[int], *, static: bool = False, graphs: bool = False,
+                 fused: bool = False):
         if recurrent_layer_types(target.config):
             raise TreeUnsupportedError(tree_unsupported_reason(target.config))
         self.forward = _Forward(target, tap_ids)
         self.static = static
         self.graphs = graphs and static and self.forward.device.type == "cuda"
+        self.fused = self._fused_forward(target, tap_ids) if fused and static else None
+        self._fused_checked = False
         self.kv: StaticKV | None = None
         self.dynamic: DynamicCache | None = None
         self.length = 0
@@ -227,6 +234,15 @@ class KVTargetCache(TargetCache):
             self._verify_fns.clear()
             self.round_ops.clear()
             self.kv = StaticKV(cfg.num_hidden_layers, heads, head_dim, capacity, self.forward.dtype, self.forward.device)
+
+    def _fused_forward(self, target, tap_ids):
+        from eval.target_forward import VerifyForward, refusal
+
+        reason = refusal(target)
+        if reason:
+            log.info("verify runs HF's forward: %s", reason)
+            return None
+        return VerifyForward(target, tap_ids, compile=self.graphs)
 
     def _set_length(self, n: int) -> None:
         self.length = n
@@ -264,6 +280,8 @@ class KVTargetCache(TargetCache):
         if not self.static:
             return self.forward(tree.tokens, vin.positions, vin.mask, self.dynamic)
         kv_len = min(self.kv.capacity, -(-(self.length + tree.size) // KV_BUCKET) * KV_BUCKET)
+        if self.fused is not None and not self._fused_checked:
+            self._check_fused(kv_len, tree, vin)
         key = (tree.size, kv_len)
         fn = self._verify_fns.get(key)
         if fn is None:
@@ -280,11 +298,30 @@ class KVTargetCache(TargetCache):
         kv_len). The mask is `mask` if given, else built here from `visibility` and the device scalar `past`."""
         self.kv.kv_len = kv_len
         self.kv.write_rows = self.past + torch.arange(ids.shape[0], device=ids.device)
+        if self.fused is not None:
+            return self.fused(ids, positions, visibility, self.past, self.kv.write_rows, self.kv.kv, kv_len)
         if mask is None:
             mask = self.forward.mask_arg(lambda w: visibility_attention_mask(
                 visibility, positions, self.past, kv_len, self.forward.dtype, sliding_window=w))
         out = self.forward(ids, positions, mask, self.kv)
         return out.logits, out.features
+
+    def _check_fused(self, kv_len: int, tree: Tree, vin: VerifyInputs) -> None:
+        """Once per cache: the fused verify against HF's forward on the same rows; HF's forward from now on if they
+        differ by more than rounding (relative L2 error of logits and taps; a wrong graph gives ~1)."""
+        from eval.target_forward import max_error
+
+        self._fused_checked = True
+        fused, self.fused = self.fused, None
+        ref = self._static_verify(kv_len, tree.tokens, vin.positions, vin.mask, vin.visibility)
+        self.fused = fused
+        got = self._static_verify(kv_len, tree.tokens, vin.positions, vin.mask, vin.visibility)
+        err = max(_relative_error(g, r) for g, r in zip(got, ref) if r is not None)
+        if err > max_error(self.forward.dtype):
+            log.warning("fused verify forward differs from HF's (relative error %.2e): using HF's forward", err)
+            self.fused = None
+        else:
+            log.info("fused verify forward checked against HF's: relative error %.2e", err)
 
     # -- commit -----------------------------------------------------------------------------------
 
@@ -303,6 +340,10 @@ class KVTargetCache(TargetCache):
                 layer.keys = layer.keys[:, :, :end]
                 layer.values = layer.values[:, :, :end]
         self._set_length(self.length + n)
+
+
+def _relative_error(got: Tensor, ref: Tensor) -> float:
+    return float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
 def _logits_close(graph_out, eager_out) -> bool:
@@ -455,12 +496,14 @@ class RecurrentTargetCache(TargetCache):
 # ----------------------------------------------------------------------------------------------
 
 _CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-IMPLS = ("auto", "dynamic", "static", "graphs")
+IMPLS = ("auto", "dynamic", "static", "fused", "graphs")
 
 
 def target_cache(target, tap_ids: Sequence[int] = (), impl: str = "auto") -> TargetCache:
-    """The target's cache object. impl: 'dynamic' (reference), 'static', 'graphs' (static + CUDA graphs; CUDA
-    only), or 'auto' (graphs on CUDA, dynamic on CPU). Hybrid targets always get the recurrent cache."""
+    """The target's cache object. impl: 'dynamic' (reference, HF forward), 'static' (HF forward on the static
+    buffer), 'fused' (static + eval.target_forward, eager), 'graphs' (fused with compiled pointwise ops where the
+    target allows, else HF's forward, + CUDA graphs; CUDA only), or 'auto' (graphs on CUDA, dynamic on CPU).
+    Hybrid targets always get the recurrent cache."""
     if impl not in IMPLS:
         raise ValueError(f"cache impl must be one of {IMPLS}, got {impl!r}")
     device = target.get_input_embeddings().weight.device
@@ -473,5 +516,6 @@ def target_cache(target, tap_ids: Sequence[int] = (), impl: str = "auto") -> Tar
         if recurrent:
             per_target[key] = RecurrentTargetCache(target, tap_ids)
         else:
-            per_target[key] = KVTargetCache(target, tap_ids, static=impl in ("static", "graphs"), graphs=impl == "graphs")
+            per_target[key] = KVTargetCache(target, tap_ids, static=impl in ("static", "fused", "graphs"),
+                                            graphs=impl == "graphs", fused=impl in ("fused", "graphs"))
     return per_target[key]

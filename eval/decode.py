@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from eval import triton_kernels
 from eval.cache import TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
 from eval.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
 from eval.verify import ancestor_table
@@ -239,6 +240,10 @@ class _RoundOps:
         return self._tree(tokens, parents, depths), VerifyInputs(positions, mask, vis), ancestors
 
     def _walk_eager(self, tokens, parents, depths, ancestors, logits, uniforms):
+        if self.temperature <= 0 and triton_kernels.available(self.device):  # the same walk in two launches
+            accepted, path, bonus, last, record = triton_kernels.greedy_walk(tokens, parents, depths, ancestors,
+                                                                             logits, self.depth_limit)
+            return (accepted, path, bonus, last), record
         tree = self._tree(tokens, parents, depths)
         walk = walk_tree(tree, target_choices(logits, self.temperature, uniforms), ancestors)
         return (walk.accepted, walk.path, walk.bonus, walk.last), walk.host_record(tree)

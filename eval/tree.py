@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from eval import triton_kernels
+
 LOGPROB_FLOOR = -1e30  # clamp for log-probs: keeps every prefix score finite (15 * -1e30 is still finite in fp32)
 MAX_BUDGET = 1 << 16
 
@@ -72,12 +74,14 @@ class Tree:
 def top_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """fp32 top-k log-probs and token ids per depth: ([L, k], [L, k]), each row sorted descending.
 
-    log_softmax in fp32 then topk (two dispatches on the device); log-probs clamped at LOGPROB_FLOOR and
-    never -0.0 (x - logsumexp rounds an exact zero to +0.0), so float sorts and Python comparisons agree.
+    topk of the logits in their own dtype (log-softmax is monotone per row, and every bf16/fp16 value is exact in
+    fp32), then log-prob = fp32(logit) - fp32 logsumexp of the row: the [L, V] fp32 log-softmax is never written.
+    Log-probs are clamped at LOGPROB_FLOOR and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts
+    and Python comparisons agree.
     """
-    lp = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_lp, top_ids = torch.topk(lp, k, dim=-1)
-    return top_lp.clamp_min(LOGPROB_FLOOR), top_ids
+    top, top_ids = torch.topk(draft_logits, k, dim=-1)
+    lse = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)
+    return (top.float() - lse).clamp_min(LOGPROB_FLOOR), top_ids
 
 
 def tree_size(budget: int, depth_limit: int, vocab: int) -> int:
@@ -209,8 +213,9 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     """The device builder: the same tree as `build_tree_heap`, with fixed shapes and no host sync.
 
     draft_logits: [L, V] (any float dtype; the builder works in fp32). root_token: int or device scalar tensor.
-    Work: one log_softmax + topk over [L, V]; per depth one gather + add + stable sort over the staircase
-    (~B·ln B candidates); one stable sort over the L·B per-depth winners.
+    Work: one topk + logsumexp over [L, V]; per depth one gather + add + stable sort over the staircase
+    (~B·ln B candidates); one stable sort over the L·B per-depth winners. On CUDA with Triton the selection
+    (everything after the topk) is L + 2 Triton launches, eval/triton_kernels.py.
     """
     _check_budget(budget)
     L, V = draft_logits.shape
@@ -223,6 +228,10 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     top_lp, top_ids = top_log_probs(draft_logits, min(B, V))
     K = top_lp.shape[1]
     slot_of, rank_of, frontier = _staircase(B, K, device)  # [M] candidates in (slot, rank) order; root frontier
+    if triton_kernels.available(device):  # the same selection in L + 2 launches
+        tokens, parents, depths = triton_kernels.select_tree(top_lp, top_ids, slot_of, rank_of, B, n,
+                                                          _root_tensor(root_token, device))
+        return Tree(tokens, parents, depths, n, L, "tree")
     lp_cand = top_lp[:, rank_of]  # [L, M]
     scores, picks = [], []
     for d in range(L):

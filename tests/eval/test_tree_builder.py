@@ -43,14 +43,14 @@ def as_lists(tree):
 def check_against_brute_force(logits: torch.Tensor, budget: int) -> None:
     L, V = logits.shape
     lp, ids = top_log_probs(logits, min(budget, V))
-    tokens, parents, depths, scores = brute_force_tree(lp.numpy(), ids.numpy(), budget)
+    tokens, parents, depths, scores = brute_force_tree(lp.cpu().numpy(), ids.cpu().numpy(), budget)
     for build in (build_tree, build_tree_heap):
         tree = build(logits, budget, root_token=7)
         got = as_lists(tree)
         assert got[0][0] == 7 and tree.num_nodes == len(tokens) - 1 == tree_size(budget, L, V)
         assert (got[0][1:], got[1], got[2]) == (tokens[1:], parents, depths), build.__name__
     # optimality independent of tie rules: the tree's prefixes carry the largest total probability (Prop. 1-2)
-    q = torch.softmax(logits.double(), dim=-1)
+    q = torch.softmax(logits.double().cpu(), dim=-1)
     tokens_t, parents_t, depths_t = as_lists(build_tree(logits, budget, 0))
     prefix_q = [1.0]
     for i in range(1, len(tokens_t)):
@@ -59,7 +59,11 @@ def check_against_brute_force(logits: torch.Tensor, budget: int) -> None:
     assert math.isclose(sum(prefix_q[1:]), sum(best), rel_tol=1e-5)
 
 
-def test_builders_equal_brute_force_top_budget_on_random_distributions():
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # on CUDA build_tree is the Triton kernel
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_builders_equal_brute_force_top_budget_on_random_distributions(device):
     gen = torch.Generator().manual_seed(0)
     for trial in range(150):
         L = int(torch.randint(1, 5, (1,), generator=gen))
@@ -67,10 +71,11 @@ def test_builders_equal_brute_force_top_budget_on_random_distributions():
         budget = int(torch.randint(1, 45, (1,), generator=gen))
         scale = float(torch.rand((), generator=gen)) * 6
         logits = torch.randn(L, V, generator=gen) * scale
-        check_against_brute_force(logits, budget)
+        check_against_brute_force(logits.to(device), budget)
 
 
-def test_builders_equal_brute_force_under_exact_score_ties():
+@pytest.mark.parametrize("device", DEVICES)
+def test_builders_equal_brute_force_under_exact_score_ties(device):
     """Logits from a tiny integer set: many exactly equal log-probs and prefix sums (incl. zero log-probs)."""
     gen = torch.Generator().manual_seed(1)
     for trial in range(150):
@@ -78,14 +83,18 @@ def test_builders_equal_brute_force_under_exact_score_ties():
         V = int(torch.randint(2, 6, (1,), generator=gen))
         budget = int(torch.randint(1, 40, (1,), generator=gen))
         logits = torch.randint(0, 3, (L, V), generator=gen).float() * 40.0  # 40-logit gaps: p rounds to 1 in fp32
-        check_against_brute_force(logits, budget)
+        check_against_brute_force(logits.to(device), budget)
 
 
-@pytest.mark.parametrize("budget", [1, 2, 16, 64, 300])
-def test_device_builder_equals_heap_at_real_depth(budget):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget", [1, 2, 16, 64, 300, 1024])
+def test_device_builder_equals_heap_at_real_depth(budget, device):
     gen = torch.Generator().manual_seed(budget)
-    for _ in range(5):
+    for trial in range(5):
         logits = torch.randn(15, 320, generator=gen) * 4
+        if trial % 2:  # bf16 drafts with many exact ties, as the drafter emits them
+            logits = (logits * 2).round().to(torch.bfloat16)
+        logits = logits.to(device)
         heap, dev = build_tree_heap(logits, budget, 3), build_tree(logits, budget, 3)
         assert as_lists(heap) == as_lists(dev)
         tokens, parents, depths = as_lists(dev)

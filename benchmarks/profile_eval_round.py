@@ -1,0 +1,172 @@
+"""Where the GPU time of a DDTree round goes: kernel tables (torch.profiler) of the verify forward and of the
+round's tree build and walk, and the matmul floor of the verify, on a random-init target of a real shape.
+
+    python benchmarks/profile_eval_round.py --shape qwen3-8b --past 1024 --budget 256
+
+Prints, for one budget:
+  * verify forward time per implementation (HF forward static eager / HF + CUDA graph / fused eager /
+    fused compiled + CUDA graph) and the time of the same matmuls alone in a CUDA graph (the floor);
+  * the top kernels (by GPU time) of the eager HF verify, the eager fused verify, the tree build and the walk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_eval_overhead import SHAPES, build_drafter, build_target  # noqa: E402
+from eval.cache import KVTargetCache, target_cache  # noqa: E402
+from eval.decode import _round_ops  # noqa: E402
+from eval.target_forward import VerifyForward  # noqa: E402
+from eval.tree import build_tree, build_tree_heap, top_log_probs  # noqa: E402
+
+
+def gpu_ms(fn, iters: int = 20) -> float:
+    """Median GPU milliseconds of fn() (CUDA events), after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def kernel_table(title: str, fn, rows: int = 15) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    count = sum(e.count for e in events)
+    print(f"\n== {title}: {count} kernels, {total / 1e3:.3f} ms of GPU time")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
+        print(f"  {e.self_device_time_total / 1e3:8.3f} ms {e.count:6d}x  {e.key[:110]}")
+
+
+def matmul_floor(target, rows: int) -> float:
+    """GPU ms of the verify's matmuls alone (fused qkv, o, gate/up, down per layer + the LM head), one CUDA graph."""
+    fwd = VerifyForward(target, [])
+    x = torch.randn(rows, target.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    inter = target.config.intermediate_size
+    h = target.config.num_attention_heads * fwd.head_dim
+    a = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+    m = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
+    head = target.get_output_embeddings().weight
+
+    def run():
+        for w in fwd.layers:
+            F.linear(x, w.w_qkv)
+            F.linear(a, w.w_o)
+            F.linear(x, w.w_gate_up)
+            F.linear(m, w.w_down)
+        F.linear(x, head)
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        run()
+    return gpu_ms(graph.replay)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--past", type=int, default=1024)
+    ap.add_argument("--budgets", default="16,256")
+    ap.add_argument("--profile-budget", type=int, default=256)
+    ap.add_argument("--splits", default="1,2,4,8", help="fused graph verify with these fixed key-chunk counts")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    target = build_target(args.shape, device, torch.bfloat16)
+    drafter = build_drafter(target, args.shape, 16)
+    taps = tuple(drafter.args.target_layer_ids)
+    prompt = torch.randint(0, target.config.vocab_size - 1, (args.past,), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+    caches = {
+        "hf eager": target_cache(target, taps, "static"),
+        "hf graph": KVTargetCache(target, taps, static=True, graphs=True),
+        "fused eager": target_cache(target, taps, "fused"),
+        "fused graph": target_cache(target, taps, "graphs"),
+    }
+    for splits in [int(x) for x in args.splits.split(",") if x]:
+        cache = KVTargetCache(target, taps, static=True, graphs=True, fused=True)
+        cache.fused.splits = splits
+        caches[f"graph S={splits}"] = cache
+    capacity = args.past + 2048
+    L, vocab = 15, target.config.vocab_size
+    torch.manual_seed(0)
+    draft_logits = torch.randn(L, vocab, device=device) * 4
+    bonus = torch.tensor([7], device=device)
+    with torch.no_grad():
+        for c in caches.values():
+            c.reset(capacity)
+            c.prefill(prompt)
+        print(f"{args.shape} bf16, past {args.past}")
+        print(f"{'budget':>6} {'N':>5} " + " ".join(f"{k:>12}" for k in caches) + f" {'matmuls':>8}")
+        for budget in [int(b) for b in args.budgets.split(",")]:
+            row = []
+            for name, c in caches.items():
+                ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
+                tree, vin, _ = ops.build(draft_logits, bonus)
+                c.verify(tree, vin)  # capture / compile / check outside the timing
+                row.append(gpu_ms(lambda: c.verify(tree, vin)))
+            floor = matmul_floor(target, tree.size)
+            print(f"{budget:>6} {tree.size:>5} " + " ".join(f"{t:12.3f}" for t in row) + f" {floor:8.3f}")
+        fg = caches["fused graph"]
+        print("fused graph uses the fused forward:", fg.fused is not None,
+              {n: fg.fused.attention_splits(4 * n, 1536) for n in (1, 17, 65, 257, 1025)} if fg.fused else "")
+
+        budget = args.profile_budget
+        compiled = VerifyForward(target, taps, compile=True)
+        c = caches["fused eager"]
+        ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
+        tree, vin, anc = ops.build(draft_logits, bonus)
+        c.fused, eager_fused = compiled, c.fused
+        kernel_table(f"verify, fused compiled (no graph), budget {budget}", lambda: c.verify(tree, vin), rows=25)
+        c.fused = eager_fused
+        for name in ("hf eager", "fused eager"):
+            c = caches[name]
+            ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
+            tree, vin, anc = ops.build(draft_logits, bonus)
+            kernel_table(f"verify, {name}, budget {budget}", lambda: c.verify(tree, vin))
+        c = caches["hf eager"]
+        ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
+        tree, vin, anc = ops.build(draft_logits, bonus)
+        out = c.verify(tree, vin)
+        kernel_table(f"tree build + mask, budget {budget}", lambda: ops.build(draft_logits, bonus), rows=25)
+        kernel_table(f"walk, budget {budget}", lambda: ops.walk(tree, anc, out.logits, None))
+        g = caches["fused graph"]
+        gops = _round_ops("ddtree", budget, "device", g, 0.0, L, vocab, device)
+        print(f"\nbuild graph replay {gpu_ms(lambda: gops.build(draft_logits, bonus)):.3f} ms GPU; "
+              f"walk graph {gpu_ms(lambda: gops.walk(tree, anc, out.logits, None)):.3f} ms GPU")
+        for b in (16, 64, 256, 1024):
+            k = min(b, vocab)
+            t_top = gpu_ms(lambda: top_log_probs(draft_logits.to(torch.bfloat16), k))
+            t_tree = gpu_ms(lambda: build_tree(draft_logits.to(torch.bfloat16), b, bonus))
+            same = all(all(torch.equal(x, y) for x, y in zip(
+                (t.tokens, t.parents, t.depths), (h.tokens, h.parents, h.depths)))
+                for t, h in ((build_tree(lg, b, 3), build_tree_heap(lg, b, 3))
+                             for lg in (torch.randn(L, vocab, device=device).mul(3).to(torch.bfloat16),
+                                        torch.randn(L, vocab, device=device).mul(4))))
+            print(f"budget {b}: top_log_probs {t_top:.3f} ms, build_tree eager {t_tree:.3f} ms, kernel = heap: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""The round's CUDA kernels (Triton): each one computes exactly what a torch function elsewhere defines.
+
+    select_tree      eval/tree.py `build_tree` after the top-K (the per-depth staircase selection + final pick)
+    greedy_walk      eval/walk.py `target_choices` at T = 0 + `walk_tree` + `Walk.host_record`
+    tree_attention   eval/target_forward.py attention under the eval/verify.py tree mask (split over keys)
+
+Why: in a CUDA graph each small torch op still costs a kernel of a few microseconds; the torch versions of the
+first two are ~180 and ~22 kernels per round. Each function here is a handful of launches.
+
+Ordering trick (select_tree): a stable descending sort by fp32 score with ties in index order equals a plain
+descending order of unique int64 keys `sortable(score) << 32 | reversed index`. Ranks are computed by counting
+(rank of key k = #keys > k; unique keys give unique ranks), which parallelises over candidates with no sort.
+
+All of this needs CUDA and Triton (`available`); the torch versions are the reference and the CPU path, and
+tests/eval compare the two on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the torch versions run
+    triton = None
+
+
+def available(device) -> bool:
+    return triton is not None and torch.device(device).type == "cuda"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sortable(x):
+        """fp32 -> int64 whose signed order is the float order (+0.0 above -0.0; no NaN here)."""
+        bits = x.to(tl.int32, bitcast=True)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+
+    # ------------------------------------------------------------------------------------------
+    # Tree selection
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _candidate_keys(offs, M, d, top_lp, K, slot_of, rank_of, scores, B):
+        """Keys and scores of staircase candidates `offs` at depth d (frontier = scores row d)."""
+        valid = offs < M
+        slot = tl.load(slot_of + offs, mask=valid, other=0)
+        rank = tl.load(rank_of + offs, mask=valid, other=0)
+        root = tl.where(slot == 0, 0.0, float("-inf"))  # depth 0: the root alone in slot 0
+        f = tl.where(d == 0, root, tl.load(scores + d * B + slot, mask=valid & (d > 0), other=float("-inf")))
+        score = f + tl.load(top_lp + d * K + rank, mask=valid, other=float("-inf"))
+        hi = tl.where(valid, _sortable(score), -2147483648)
+        return (hi << 32) | (2147483647 - offs).to(tl.int64), score
+
+    @triton.jit
+    def _select_depth_kernel(top_lp, K, slot_of, rank_of, M, scores, picks, d, B,
+                             BLOCK: tl.constexpr, TILE: tl.constexpr):
+        """Depth d+1: the B best candidates (frontier row d of `scores` + lp row d), written in rank order to
+        scores row d+1 and picks row d."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mine, score = _candidate_keys(offs, M, d, top_lp, K, slot_of, rank_of, scores, B)
+        count = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, M, TILE):
+            other, _ = _candidate_keys(start + tl.arange(0, TILE), M, d, top_lp, K, slot_of, rank_of, scores, B)
+            count += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
+        keep = (offs < M) & (count < B)
+        tl.store(scores + (d + 1) * B + count, score, mask=keep)
+        tl.store(picks + d * B + count, offs, mask=keep)
+
+    @triton.jit
+    def _flat_keys(flat, LB, scores, B):
+        valid = flat < LB
+        s = tl.load(scores + B + flat, mask=valid, other=0.0)  # rows 1..L of scores, laid out (depth, slot)
+        hi = tl.where(valid, _sortable(s), -2147483648)
+        return (hi << 32) | (2147483647 - flat).to(tl.int64)
+
+    @triton.jit
+    def _select_global_kernel(scores, LB, B, n, chosen, node_of, BLOCK: tl.constexpr, TILE: tl.constexpr):
+        """The n best of the L*B per-depth winners: chosen[r] = flat index of the r-th, node_of[flat] = r + 1."""
+        flat = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mine = _flat_keys(flat, LB, scores, B)
+        count = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, LB, TILE):
+            other = _flat_keys(start + tl.arange(0, TILE), LB, scores, B)
+            count += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
+        keep = (flat < LB) & (count < n)
+        tl.store(chosen + count, flat, mask=keep)
+        tl.store(node_of + flat, count + 1, mask=keep)
+
+    @triton.jit
+    def _tree_arrays_kernel(chosen, picks, slot_of, rank_of, node_of, top_ids, K, B, n, root,
+                            tokens, parents, depths, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # node index 0..n
+        node = (i >= 1) & (i <= n)
+        flat = tl.load(chosen + i - 1, mask=node, other=0)
+        depth0 = flat // B
+        cand = tl.load(picks + flat, mask=node, other=0)
+        has_parent = node & (depth0 > 0)
+        parent = tl.load(node_of + (depth0 - 1) * B + tl.load(slot_of + cand, mask=has_parent, other=0),
+                         mask=has_parent, other=0)
+        token = tl.load(top_ids + depth0 * K + tl.load(rank_of + cand, mask=node, other=0), mask=node, other=0)
+        is_root = i == 0
+        token = tl.where(is_root, tl.load(root + i * 0, mask=is_root, other=0), token)
+        tl.store(tokens + i, token, mask=i <= n)
+        tl.store(parents + i, parent.to(tl.int64), mask=i <= n)
+        tl.store(depths + i, tl.where(is_root, 0, depth0 + 1).to(tl.int64), mask=i <= n)
+
+
+def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tensor, budget: int, n: int,
+                root: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(tokens, parents, depths) int64 [1 + n] of the tree (eval/tree.py layout and order) from fp32 top_lp [L, K]
+    (rows sorted descending), int64 top_ids [L, K], the staircase (slot_of, rank_of [M], (slot, rank) order) and
+    root int64 [1]. Launches: L per-depth selections, one global selection, one gather of the arrays."""
+    L, K = top_lp.shape
+    M = slot_of.shape[0]
+    device = top_lp.device
+    top_lp, top_ids = top_lp.contiguous(), top_ids.contiguous()
+    scores = torch.empty(L + 1, budget, dtype=torch.float32, device=device)  # row d: frontier of depth d (row 0 unused)
+    picks = torch.empty(L, budget, dtype=torch.int32, device=device)
+    chosen = torch.empty(n, dtype=torch.int32, device=device)
+    node_of = torch.empty(L * budget, dtype=torch.int32, device=device)
+    BLOCK, TILE = 64, 128
+    for d in range(L):
+        _select_depth_kernel[(triton.cdiv(M, BLOCK),)](top_lp, K, slot_of, rank_of, M, scores, picks, d, budget,
+                                                       BLOCK=BLOCK, TILE=TILE)
+    _select_global_kernel[(triton.cdiv(L * budget, BLOCK),)](scores, L * budget, budget, n, chosen, node_of,
+                                                             BLOCK=BLOCK, TILE=TILE)
+    tokens, parents, depths = (torch.empty(1 + n, dtype=torch.long, device=device) for _ in range(3))
+    _tree_arrays_kernel[(triton.cdiv(n + 1, 128),)](chosen, picks, slot_of, rank_of, node_of, top_ids, K, budget, n,
+                                                    root, tokens, parents, depths, BLOCK=128)
+    return tokens, parents, depths
+
+
+# ----------------------------------------------------------------------------------------------
+# Greedy choices and the walk
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _argmax_partial_kernel(logits, V, chunk, best, where, BLOCK: tl.constexpr):
+        """Row r, chunk c: max and first argmax of logits[r, c*chunk : (c+1)*chunk] -> best/where [r, c]."""
+        r, c = tl.program_id(0), tl.program_id(1)
+        chunks = tl.num_programs(1)
+        lo = c * chunk
+        run_max = float("-inf")
+        run_idx = lo
+        for start in range(lo, tl.minimum(lo + chunk, V), BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(logits + r.to(tl.int64) * V + cols, mask=cols < tl.minimum(lo + chunk, V),
+                        other=float("-inf")).to(tl.float32)
+            m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            take = m > run_max  # strict: an equal later maximum keeps the first index
+            run_idx = tl.where(take, start + i, run_idx)
+            run_max = tl.where(take, m, run_max)
+        tl.store(best + r * chunks + c, run_max)
+        tl.store(where + r * chunks + c, run_idx.to(tl.int64))
+
+    @triton.jit
+    def _walk_kernel(tokens, parents, depths, ancestors, W, N, L, best, where, CH, choices, match_buf,
+                     path, accepted_out, bonus_out, last_out, record,
+                     NP: tl.constexpr, WP: tl.constexpr, CHP: tl.constexpr, LP: tl.constexpr):
+        i = tl.arange(0, NP)
+        node = i < N
+        # the target's choice per row: the first chunk holding the row maximum
+        c = tl.arange(0, CHP)
+        part = tl.load(best + i[:, None] * CH + c[None, :], mask=node[:, None] & (c[None, :] < CH),
+                       other=float("-inf"))
+        _, first = tl.max(part, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        choice = tl.load(where + i * CH + first, mask=node, other=0)
+        tl.store(choices + i, choice, mask=node)
+        lp = tl.arange(0, LP)
+        tl.store(path + lp, tl.zeros([LP], tl.int64), mask=lp <= L)
+        tl.debug_barrier()
+        par = tl.load(parents + i, mask=node, other=0)
+        tok = tl.load(tokens + i, mask=node, other=0)
+        match = (tok == tl.load(choices + par, mask=node, other=-1, volatile=True)) | (i == 0)
+        tl.store(match_buf + i, match.to(tl.int8), mask=node)
+        tl.debug_barrier()
+        w = tl.arange(0, WP)
+        anc = tl.load(ancestors + i[:, None] * W + w[None, :], mask=node[:, None] & (w[None, :] < W), other=0)
+        ok = tl.min(tl.load(match_buf + anc, mask=node[:, None] & (w[None, :] < W), other=1, volatile=True),
+                    axis=1) > 0
+        ok = ok & node
+        depth = tl.load(depths + i, mask=node, other=0)
+        accepted = tl.max(tl.where(ok, depth, 0), axis=0)
+        tl.store(path + depth, i.to(tl.int64), mask=ok)
+        tl.debug_barrier()
+        last = tl.load(path + accepted, volatile=True)
+        bonus = tl.load(choices + last, volatile=True)
+        tl.store(accepted_out, accepted.to(tl.int64))
+        tl.store(bonus_out, bonus)
+        tl.store(last_out, last)
+        tl.store(record, accepted.to(tl.int64))
+        tl.store(record + 1, bonus)
+        tl.store(record + 2, tl.max(tl.where(node, depth, 0), axis=0).to(tl.int64))
+        steps = tl.load(path + lp, mask=lp <= L, other=0, volatile=True)
+        tl.store(record + 3 + lp, steps, mask=lp <= L)
+        tl.store(record + 4 + L + lp, tl.load(tokens + steps, mask=lp <= L, other=0), mask=lp <= L)
+
+
+def greedy_choices_partial(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of logits [N, V], per chunk of V: (max fp32 [N, CH], first argmax int64 [N, CH])."""
+    N, V = logits.shape
+    chunks = max(1, min(16, (264 + N - 1) // N))  # ~2 programs per SM in all
+    chunk = triton.cdiv(triton.cdiv(V, chunks), 1024) * 1024
+    chunks = triton.cdiv(V, chunk)
+    best = torch.empty(N, chunks, dtype=torch.float32, device=logits.device)
+    where = torch.empty(N, chunks, dtype=torch.long, device=logits.device)
+    _argmax_partial_kernel[(N, chunks)](logits.contiguous(), V, chunk, best, where, BLOCK=1024)
+    return best, where
+
+
+def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tensor, logits: Tensor,
+                depth_limit: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """eval/walk.py at T = 0 in two launches: (accepted, path [L+1], bonus, last, host record [3 + 2(L+1)]);
+    accepted/bonus/last are 0-dim int64. ancestors: eval/verify.py `ancestor_table` [N, W]."""
+    N = tokens.shape[0]
+    L = depth_limit
+    best, where = greedy_choices_partial(logits)
+    device = tokens.device
+    choices = torch.empty(N, dtype=torch.long, device=device)
+    match = torch.empty(N, dtype=torch.int8, device=device)
+    path = torch.empty(L + 1, dtype=torch.long, device=device)
+    accepted, bonus, last = (torch.empty((), dtype=torch.long, device=device) for _ in range(3))
+    record = torch.empty(3 + 2 * (L + 1), dtype=torch.long, device=device)
+    W = ancestors.shape[1]
+    _walk_kernel[(1,)](tokens, parents, depths, ancestors.contiguous(), W, N, L, best, where, best.shape[1],
+                       choices, match, path, accepted, bonus, last, record,
+                       NP=_pow2(N), WP=_pow2(W), CHP=_pow2(best.shape[1]), LP=_pow2(L + 1),
+                       num_warps=4 if N <= 256 else 8)
+    return accepted, path, bonus, last, record
+
+
+# ----------------------------------------------------------------------------------------------
+# Tree attention (split over keys)
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _tree_attention_kernel(q, k, v, vis, past_ptr, out, lse, N, GN, stride_kh, stride_kt, kv_chunk, scale,
+                               HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """Program (query tile, KV head, key split): online softmax over keys [s*kv_chunk, (s+1)*kv_chunk) that
+        exist (< past + N). Key column c is visible to folded row m (token i = m % N) iff c < past, or
+        c - past is i or an ancestor of i (vis[i, c - past])."""
+        pid_m, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        past = tl.load(past_ptr).to(tl.int32)
+        total = past + N
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_ok = rows < GN
+        tok = rows % N
+        d = tl.arange(0, HD)
+        qt = tl.load(q + h * GN * HD + rows[:, None] * HD + d[None, :], mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, HD], tl.float32)
+        lo = s * kv_chunk
+        hi = tl.minimum(total, lo + kv_chunk)
+        kbase = k + h.to(tl.int64) * stride_kh
+        vbase = v + h.to(tl.int64) * stride_kh
+        for start in range(lo, hi, BN):
+            cols = start + tl.arange(0, BN)
+            col_ok = cols < hi
+            kt = tl.load(kbase + cols[:, None] * stride_kt + d[None, :], mask=col_ok[:, None], other=0.0)
+            sc = tl.dot(qt, tl.trans(kt)) * scale
+            in_tree = col_ok & (cols >= past)
+            tv = tl.load(vis + tok[:, None] * N + (cols - past)[None, :], mask=row_ok[:, None] & in_tree[None, :],
+                         other=0)
+            visible = ((cols < past)[None, :] | (tv != 0)) & col_ok[None, :]
+            sc = tl.where(visible, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(sc - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(vbase + cols[:, None] * stride_kt + d[None, :], mask=col_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        base = (s * tl.num_programs(1) + h) * GN
+        tl.store(out + (base + rows[:, None]) * HD + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(lse + base + rows, tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf")), mask=row_ok)
+
+
+def tree_attention(q: Tensor, keys: Tensor, values: Tensor, visibility: Tensor, past: Tensor, scale: float,
+                   splits: int) -> tuple[Tensor, Tensor]:
+    """q [KVH, M, hd] (folded: row m is tree token m % N), keys/values [KVH, kv_len, hd] (row stride free, last dim
+    contiguous), visibility bool [N, N] (eval/verify.py ancestor matrix), past 0-dim device int -> per-split outputs
+    [S, KVH, M, hd] (q dtype) and log-sum-exps [S, KVH, M] fp32 (-inf where a split saw no key); S = splits, and
+    kv_len % (64 * S) == 0. Keys at or beyond past + N are never read."""
+    H, M, hd = q.shape
+    N = visibility.shape[0]
+    kv_len = keys.shape[1]
+    out = torch.empty(splits, H, M, hd, dtype=q.dtype, device=q.device)
+    lse = torch.empty(splits, H, M, dtype=torch.float32, device=q.device)
+    BM, BN = 64, 64
+    _tree_attention_kernel[(triton.cdiv(M, BM), H, splits)](
+        q.contiguous(), keys, values, visibility.view(torch.uint8), past, out, lse, N, M, keys.stride(0),
+        keys.stride(1), kv_len // splits, scale, HD=hd, BM=BM, BN=BN, num_warps=4, num_stages=2)
+    return out, lse

@@ -1,0 +1,135 @@
+"""eval/target_forward.py: the fused verify forward computes HF's forward (fp32, CPU), and the cache only uses it
+after checking that on the first verify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from eval.cache import target_cache
+from eval.decode import decode
+from eval.target_forward import _are_row_views, fuse_projections, refusal
+from eval.tree import build_tree
+from eval.verify import ancestor_table
+
+from tests.eval.test_decode_greedy import BLOCK, TAPS, OracleDrafter, naive_greedy, prompts, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def qwen2_with_biases():
+    config = AutoConfig.for_model("qwen2", hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, vocab_size=320,
+                                  max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    for layer in model.model.layers:  # non-zero q/k/v biases, so a dropped or misplaced bias shows
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    return model.requires_grad_(False)
+
+
+TARGETS = {"qwen3": lambda: tiny_target("qwen3"), "llama": lambda: tiny_target("llama"), "qwen2": qwen2_with_biases}
+
+
+def verify_once(cache, prompt, logits, budget):
+    cache.reset(256)
+    cache.prefill(torch.tensor(prompt))
+    tree = build_tree(logits, budget, 7)
+    vin = cache.verify_inputs(tree, ancestor_table(tree.parents, tree.depth_limit))
+    out = cache.verify(tree, vin)
+    rows = cache.kv.kv[:, :, :, :, cache.length: cache.length + tree.size].clone()
+    return out, rows
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_fused_verify_equals_hf_forward_on_a_tree(name):
+    target = TARGETS[name]()
+    assert refusal(target) is None
+    hf, fused = target_cache(target, TAPS, "static"), target_cache(target, TAPS, "fused")
+    prompt = prompts(1, 4)[0]
+    draft = torch.randn(BLOCK - 1, target.config.vocab_size, generator=torch.Generator().manual_seed(1)) * 3
+    for budget in (1, 16, 40):
+        ref, ref_rows = verify_once(hf, prompt, draft, budget)
+        got, got_rows = verify_once(fused, prompt, draft, budget)
+        assert fused.fused is not None, "the first-verify check against HF rejected the fused forward"
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.features, ref.features, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_rows, ref_rows, rtol=1e-5, atol=1e-5)  # the K/V the next round reads
+
+
+def test_fuse_projections_changes_no_output_and_adds_no_buffer():
+    target = tiny_target("qwen3")
+    ids = torch.tensor([prompts(1, 8)[0]])
+    before = target(ids).logits
+    attn = target.model.layers[0].self_attn
+    fuse_projections(target)
+    fuse_projections(target)  # idempotent
+    assert _are_row_views([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(target(ids).logits, before)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2"])
+def test_fused_cache_decodes_exactly_like_ar(name):
+    target = TARGETS[name]()
+    for i, prompt in enumerate(prompts(2, 12)):
+        greedy = naive_greedy(target, prompt, 30 + BLOCK)
+        oracle = OracleDrafter(target, prompt, greedy, seed=i)
+        assert decode("ar", target, None, prompt, max_new_tokens=30, cache_impl="fused").output_ids == greedy[:30]
+        assert decode("chain", target, oracle, prompt, max_new_tokens=30, cache_impl="fused").output_ids == greedy[:30]
+        for budget in (2, 32):
+            res = decode("ddtree", target, oracle, prompt, max_new_tokens=30, budget=budget, cache_impl="fused")
+            assert res.output_ids == greedy[:30] and (budget < 32 or max(res.accept_lengths) > 3)
+    assert target_cache(target, TAPS, "fused").fused is not None
+
+
+def test_a_fused_forward_that_disagrees_with_hf_is_dropped_and_decoding_stays_exact():
+    target = tiny_target("llama")
+    cache = target_cache(target, TAPS, "fused")
+    cache.fused.scale *= 2.0  # a wrong attention scale: what a broken rebuild of the layer would look like
+    prompt = prompts(1, 13)[0]
+    greedy = naive_greedy(target, prompt, 20 + BLOCK)
+    oracle = OracleDrafter(target, prompt, greedy, seed=0)
+    res = decode("ddtree", target, oracle, prompt, max_new_tokens=20, budget=16, cache_impl="fused")
+    assert cache.fused is None and res.output_ids == greedy[:20]
+
+
+def test_targets_the_fused_forward_cannot_rebuild_are_refused_and_use_hf():
+    sliding = tiny_target("qwen3", use_sliding_window=True, sliding_window=5, max_window_layers=2)
+    assert "sliding" in refusal(sliding)
+    assert "qwen3_5_text" in refusal(tiny_target("qwen3_5_text"))
+    cache = target_cache(sliding, TAPS, "fused")
+    assert cache.fused is None and cache.static
+    prompt = prompts(1, 21)[0]
+    greedy = naive_greedy(sliding, prompt, 20 + BLOCK)
+    oracle = OracleDrafter(sliding, prompt, greedy, seed=1)
+    assert decode("ddtree", sliding, oracle, prompt, max_new_tokens=20, budget=16,
+                  cache_impl="fused").output_ids == greedy[:20]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton tree attention runs on CUDA only (GPU machine)")
+@pytest.mark.parametrize("N", [1, 17, 257])
+def test_triton_tree_attention_equals_sdpa_under_the_tree_mask(N):
+    from eval import triton_kernels
+    from eval.target_forward import merge_splits
+    from eval.verify import ancestor_matrix, visibility_attention_mask
+
+    gen = torch.Generator().manual_seed(N)
+    KVH, G, hd, kv_len, past = 2, 4, 128, 1536, 1000
+    logits = torch.randn(15, 64, generator=gen) * 3
+    tree = build_tree(logits, N - 1, 5) if N > 1 else build_tree(logits, 0, 5)
+    vis = ancestor_matrix(tree).cuda()
+    positions = (tree.depths + past).unsqueeze(0).cuda()
+    past_t = torch.tensor(past).cuda()
+    q = torch.randn(KVH, G * N, hd, generator=gen).to(torch.bfloat16).cuda()
+    cache = torch.randn(2, KVH, 2048, hd, generator=gen).to(torch.bfloat16).cuda()
+    keys, values = cache[0].narrow(1, 0, kv_len), cache[1].narrow(1, 0, kv_len)  # strided, as in the KV buffer
+    mask = visibility_attention_mask(vis, positions, past_t, kv_len, torch.float32)
+    mask = mask.reshape(1, N, kv_len).expand(G, N, kv_len).reshape(1, 1, G * N, kv_len)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float()[None], keys.float()[None], values.float()[None],
+                                                           attn_mask=mask, scale=hd ** -0.5)[0]
+    for splits in (1, 2, 4, 8):
+        out, lse = triton_kernels.tree_attention(q, keys, values, vis, past_t, hd ** -0.5, splits)
+        got = out[0] if splits == 1 else merge_splits(out, lse)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
