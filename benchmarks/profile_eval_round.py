@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--past", type=int, default=1024)
     ap.add_argument("--budgets", default="16,256")
     ap.add_argument("--profile-budget", type=int, default=256)
-    ap.add_argument("--splits", default="1,2,4,8", help="fused graph verify with these fixed key-chunk counts")
+    ap.add_argument("--attention", default="64,64,4,2;128,64,8,2;64,64,4,3;128,64,4,3;64,64,4,2,1",
+                    help="Triton tree-attention variants 'BLOCK_M,BLOCK_N,warps,stages[,splits]' separated by ';'")
     args = ap.parse_args()
     device = torch.device("cuda")
     target = build_target(args.shape, device, torch.bfloat16)
@@ -105,10 +106,15 @@ def main() -> None:
         "fused eager": target_cache(target, taps, "fused"),
         "fused graph": target_cache(target, taps, "graphs"),
     }
-    for splits in [int(x) for x in args.splits.split(",") if x]:
+    sdpa = KVTargetCache(target, taps, static=True, graphs=True, fused=True)
+    sdpa.fused.attention = "sdpa"
+    caches["fused+sdpa graph"] = sdpa
+    for variant in [v for v in args.attention.split(";") if v]:  # "BM,BN,warps,stages[,splits]"
+        numbers = [int(x) for x in variant.split(",")]
         cache = KVTargetCache(target, taps, static=True, graphs=True, fused=True)
-        cache.fused.splits = splits
-        caches[f"graph S={splits}"] = cache
+        cache.fused.attention_config = tuple(numbers[:4])
+        cache.fused.splits = numbers[4] if len(numbers) > 4 else None
+        caches[f"tri {variant}"] = cache
     capacity = args.past + 2048
     L, vocab = 15, target.config.vocab_size
     torch.manual_seed(0)
@@ -119,7 +125,7 @@ def main() -> None:
             c.reset(capacity)
             c.prefill(prompt)
         print(f"{args.shape} bf16, past {args.past}")
-        print(f"{'budget':>6} {'N':>5} " + " ".join(f"{k:>12}" for k in caches) + f" {'matmuls':>8}")
+        print(f"{'budget':>6} {'N':>5} " + " ".join(f"{k:>16}" for k in caches) + f" {'matmuls':>8}")
         for budget in [int(b) for b in args.budgets.split(",")]:
             row = []
             for name, c in caches.items():
@@ -128,7 +134,7 @@ def main() -> None:
                 c.verify(tree, vin)  # capture / compile / check outside the timing
                 row.append(gpu_ms(lambda: c.verify(tree, vin)))
             floor = matmul_floor(target, tree.size)
-            print(f"{budget:>6} {tree.size:>5} " + " ".join(f"{t:12.3f}" for t in row) + f" {floor:8.3f}")
+            print(f"{budget:>6} {tree.size:>5} " + " ".join(f"{t:16.3f}" for t in row) + f" {floor:8.3f}")
         fg = caches["fused graph"]
         print("fused graph uses the fused forward:", fg.fused is not None,
               {n: fg.fused.attention_splits(4 * n, 1536) for n in (1, 17, 65, 257, 1025)} if fg.fused else "")
@@ -141,11 +147,6 @@ def main() -> None:
         c.fused, eager_fused = compiled, c.fused
         kernel_table(f"verify, fused compiled (no graph), budget {budget}", lambda: c.verify(tree, vin), rows=25)
         c.fused = eager_fused
-        for name in ("hf eager", "fused eager"):
-            c = caches[name]
-            ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
-            tree, vin, anc = ops.build(draft_logits, bonus)
-            kernel_table(f"verify, {name}, budget {budget}", lambda: c.verify(tree, vin))
         c = caches["hf eager"]
         ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
         tree, vin, anc = ops.build(draft_logits, bonus)

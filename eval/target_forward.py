@@ -197,7 +197,8 @@ class VerifyForward:
     cap, hd], kv_len)` -> (logits [N, V], features [N, n_taps*D] or None); writes K/V rows `write_rows` of every
     layer and attends to rows [0, kv_len) under `mask` (eval/verify.py layout)."""
 
-    def __init__(self, target, tap_ids: Sequence[int], *, compile: bool = False, splits: int | None = None):
+    def __init__(self, target, tap_ids: Sequence[int], *, compile: bool = False, attention: str = "auto",
+                 splits: int | None = None):
         reason = refusal(target)
         if reason:
             raise ValueError(f"VerifyForward: {reason}")
@@ -223,7 +224,11 @@ class VerifyForward:
                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                 attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
                 w_gu, mlp.down_proj.weight, b_gu, mlp.down_proj.bias))
-        self.splits = splits  # key chunks of the attention; None = `auto_splits`
+        if attention not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {attention!r}")
+        self.attention = attention  # 'auto': the Triton tree attention where available (CUDA), else SDPA
+        self.attention_config = None  # (BLOCK_M, BLOCK_N, warps, stages); None = triton_kernels.ATTENTION_CONFIG
+        self.splits = splits  # key chunks of the Triton attention; None = `attention_splits`
         self.pre, self.post = pre_attention, post_attention
         if compile:
             self.pre = torch.compile(pre_attention, dynamic=True)
@@ -237,7 +242,8 @@ class VerifyForward:
             return self.splits
         sms = torch.cuda.get_device_properties(self.base.embed_tokens.weight.device).multi_processor_count
         tiles = self.kv_heads * -(-queries // 64)
-        options = [s for s in (1, 2, 4, 8) if kv_len % (64 * s) == 0]
+        block_n = (self.attention_config or triton_kernels.ATTENTION_CONFIG)[1]
+        options = [s for s in (1, 2, 4, 8) if kv_len % (block_n * s) == 0]
         return min(options, key=lambda s: (-(-tiles * s // sms) / s, s))
 
     @torch.no_grad()
@@ -249,7 +255,7 @@ class VerifyForward:
         x = self.base.embed_tokens(ids)  # [N, D]
         cos, sin = self.base.rotary_emb(x.unsqueeze(0), positions)
         cos, sin = cos[0], sin[0]  # [N, hd]
-        kernel = triton_kernels.available(ids.device)
+        kernel = self.attention != "sdpa" and triton_kernels.available(ids.device)
         if kernel:
             splits = self.attention_splits(G * N, kv_len)
         else:  # SDPA under the additive mask, repeated for the folded queries
@@ -261,7 +267,8 @@ class VerifyForward:
             kv[l].index_copy_(3, write_rows, rows)
             keys, values = kv[l, 0, 0].narrow(1, 0, kv_len), kv[l, 1, 0].narrow(1, 0, kv_len)  # [KVH, kv_len, hd]
             if kernel:
-                attn, lse = triton_kernels.tree_attention(q, keys, values, visibility, past, self.scale, splits)
+                attn, lse = triton_kernels.tree_attention(q, keys, values, visibility, past, self.scale, splits,
+                                                          self.attention_config)
                 attn, lse = (attn[0], None) if splits == 1 else (attn, lse)
             else:
                 attn = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),

@@ -48,51 +48,47 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _candidate_keys(offs, M, d, top_lp, K, slot_of, rank_of, scores, B):
-        """Keys and scores of staircase candidates `offs` at depth d (frontier = scores row d)."""
+    def _depth_keys_kernel(top_lp, K, slot_of, rank_of, M, scores, keys, d, B, BLOCK: tl.constexpr):
+        """keys[c] for staircase candidate c at depth d: frontier (scores row d; the root alone at d = 0) + lp."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < M
         slot = tl.load(slot_of + offs, mask=valid, other=0)
         rank = tl.load(rank_of + offs, mask=valid, other=0)
-        root = tl.where(slot == 0, 0.0, float("-inf"))  # depth 0: the root alone in slot 0
+        root = tl.where(slot == 0, 0.0, float("-inf"))
         f = tl.where(d == 0, root, tl.load(scores + d * B + slot, mask=valid & (d > 0), other=float("-inf")))
         score = f + tl.load(top_lp + d * K + rank, mask=valid, other=float("-inf"))
-        hi = tl.where(valid, _sortable(score), -2147483648)
-        return (hi << 32) | (2147483647 - offs).to(tl.int64), score
+        tl.store(keys + offs, (_sortable(score) << 32) | (2147483647 - offs).to(tl.int64), mask=valid)
 
     @triton.jit
-    def _select_depth_kernel(top_lp, K, slot_of, rank_of, M, scores, picks, d, B,
-                             BLOCK: tl.constexpr, TILE: tl.constexpr):
-        """Depth d+1: the B best candidates (frontier row d of `scores` + lp row d), written in rank order to
-        scores row d+1 and picks row d."""
+    def _rank_kernel(keys, M, limit, out_score, out_index, BLOCK: tl.constexpr, TILE: tl.constexpr):
+        """For each key: rank = #keys greater (keys are unique); if rank < limit write its score (the key's high
+        word) to out_score[rank] and its index to out_index[rank]."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mine, score = _candidate_keys(offs, M, d, top_lp, K, slot_of, rank_of, scores, B)
+        valid = offs < M
+        mine = tl.load(keys + offs, mask=valid, other=0)
         count = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, M, TILE):
-            other, _ = _candidate_keys(start + tl.arange(0, TILE), M, d, top_lp, K, slot_of, rank_of, scores, B)
+            cols = start + tl.arange(0, TILE)
+            other = tl.load(keys + cols, mask=cols < M, other=-9223372036854775807 - 1)
             count += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
-        keep = (offs < M) & (count < B)
-        tl.store(scores + (d + 1) * B + count, score, mask=keep)
-        tl.store(picks + d * B + count, offs, mask=keep)
+        keep = valid & (count < limit)
+        hi = (mine >> 32).to(tl.int32)
+        score = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+        tl.store(out_score + count, score, mask=keep)
+        tl.store(out_index + count, offs, mask=keep)
 
     @triton.jit
-    def _flat_keys(flat, LB, scores, B):
-        valid = flat < LB
-        s = tl.load(scores + B + flat, mask=valid, other=0.0)  # rows 1..L of scores, laid out (depth, slot)
-        hi = tl.where(valid, _sortable(s), -2147483648)
-        return (hi << 32) | (2147483647 - flat).to(tl.int64)
-
-    @triton.jit
-    def _select_global_kernel(scores, LB, B, n, chosen, node_of, BLOCK: tl.constexpr, TILE: tl.constexpr):
-        """The n best of the L*B per-depth winners: chosen[r] = flat index of the r-th, node_of[flat] = r + 1."""
+    def _flat_keys_kernel(scores, LB, B, keys, BLOCK: tl.constexpr):
+        """keys over the per-depth winners laid out (depth, slot) = rows 1..L of scores."""
         flat = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mine = _flat_keys(flat, LB, scores, B)
-        count = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(0, LB, TILE):
-            other = _flat_keys(start + tl.arange(0, TILE), LB, scores, B)
-            count += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
-        keep = (flat < LB) & (count < n)
-        tl.store(chosen + count, flat, mask=keep)
-        tl.store(node_of + flat, count + 1, mask=keep)
+        valid = flat < LB
+        s = tl.load(scores + B + flat, mask=valid, other=0.0)
+        tl.store(keys + flat, (_sortable(s) << 32) | (2147483647 - flat).to(tl.int64), mask=valid)
+
+    @triton.jit
+    def _node_of_kernel(chosen, n, node_of, BLOCK: tl.constexpr):
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(node_of + tl.load(chosen + r, mask=r < n, other=0), r + 1, mask=r < n)
 
     @triton.jit
     def _tree_arrays_kernel(chosen, picks, slot_of, rank_of, node_of, top_ids, K, B, n, root,
@@ -117,7 +113,8 @@ def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tenso
                 root: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(tokens, parents, depths) int64 [1 + n] of the tree (eval/tree.py layout and order) from fp32 top_lp [L, K]
     (rows sorted descending), int64 top_ids [L, K], the staircase (slot_of, rank_of [M], (slot, rank) order) and
-    root int64 [1]. Launches: L per-depth selections, one global selection, one gather of the arrays."""
+    root int64 [1]. Launches: per depth keys + rank count, then keys + rank count + node ids over the L*B
+    winners, then one gather of the arrays: 2L + 4."""
     L, K = top_lp.shape
     M = slot_of.shape[0]
     device = top_lp.device
@@ -125,13 +122,18 @@ def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tenso
     scores = torch.empty(L + 1, budget, dtype=torch.float32, device=device)  # row d: frontier of depth d (row 0 unused)
     picks = torch.empty(L, budget, dtype=torch.int32, device=device)
     chosen = torch.empty(n, dtype=torch.int32, device=device)
+    chosen_score = torch.empty(n, dtype=torch.float32, device=device)
     node_of = torch.empty(L * budget, dtype=torch.int32, device=device)
-    BLOCK, TILE = 64, 128
+    keys = torch.empty(max(M, L * budget), dtype=torch.int64, device=device)
+    BLOCK, TILE = 16, 1024  # rank counting: [16, 1024] comparisons per step
     for d in range(L):
-        _select_depth_kernel[(triton.cdiv(M, BLOCK),)](top_lp, K, slot_of, rank_of, M, scores, picks, d, budget,
-                                                       BLOCK=BLOCK, TILE=TILE)
-    _select_global_kernel[(triton.cdiv(L * budget, BLOCK),)](scores, L * budget, budget, n, chosen, node_of,
-                                                             BLOCK=BLOCK, TILE=TILE)
+        _depth_keys_kernel[(triton.cdiv(M, 1024),)](top_lp, K, slot_of, rank_of, M, scores, keys, d, budget,
+                                                    BLOCK=1024)
+        _rank_kernel[(triton.cdiv(M, BLOCK),)](keys, M, budget, scores[d + 1], picks[d], BLOCK=BLOCK, TILE=TILE)
+    LB = L * budget
+    _flat_keys_kernel[(triton.cdiv(LB, 1024),)](scores, LB, budget, keys, BLOCK=1024)
+    _rank_kernel[(triton.cdiv(LB, BLOCK),)](keys, LB, n, chosen_score, chosen, BLOCK=BLOCK, TILE=TILE)
+    _node_of_kernel[(triton.cdiv(n, 1024),)](chosen, n, node_of, BLOCK=1024)
     tokens, parents, depths = (torch.empty(1 + n, dtype=torch.long, device=device) for _ in range(3))
     _tree_arrays_kernel[(triton.cdiv(n + 1, 128),)](chosen, picks, slot_of, rank_of, node_of, top_ids, K, budget, n,
                                                     root, tokens, parents, depths, BLOCK=128)
@@ -164,18 +166,20 @@ if triton is not None:
         tl.store(where + r * chunks + c, run_idx.to(tl.int64))
 
     @triton.jit
-    def _walk_kernel(tokens, parents, depths, ancestors, W, N, L, best, where, CH, choices, match_buf,
+    def _argmax_final_kernel(best, where, CH, choices, CHP: tl.constexpr):
+        """Row r: the first chunk holding the row maximum gives the row's first argmax."""
+        r = tl.program_id(0)
+        c = tl.arange(0, CHP)
+        part = tl.load(best + r * CH + c, mask=c < CH, other=float("-inf"))
+        _, first = tl.max(part, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(choices + r, tl.load(where + r * CH + first))
+
+    @triton.jit
+    def _walk_kernel(tokens, parents, depths, ancestors, W, N, L, choices, match_buf,
                      path, accepted_out, bonus_out, last_out, record,
-                     NP: tl.constexpr, WP: tl.constexpr, CHP: tl.constexpr, LP: tl.constexpr):
+                     NP: tl.constexpr, WP: tl.constexpr, LP: tl.constexpr):
         i = tl.arange(0, NP)
         node = i < N
-        # the target's choice per row: the first chunk holding the row maximum
-        c = tl.arange(0, CHP)
-        part = tl.load(best + i[:, None] * CH + c[None, :], mask=node[:, None] & (c[None, :] < CH),
-                       other=float("-inf"))
-        _, first = tl.max(part, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        choice = tl.load(where + i * CH + first, mask=node, other=0)
-        tl.store(choices + i, choice, mask=node)
         lp = tl.arange(0, LP)
         tl.store(path + lp, tl.zeros([LP], tl.int64), mask=lp <= L)
         tl.debug_barrier()
@@ -206,35 +210,34 @@ if triton is not None:
         tl.store(record + 4 + L + lp, tl.load(tokens + steps, mask=lp <= L, other=0), mask=lp <= L)
 
 
-def greedy_choices_partial(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row of logits [N, V], per chunk of V: (max fp32 [N, CH], first argmax int64 [N, CH])."""
+def greedy_choices(logits: Tensor) -> Tensor:
+    """eval/walk.py `target_choices` at T = 0: the first argmax of each row of logits [N, V] -> int64 [N]."""
     N, V = logits.shape
-    chunks = max(1, min(16, (264 + N - 1) // N))  # ~2 programs per SM in all
-    chunk = triton.cdiv(triton.cdiv(V, chunks), 1024) * 1024
+    chunk = 4096  # one load of 4096 values per program: memory-parallel, not a serial loop
     chunks = triton.cdiv(V, chunk)
     best = torch.empty(N, chunks, dtype=torch.float32, device=logits.device)
     where = torch.empty(N, chunks, dtype=torch.long, device=logits.device)
-    _argmax_partial_kernel[(N, chunks)](logits.contiguous(), V, chunk, best, where, BLOCK=1024)
-    return best, where
+    _argmax_partial_kernel[(N, chunks)](logits.contiguous(), V, chunk, best, where, BLOCK=chunk, num_warps=8)
+    choices = torch.empty(N, dtype=torch.long, device=logits.device)
+    _argmax_final_kernel[(N,)](best, where, chunks, choices, CHP=_pow2(chunks))
+    return choices
 
 
 def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tensor, logits: Tensor,
                 depth_limit: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """eval/walk.py at T = 0 in two launches: (accepted, path [L+1], bonus, last, host record [3 + 2(L+1)]);
+    """eval/walk.py at T = 0 in three launches: (accepted, path [L+1], bonus, last, host record [3 + 2(L+1)]);
     accepted/bonus/last are 0-dim int64. ancestors: eval/verify.py `ancestor_table` [N, W]."""
     N = tokens.shape[0]
     L = depth_limit
-    best, where = greedy_choices_partial(logits)
+    choices = greedy_choices(logits)
     device = tokens.device
-    choices = torch.empty(N, dtype=torch.long, device=device)
     match = torch.empty(N, dtype=torch.int8, device=device)
     path = torch.empty(L + 1, dtype=torch.long, device=device)
     accepted, bonus, last = (torch.empty((), dtype=torch.long, device=device) for _ in range(3))
     record = torch.empty(3 + 2 * (L + 1), dtype=torch.long, device=device)
     W = ancestors.shape[1]
-    _walk_kernel[(1,)](tokens, parents, depths, ancestors.contiguous(), W, N, L, best, where, best.shape[1],
-                       choices, match, path, accepted, bonus, last, record,
-                       NP=_pow2(N), WP=_pow2(W), CHP=_pow2(best.shape[1]), LP=_pow2(L + 1),
+    _walk_kernel[(1,)](tokens, parents, depths, ancestors.contiguous(), W, N, L, choices, match, path, accepted,
+                       bonus, last, record, NP=_pow2(N), WP=_pow2(W), LP=_pow2(L + 1),
                        num_warps=4 if N <= 256 else 8)
     return accepted, path, bonus, last, record
 
@@ -278,8 +281,8 @@ if triton is not None:
             sc = tl.where(visible, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(sc - m_safe[:, None])
+            alpha = tl.exp2((m_i - m_safe) * 1.4426950408889634)
+            p = tl.exp2((sc - m_safe[:, None]) * 1.4426950408889634)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = tl.load(vbase + cols[:, None] * stride_kt + d[None, :], mask=col_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
@@ -290,19 +293,22 @@ if triton is not None:
         tl.store(lse + base + rows, tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf")), mask=row_ok)
 
 
+ATTENTION_CONFIG = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, warps, stages
+
+
 def tree_attention(q: Tensor, keys: Tensor, values: Tensor, visibility: Tensor, past: Tensor, scale: float,
-                   splits: int) -> tuple[Tensor, Tensor]:
+                   splits: int, config: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
     """q [KVH, M, hd] (folded: row m is tree token m % N), keys/values [KVH, kv_len, hd] (row stride free, last dim
     contiguous), visibility bool [N, N] (eval/verify.py ancestor matrix), past 0-dim device int -> per-split outputs
     [S, KVH, M, hd] (q dtype) and log-sum-exps [S, KVH, M] fp32 (-inf where a split saw no key); S = splits, and
-    kv_len % (64 * S) == 0. Keys at or beyond past + N are never read."""
+    kv_len % (BLOCK_N * S) == 0. Keys at or beyond past + N are never read."""
     H, M, hd = q.shape
     N = visibility.shape[0]
     kv_len = keys.shape[1]
     out = torch.empty(splits, H, M, hd, dtype=q.dtype, device=q.device)
     lse = torch.empty(splits, H, M, dtype=torch.float32, device=q.device)
-    BM, BN = 64, 64
+    BM, BN, warps, stages = config or ATTENTION_CONFIG
     _tree_attention_kernel[(triton.cdiv(M, BM), H, splits)](
         q.contiguous(), keys, values, visibility.view(torch.uint8), past, out, lse, N, M, keys.stride(0),
-        keys.stride(1), kv_len // splits, scale, HD=hd, BM=BM, BN=BN, num_warps=4, num_stages=2)
+        keys.stride(1), kv_len // splits, scale, HD=hd, BM=BM, BN=BN, num_warps=warps, num_stages=stages)
     return out, lse
