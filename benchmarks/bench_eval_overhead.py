@@ -5,8 +5,9 @@ of the real shape (weights do not change the speed) with a random-init DFlash dr
 
   build+mask   tree build on the device (top-K, best-first selection) + verify positions + ancestor matrix
   walk+read    target choices, device tree walk, the round's single D2H read (accepted count, bonus, path)
-  compact+ctx  KV compaction of an accepted path of depth min(L, tree depth) that is NOT contiguous (the worst
-               case; contiguous paths skip the copy) + drafter context gather (index_select at the path)
+  compact+ctx  dynamic cache only: KV compaction of an accepted path of depth min(L, tree depth) that is NOT
+               contiguous (the worst case) + drafter context gather; the static cache does both inside the walk
+               for all L+1 path rows (fixed shape, part of walk+read), so the column shows '-' 
                (these three are timed separately, each between two syncs: a breakdown, not a sum)
   overhead     the three in ONE timed region, as a round runs them (one sync: the read)
                (reference, DDTree authors' code on H200: 0.89 / 1.02 / 1.52 / 4.28 ms at budgets 16/64/256/1024)
@@ -130,20 +131,26 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
         sync(device)
         t0 = time.perf_counter()
         tree, vin, anc = ops.build(draft_logits, bonus)
-        walk, record = ops.walk(tree, anc, out.logits, None)
+        walk, record, ctx = ops.walk(tree, anc, out.logits, None, out.features)
         record.tolist()
-        cache.commit(path_t, len(path), contiguous=False)
-        out.features.index_select(0, path_t[: len(path)])
+        if ops.compacts:  # done inside the walk (every path row, whatever the path)
+            cache.commit(path_t, len(path), contiguous=True)
+        else:
+            cache.commit(path_t, len(path), contiguous=False)
+            out.features.index_select(0, path_t[: len(path)])
         sync(device)
         t_overhead = time.perf_counter() - t0
         rewind(cache, past)
         (tree, vin, anc), t_build = timed(device, lambda: ops.build(draft_logits, bonus))
         out, t_verify = timed(device, lambda: cache.verify(tree, vin))
-        (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], w[1].tolist()))(ops.walk(tree, anc, out.logits, None)))
+        (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], w[1].tolist()))(
+            ops.walk(tree, anc, out.logits, None, out.features)))
         path = deepest_path(tree)
         path_t = torch.tensor(path + [0] * (L + 1 - len(path)), device=device)
-        _, t_compact = timed(device, lambda: (cache.commit(path_t, len(path), contiguous=False),
-                                              out.features.index_select(0, path_t[: len(path)])))
+        t_compact = None  # inside the walk on the static cache
+        if not ops.compacts:
+            _, t_compact = timed(device, lambda: (cache.commit(path_t, len(path), contiguous=False),
+                                                  out.features.index_select(0, path_t[: len(path)])))
         rewind(cache, past)
         if it >= 3:
             for k, v in zip(("build", "walk", "compact", "verify", "overhead"),
@@ -151,7 +158,7 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
                 samples[k].append(v)
         if it == 2 and device.type == "cuda":
             syncs_ok = one_sync_round(ops, cache, draft_logits, bonus, path_t, len(path), past)
-    med = {k: statistics.median(v) for k, v in samples.items()}
+    med = {k: statistics.median(v) if None not in v else None for k, v in samples.items()}
     med["N"] = tree.size
     med["syncs_ok"] = syncs_ok
     fns = [ops._build, ops._walk] + list(getattr(cache, "_verify_fns", {}).values())
@@ -178,12 +185,15 @@ def one_sync_round(ops, cache, draft_logits, bonus, path_t, n, past) -> bool:
         torch.cuda.set_sync_debug_mode("error")
         tree, vin, anc = ops.build(draft_logits, bonus)
         out = cache.verify(tree, vin)
-        walk, record = ops.walk(tree, anc, out.logits, None)
+        walk, record, _ = ops.walk(tree, anc, out.logits, None, out.features)
         torch.cuda.set_sync_debug_mode(0)
         record.tolist()  # the read
         torch.cuda.set_sync_debug_mode("error")
-        cache.commit(path_t, n, contiguous=False)
-        out.features.index_select(0, path_t[:n])
+        if ops.compacts:
+            cache.commit(path_t, n, contiguous=True)
+        else:
+            cache.commit(path_t, n, contiguous=False)
+            out.features.index_select(0, path_t[:n])
         ok = True
     except RuntimeError as exc:
         print(f"  hidden host sync: {exc}", file=sys.stderr)
@@ -248,6 +258,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens of the end-to-end decode per budget (0 = skip)")
     ap.add_argument("--skip-reference", action="store_true", help="skip the eager-static and dynamic verify columns")
+    ap.add_argument("--attention", default="auto", help="eval.target_forward.ATTENTIONS mode of the fused verify")
     args = ap.parse_args()
 
     device = torch.device(args.device)
@@ -264,13 +275,15 @@ def main() -> None:
     fast = "graphs" if device.type == "cuda" else "fused"
     caches = {impl: target_cache(target, taps, impl) for impl in ([fast] + ([] if args.skip_reference else
                                                                              ["static", "dynamic"]))}
+    if getattr(caches[fast], "fused", None) is not None:
+        caches[fast].fused.attention = args.attention
     if device.type == "cuda" and not args.skip_reference:  # HF's forward on the static buffer, in CUDA graphs
         caches["hf-graphs"] = KVTargetCache(target, taps, static=True, graphs=True)
     with torch.no_grad():
         for cache in caches.values():
             prefill(cache, prompt, capacity)
         print(f"target {args.shape} ({dtype}) on {device}, past {args.past}, block {args.block_size}, "
-              f"fast path: {fast}")
+              f"fast path: {fast}, attention: {args.attention}")
         head = (f"{'budget':>6} {'N':>5} {'build+mask':>10} {'walk+read':>9} {'compact':>8} {'overhead':>8} "
                 f"{'verify':>8} {'v.hf-graph':>10} {'v.static':>8} {'v.dynamic':>9} {'round':>8} {'tau':>5} "
                 f"{'graphs':>6} {'fused':>5} {'syncs':>5} {'dev=heap':>8}")

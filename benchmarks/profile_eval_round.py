@@ -91,7 +91,9 @@ def main() -> None:
     ap.add_argument("--past", type=int, default=1024)
     ap.add_argument("--budgets", default="16,256")
     ap.add_argument("--profile-budget", type=int, default=256)
-    ap.add_argument("--attention", default="64,64,4,2;128,64,8,2;64,64,4,3;128,64,4,3;64,64,4,2,1",
+    ap.add_argument("--best-file", default=None, help="write the fastest attention mode at --profile-budget here")
+    ap.add_argument("--no-tables", action="store_true", help="only the verify table")
+    ap.add_argument("--attention", default="64,64,4,2",
                     help="Triton tree-attention variants 'BLOCK_M,BLOCK_N,warps,stages[,splits]' separated by ';'")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -106,9 +108,10 @@ def main() -> None:
         "fused eager": target_cache(target, taps, "fused"),
         "fused graph": target_cache(target, taps, "graphs"),
     }
-    sdpa = KVTargetCache(target, taps, static=True, graphs=True, fused=True)
-    sdpa.fused.attention = "sdpa"
-    caches["fused+sdpa graph"] = sdpa
+    for mode in ("sdpa", "sdpa_gqa"):
+        cache = KVTargetCache(target, taps, static=True, graphs=True, fused=True)
+        cache.fused.attention = mode
+        caches[f"fused+{mode} graph"] = cache
     for variant in [v for v in args.attention.split(";") if v]:  # "BM,BN,warps,stages[,splits]"
         numbers = [int(x) for x in variant.split(",")]
         cache = KVTargetCache(target, taps, static=True, graphs=True, fused=True)
@@ -133,12 +136,22 @@ def main() -> None:
                 tree, vin, _ = ops.build(draft_logits, bonus)
                 c.verify(tree, vin)  # capture / compile / check outside the timing
                 row.append(gpu_ms(lambda: c.verify(tree, vin)))
-            floor = matmul_floor(target, tree.size)
-            print(f"{budget:>6} {tree.size:>5} " + " ".join(f"{t:16.3f}" for t in row) + f" {floor:8.3f}")
+            if budget == args.profile_budget:
+                timings = dict(zip(caches, row))
+            print(f"{budget:>6} {tree.size:>5} " + " ".join(f"{t:16.3f}" for t in row)
+                  + f" {matmul_floor(target, tree.size):8.3f}")
+        modes = {f"fused+{m} graph": m for m in ("sdpa", "sdpa_gqa")}
+        modes.update({k: "triton" for k in caches if k.startswith("tri ")})
+        best = min(modes, key=lambda k: timings[k])
+        print(f"fastest attention at budget {args.profile_budget}: {modes[best]} ({timings[best]:.3f} ms)")
+        if args.best_file:
+            Path(args.best_file).write_text(modes[best])
         fg = caches["fused graph"]
         print("fused graph uses the fused forward:", fg.fused is not None,
               {n: fg.fused.attention_splits(4 * n, 1536) for n in (1, 17, 65, 257, 1025)} if fg.fused else "")
 
+        if args.no_tables:
+            return
         budget = args.profile_budget
         compiled = VerifyForward(target, taps, compile=True)
         c = caches["fused eager"]
@@ -152,11 +165,11 @@ def main() -> None:
         tree, vin, anc = ops.build(draft_logits, bonus)
         out = c.verify(tree, vin)
         kernel_table(f"tree build + mask, budget {budget}", lambda: ops.build(draft_logits, bonus), rows=25)
-        kernel_table(f"walk, budget {budget}", lambda: ops.walk(tree, anc, out.logits, None))
+        kernel_table(f"walk, budget {budget}", lambda: ops.walk(tree, anc, out.logits, None, out.features))
         g = caches["fused graph"]
         gops = _round_ops("ddtree", budget, "device", g, 0.0, L, vocab, device)
         print(f"\nbuild graph replay {gpu_ms(lambda: gops.build(draft_logits, bonus)):.3f} ms GPU; "
-              f"walk graph {gpu_ms(lambda: gops.walk(tree, anc, out.logits, None)):.3f} ms GPU")
+              f"walk graph {gpu_ms(lambda: gops.walk(tree, anc, out.logits, None, out.features)):.3f} ms GPU")
         for b in (16, 64, 256, 1024):
             k = min(b, vocab)
             t_top = gpu_ms(lambda: top_log_probs(draft_logits.to(torch.bfloat16), k))

@@ -325,6 +325,14 @@ class KVTargetCache(TargetCache):
 
     # -- commit -----------------------------------------------------------------------------------
 
+    def compact_path(self, path: Tensor) -> None:
+        """Static cache, fixed shape (CUDA-graph safe, no host value): rows past + path[j] -> past + j for every j
+        in 0..L, all layers at once. Rows after the accepted ones are past the committed length (rewritten by the
+        next verify); commit(..., contiguous=True) then only counts the accepted rows."""
+        kv = self.kv.kv
+        dest = self.past + torch.arange(path.shape[0], device=path.device)
+        kv.index_copy_(4, dest, kv.index_select(4, self.past + path))
+
     def commit(self, path: Tensor, n: int, contiguous: bool) -> None:
         """Keep rows length+path[:n] as rows length..length+n-1 (skip the move when path[:n] == arange(n))."""
         keep = path[:n]

@@ -136,7 +136,7 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
 
     clock = _Clock(device, phase_timing)
     t0 = clock.now()
-    cache.reset(prompt.numel() + max_new_tokens + rows_max + 1)
+    cache.reset(prompt.numel() + max_new_tokens + max(rows_max, L + 1) + 1)  # + the L+1 rows a compaction writes
     out = cache.prefill(prompt)
     bonus_dev = target_choices(out.logits[-1:], temperature, uniforms())  # [1]
     bonus = int(bonus_dev)
@@ -170,14 +170,19 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         clock.lap("tree_build")
         out = cache.verify(tree, vin)
         clock.lap("verify")
-        walk, record = ops.walk(tree, ancestors, out.logits, uniforms())
+        walk, record, path_features = ops.walk(tree, ancestors, out.logits, uniforms(), out.features)
         record = record.tolist()  # the round's one host sync
         accepted, bonus, depth = record[0], record[1], record[2]
         path = record[3: 3 + tree.depth_limit + 1][: accepted + 1]
         path_tokens = record[3 + tree.depth_limit + 1:][1: accepted + 1]
-        cache.commit(walk.path, accepted + 1, contiguous=path == list(range(accepted + 1)))
-        if out.features is not None:
-            context = out.features.index_select(0, walk.path[: accepted + 1])
+        if ops.compacts:  # the walk already moved the path's K/V rows to the front and gathered their features
+            cache.commit(walk.path, accepted + 1, contiguous=True)
+            if path_features is not None:
+                context = path_features[: accepted + 1]
+        else:
+            cache.commit(walk.path, accepted + 1, contiguous=path == list(range(accepted + 1)))
+            if out.features is not None:
+                context = out.features.index_select(0, walk.path[: accepted + 1])
         bonus_dev = walk.bonus
         result.accept_lengths.append(accepted + 1)
         result.accepted_drafts.append(accepted)
@@ -213,6 +218,9 @@ class _RoundOps:
         self.depth_limit = 0 if method == "ar" else L
         self.kind = {"ar": "root", "chain": "chain", "ddtree": "tree"}[method]
         graphs = getattr(cache, "graphs", False)
+        # static KV: the walk also compacts (all L+1 path rows, a fixed shape) and gathers the path's features, so
+        # the round's device work after the verify is one graph
+        self.compacts = getattr(cache, "static", False)
         from eval.cache import CudaGraphFn
 
         capturable_build = not (method == "ddtree" and builder is build_tree_heap)  # the heap reads the host
@@ -239,20 +247,28 @@ class _RoundOps:
         (tokens, parents, depths, ancestors), (positions, mask, vis) = self._build(draft_logits, bonus.reshape(1))
         return self._tree(tokens, parents, depths), VerifyInputs(positions, mask, vis), ancestors
 
-    def _walk_eager(self, tokens, parents, depths, ancestors, logits, uniforms):
-        if self.temperature <= 0 and triton_kernels.available(self.device):  # the same walk in two launches
+    def _walk_eager(self, tokens, parents, depths, ancestors, logits, uniforms, features):
+        if self.temperature <= 0 and triton_kernels.available(self.device):  # the same walk in three launches
             accepted, path, bonus, last, record = triton_kernels.greedy_walk(tokens, parents, depths, ancestors,
                                                                              logits, self.depth_limit)
-            return (accepted, path, bonus, last), record
-        tree = self._tree(tokens, parents, depths)
-        walk = walk_tree(tree, target_choices(logits, self.temperature, uniforms), ancestors)
-        return (walk.accepted, walk.path, walk.bonus, walk.last), walk.host_record(tree)
+        else:
+            tree = self._tree(tokens, parents, depths)
+            walk = walk_tree(tree, target_choices(logits, self.temperature, uniforms), ancestors)
+            accepted, path, bonus, last, record = walk.accepted, walk.path, walk.bonus, walk.last, \
+                walk.host_record(tree)
+        path_features = None
+        if self.compacts:
+            self.cache.compact_path(path)
+            if features is not None:
+                path_features = features.index_select(0, path)
+        return (accepted, path, bonus, last), record, path_features
 
-    def walk(self, tree, ancestors, logits, uniforms):
-        """-> (walk, host record [3 + 2(L+1)])."""
-        (accepted, path, bonus, last), record = self._walk(tree.tokens, tree.parents, tree.depths, ancestors,
-                                                           logits, uniforms)
-        return Walk(accepted, path, bonus, last), record
+    def walk(self, tree, ancestors, logits, uniforms, features=None):
+        """-> (walk, host record [3 + 2(L+1)], features of the L+1 path rows or None). With `compacts` the K/V
+        rows of the path are also moved to the front (commit then only counts them)."""
+        (accepted, path, bonus, last), record, path_features = self._walk(
+            tree.tokens, tree.parents, tree.depths, ancestors, logits, uniforms, features)
+        return Walk(accepted, path, bonus, last), record, path_features
 
 
 def _round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device) -> _RoundOps:

@@ -43,6 +43,12 @@ from extract.layers import base_model, decoder_layers, validate_layer_ids
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
+ATTENTIONS = ("auto", "sdpa", "sdpa_gqa", "triton")
+"""How VerifyForward attends: 'sdpa' = SDPA over the folded queries under the repeated mask; 'sdpa_gqa' = SDPA
+with enable_gqa over [H, N, hd] queries (no mask copy, no output transpose); 'triton' = the Triton tree
+attention (CUDA); 'auto' = sdpa_gqa on CUDA, sdpa elsewhere."""
+
+
 def max_error(dtype: torch.dtype) -> float:
     """Largest relative L2 error of logits/taps against HF's forward that is still rounding: fp32 sums in another
     order; bf16/fp16 round each fused kernel differently through every layer (a wrong graph gives ~1)."""
@@ -224,9 +230,9 @@ class VerifyForward:
                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                 attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
                 w_gu, mlp.down_proj.weight, b_gu, mlp.down_proj.bias))
-        if attention not in ("auto", "triton", "sdpa"):
-            raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {attention!r}")
-        self.attention = attention  # 'auto': the Triton tree attention where available (CUDA), else SDPA
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        self.attention = attention
         self.attention_config = None  # (BLOCK_M, BLOCK_N, warps, stages); None = triton_kernels.ATTENTION_CONFIG
         self.splits = splits  # key chunks of the Triton attention; None = `attention_splits`
         self.pre, self.post = pre_attention, post_attention
@@ -255,25 +261,34 @@ class VerifyForward:
         x = self.base.embed_tokens(ids)  # [N, D]
         cos, sin = self.base.rotary_emb(x.unsqueeze(0), positions)
         cos, sin = cos[0], sin[0]  # [N, hd]
-        kernel = self.attention != "sdpa" and triton_kernels.available(ids.device)
-        if kernel:
+        mode = self.attention
+        if mode == "auto":
+            mode = "sdpa_gqa" if ids.is_cuda else "sdpa"
+        if mode == "triton" and not triton_kernels.available(ids.device):
+            mode = "sdpa"
+        if mode == "triton":
             splits = self.attention_splits(G * N, kv_len)
-        else:  # SDPA under the additive mask, repeated for the folded queries
+        else:  # SDPA under the additive mask (repeated for the folded queries unless SDPA broadcasts the heads)
             mask = visibility_attention_mask(visibility, positions, past, kv_len, x.dtype)
-            mask = mask.reshape(1, N, kv_len).expand(G, N, kv_len).reshape(1, 1, G * N, kv_len)
+            if mode == "sdpa":
+                mask = mask.reshape(1, N, kv_len).expand(G, N, kv_len).reshape(1, 1, G * N, kv_len)
         taps = []
         for l, w in enumerate(self.layers):
             q, rows = self.pre(x, w, cos, sin, self.eps, self.heads, self.kv_heads, self.head_dim)
             kv[l].index_copy_(3, write_rows, rows)
             keys, values = kv[l, 0, 0].narrow(1, 0, kv_len), kv[l, 1, 0].narrow(1, 0, kv_len)  # [KVH, kv_len, hd]
-            if kernel:
+            lse = None
+            if mode == "triton":
                 attn, lse = triton_kernels.tree_attention(q, keys, values, visibility, past, self.scale, splits,
                                                           self.attention_config)
                 attn, lse = (attn[0], None) if splits == 1 else (attn, lse)
+            elif mode == "sdpa_gqa":  # [H, N, hd] queries: the folded rows of a group are its G heads
+                attn = F.scaled_dot_product_attention(q.view(1, self.heads, N, -1), keys.unsqueeze(0),
+                                                      values.unsqueeze(0), attn_mask=mask, scale=self.scale,
+                                                      enable_gqa=True)[0]
             else:
                 attn = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                       attn_mask=mask, scale=self.scale)[0]
-                lse = None
             x = self.post(x, attn, lse, w, self.eps, self.heads)
             if l in self.tap_ids:
                 taps.append(x)

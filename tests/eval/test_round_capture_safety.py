@@ -67,9 +67,9 @@ def test_round_ops_have_no_host_read_and_no_host_to_device_copy(meta_cache, meth
     with torch.no_grad(), HostTrafficChecker() as checker:
         tree, vin, ancestors = ops.build(logits, bonus)
         out = cache.verify(tree, vin)  # the whole target forward: mask, every layer, head, taps
-        walk, record = ops.walk(tree, ancestors, out.logits, None)
-        cache.commit(walk.path, 3 if method != "ar" else 1, contiguous=False)  # KV compaction
-        out.features.index_select(0, walk.path[:1])  # drafter context gather
+        walk, record, _ = ops.walk(tree, ancestors, out.logits, None, out.features)  # + compaction, context
+        cache.commit(walk.path, 3 if method != "ar" else 1, contiguous=False)  # the dynamic cache's compaction
+        out.features.index_select(0, walk.path[:1])
     assert checker.ops > 100 and not checker.bad, checker.bad[:10]
     assert record.shape == (3 + 2 * (ops.depth_limit + 1),)
     # the verify attended to a key bucket near past + N, not to the whole capacity

@@ -50,13 +50,15 @@ def test_fused_verify_equals_hf_forward_on_a_tree(name):
     hf, fused = target_cache(target, TAPS, "static"), target_cache(target, TAPS, "fused")
     prompt = prompts(1, 4)[0]
     draft = torch.randn(BLOCK - 1, target.config.vocab_size, generator=torch.Generator().manual_seed(1)) * 3
-    for budget in (1, 16, 40):
-        ref, ref_rows = verify_once(hf, prompt, draft, budget)
-        got, got_rows = verify_once(fused, prompt, draft, budget)
-        assert fused.fused is not None, "the first-verify check against HF rejected the fused forward"
-        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got.features, ref.features, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got_rows, ref_rows, rtol=1e-5, atol=1e-5)  # the K/V the next round reads
+    for attention in ("sdpa", "sdpa_gqa"):
+        fused.fused.attention = attention
+        for budget in (1, 16, 40):
+            ref, ref_rows = verify_once(hf, prompt, draft, budget)
+            got, got_rows = verify_once(fused, prompt, draft, budget)
+            assert fused.fused is not None, "the first-verify check against HF rejected the fused forward"
+            torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got.features, ref.features, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got_rows, ref_rows, rtol=1e-5, atol=1e-5)  # the K/V the next round reads
 
 
 def test_fuse_projections_changes_no_output_and_adds_no_buffer():
