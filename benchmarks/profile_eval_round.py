@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -93,6 +94,8 @@ def main() -> None:
     ap.add_argument("--profile-budget", type=int, default=256)
     ap.add_argument("--best-file", default=None, help="write the fastest attention mode at --profile-budget here")
     ap.add_argument("--no-tables", action="store_true", help="only the verify table")
+    ap.add_argument("--wall", action="store_true", help="also print wall-clock verify times (sync, call, sync)")
+    ap.add_argument("--drafter-logits", action="store_true", help="draft with the random drafter, not randn * 4")
     ap.add_argument("--attention", default="64,64,4,2",
                     help="Triton tree-attention variants 'BLOCK_M,BLOCK_N,warps,stages[,splits]' separated by ';'")
     args = ap.parse_args()
@@ -122,6 +125,12 @@ def main() -> None:
     L, vocab = 15, target.config.vocab_size
     torch.manual_seed(0)
     draft_logits = torch.randn(L, vocab, device=device) * 4
+    if args.drafter_logits:  # the random drafter's own (flat, bf16) logits, as bench_eval_overhead drafts them
+        with torch.no_grad():
+            c0 = target_cache(target, taps, "static")
+            c0.reset(args.past + 2048)
+            ctx = c0.prefill(prompt).features.unsqueeze(0)
+            draft_logits = drafter.draft_logits(drafter.new_cache(), ctx, 7, args.past)
     bonus = torch.tensor([7], device=device)
     with torch.no_grad():
         for c in caches.values():
@@ -136,6 +145,15 @@ def main() -> None:
                 tree, vin, _ = ops.build(draft_logits, bonus)
                 c.verify(tree, vin)  # capture / compile / check outside the timing
                 row.append(gpu_ms(lambda: c.verify(tree, vin)))
+                if args.wall:
+                    walls = []
+                    for _ in range(10):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        c.verify(tree, vin)
+                        torch.cuda.synchronize()
+                        walls.append((time.perf_counter() - t0) * 1e3)
+                    print(f"  {name}: wall {statistics.median(walls):.3f} ms, events {row[-1]:.3f} ms")
             if budget == args.profile_budget:
                 timings = dict(zip(caches, row))
             print(f"{budget:>6} {tree.size:>5} " + " ".join(f"{t:16.3f}" for t in row)

@@ -55,7 +55,8 @@ if triton is not None:
         slot = tl.load(slot_of + offs, mask=valid, other=0)
         rank = tl.load(rank_of + offs, mask=valid, other=0)
         root = tl.where(slot == 0, 0.0, float("-inf"))
-        f = tl.where(d == 0, root, tl.load(scores + d * B + slot, mask=valid & (d > 0), other=float("-inf")))
+        deeper = valid & ((offs * 0 + d) > 0)  # a tensor mask (a scalar one is not portable across backends)
+        f = tl.where(d == 0, root, tl.load(scores + d * B + slot, mask=deeper, other=float("-inf")))
         score = f + tl.load(top_lp + d * K + rank, mask=valid, other=float("-inf"))
         tl.store(keys + offs, (_sortable(score) << 32) | (2147483647 - offs).to(tl.int64), mask=valid)
 
