@@ -30,7 +30,8 @@ Two builders, identical output:
     is itself top-`budget` at depth d-1), enumerating only the "staircase" (parent slot i, rank j) with
     (i+1)(j+1) <= budget (any other candidate is beaten by >= budget dominating ones); a stable sort of the
     candidates laid out in (parent slot, rank) order realises the tie-break; a final stable sort over the per-depth
-    winners laid out (depth, slot) picks the global top `n`.
+    winners laid out (depth, slot) picks the global top `n`. On CUDA the same selection runs as Triton kernels
+    (eval/triton_kernels.py `select_tree`: ranks by counting unique int64 keys instead of sorting).
 """
 
 from __future__ import annotations

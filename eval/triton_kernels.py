@@ -1,6 +1,8 @@
 """The round's CUDA kernels (Triton): each one computes exactly what a torch function elsewhere defines.
 
     select_tree      eval/tree.py `build_tree` after the top-K (the per-depth staircase selection + final pick)
+    ancestor_table,  eval/verify.py functions of the same names (walking up the parents instead of
+    ancestor_matrix  pointer doubling + concatenation + scatter)
     greedy_walk      eval/walk.py `target_choices` at T = 0 + `walk_tree` + `Walk.host_record`
     tree_attention   eval/target_forward.py attention under the eval/verify.py tree mask (split over keys)
 
@@ -139,6 +141,48 @@ def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tenso
     _tree_arrays_kernel[(triton.cdiv(n + 1, 128),)](chosen, picks, slot_of, rank_of, node_of, top_ids, K, budget, n,
                                                     root, tokens, parents, depths, BLOCK=128)
     return tokens, parents, depths
+
+
+# ----------------------------------------------------------------------------------------------
+# Ancestors (eval/verify.py `ancestor_table`, `ancestor_matrix`)
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _ancestor_table_kernel(parents, N, W, table, BLOCK: tl.constexpr):
+        """table[i, m] = the ancestor m steps above node i (the root's self-loop absorbs overshoot)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        node = i < N
+        cur = i.to(tl.int64)
+        for m in range(W):
+            tl.store(table + i * W + m, cur, mask=node)
+            cur = tl.load(parents + cur, mask=node, other=0)
+
+    @triton.jit
+    def _ancestor_matrix_kernel(table, N, W, vis, BLOCK: tl.constexpr):
+        """vis[i, table[i, m]] = True for every m (vis zeroed by the caller)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        node = i < N
+        for m in range(W):
+            a = tl.load(table + i * W + m, mask=node, other=0)
+            tl.store(vis + i.to(tl.int64) * N + a, tl.full([BLOCK], 1, tl.int8), mask=node)
+
+
+def ancestor_table(parents: Tensor, width: int) -> Tensor:
+    """eval/verify.py `ancestor_table` with `width` = 2^k columns: int64 [N, width], one launch."""
+    N = parents.shape[0]
+    table = torch.empty(N, width, dtype=torch.long, device=parents.device)
+    _ancestor_table_kernel[(triton.cdiv(N, 128),)](parents, N, width, table, BLOCK=128)
+    return table
+
+
+def ancestor_matrix(table: Tensor) -> Tensor:
+    """eval/verify.py `ancestor_matrix` from the table: bool [N, N], a memset and one launch."""
+    N, W = table.shape
+    vis = torch.zeros(N, N, dtype=torch.bool, device=table.device)
+    _ancestor_matrix_kernel[(triton.cdiv(N, 128),)](table, N, W, vis.view(torch.int8), BLOCK=128)
+    return vis
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor
 
+from eval import triton_kernels
 from eval.tree import Tree
 
 
@@ -34,9 +35,12 @@ def verify_positions(tree: Tree, start) -> Tensor:
 def ancestor_table(parents: Tensor, depth_limit: int) -> Tensor:
     """[N, 2^k] node ids: column m = the ancestor m steps up (the root's self-loop absorbs overshoot), k =
     ceil(log2(L+1)), so columns cover distances 0..L. Built by doubling: k gathers, no loop over nodes."""
+    rounds = max(1, math.ceil(math.log2(depth_limit + 1)))
+    if triton_kernels.available(parents.device):  # the same table in one launch
+        return triton_kernels.ancestor_table(parents, 1 << rounds)
     table = torch.arange(parents.shape[0], device=parents.device).unsqueeze(1)
     jump = parents
-    for _ in range(max(1, math.ceil(math.log2(depth_limit + 1)))):
+    for _ in range(rounds):
         table = torch.cat([table, jump[table]], dim=1)
         jump = jump[jump]
     return table
@@ -47,6 +51,8 @@ def ancestor_matrix(tree: Tree, ancestors: Tensor | None = None) -> Tensor:
     ancestors: `ancestor_table(tree.parents, tree.depth_limit)` if already computed."""
     N = tree.size
     table = ancestor_table(tree.parents, tree.depth_limit) if ancestors is None else ancestors
+    if triton_kernels.available(table.device):
+        return triton_kernels.ancestor_matrix(table)
     vis = torch.zeros(N, N, dtype=torch.bool, device=tree.parents.device)
     return vis.scatter_(1, table, True)
 

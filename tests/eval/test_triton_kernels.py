@@ -96,7 +96,25 @@ def check_tree_attention_equals_sdpa():
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("check", ["check_select_tree_equals_heap", "check_greedy_walk_equals_walk_tree",
+def check_ancestors_equal_pointer_doubling():
+    import math
+
+    from eval import triton_kernels
+    from eval.verify import ancestor_matrix, ancestor_table
+    from tests.eval.test_walk_device import random_tree
+
+    gen = torch.Generator().manual_seed(2)
+    for trial in range(40):
+        L = int(torch.randint(0, 16, (1,), generator=gen))
+        tree = random_tree(gen, int(torch.randint(0, 200, (1,), generator=gen)), max(L, 1), 5)
+        ref = ancestor_table(tree.parents, tree.depth_limit)  # CPU: pointer doubling
+        width = 1 << max(1, math.ceil(math.log2(tree.depth_limit + 1)))
+        table = triton_kernels.ancestor_table(tree.parents, width)
+        assert torch.equal(table, ref), trial
+        assert torch.equal(triton_kernels.ancestor_matrix(table), ancestor_matrix(tree, ref)), trial
+
+
+@pytest.mark.parametrize("check", ["check_select_tree_equals_heap", "check_ancestors_equal_pointer_doubling", "check_greedy_walk_equals_walk_tree",
                                    "check_tree_attention_equals_sdpa"])
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
     run_interpreted(check)
