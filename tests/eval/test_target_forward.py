@@ -109,29 +109,3 @@ def test_targets_the_fused_forward_cannot_rebuild_are_refused_and_use_hf():
     assert decode("ddtree", sliding, oracle, prompt, max_new_tokens=20, budget=16,
                   cache_impl="fused").output_ids == greedy[:20]
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton tree attention runs on CUDA only (GPU machine)")
-@pytest.mark.parametrize("N", [1, 17, 257])
-def test_triton_tree_attention_equals_sdpa_under_the_tree_mask(N):
-    from eval import triton_kernels
-    from eval.target_forward import merge_splits
-    from eval.verify import ancestor_matrix, visibility_attention_mask
-
-    gen = torch.Generator().manual_seed(N)
-    KVH, G, hd, kv_len, past = 2, 4, 128, 1536, 1000
-    logits = torch.randn(15, 64, generator=gen) * 3
-    tree = build_tree(logits, N - 1, 5) if N > 1 else build_tree(logits, 0, 5)
-    vis = ancestor_matrix(tree).cuda()
-    positions = (tree.depths + past).unsqueeze(0).cuda()
-    past_t = torch.tensor(past).cuda()
-    q = torch.randn(KVH, G * N, hd, generator=gen).to(torch.bfloat16).cuda()
-    cache = torch.randn(2, KVH, 2048, hd, generator=gen).to(torch.bfloat16).cuda()
-    keys, values = cache[0].narrow(1, 0, kv_len), cache[1].narrow(1, 0, kv_len)  # strided, as in the KV buffer
-    mask = visibility_attention_mask(vis, positions, past_t, kv_len, torch.float32)
-    mask = mask.reshape(1, N, kv_len).expand(G, N, kv_len).reshape(1, 1, G * N, kv_len)
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float()[None], keys.float()[None], values.float()[None],
-                                                           attn_mask=mask, scale=hd ** -0.5)[0]
-    for splits in (1, 2, 4, 8):
-        out, lse = triton_kernels.tree_attention(q, keys, values, vis, past_t, hd ** -0.5, splits)
-        got = out[0] if splits == 1 else merge_splits(out, lse)
-        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from eval.tree import Tree, build_tree
@@ -106,26 +105,3 @@ def test_walk_on_a_built_tree_accepts_the_path_the_target_would_generate():
     walk = walk_tree(tree, torch.tensor(choices))
     assert walk.path[: len(path)].tolist() == path and int(walk.bonus) == bonus and len(path) > 2
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton walk runs on CUDA only (GPU machine)")
-def test_triton_greedy_walk_equals_the_torch_walk_on_random_trees():
-    from eval import triton_kernels
-    from eval.walk import Walk
-
-    gen = torch.Generator().manual_seed(5)
-    for trial in range(400):
-        L = int(torch.randint(1, 16, (1,), generator=gen))
-        V = int(torch.randint(2, 9, (1,), generator=gen))
-        tree = random_tree(gen, int(torch.randint(0, 300, (1,), generator=gen)), L, V)
-        tree = Tree(tree.tokens.cuda(), tree.parents.cuda(), tree.depths.cuda(), tree.num_nodes, L, "tree")
-        # logits over a real-sized vocabulary, peaked on the tokens 0..V-1 with exact ties (first index wins)
-        logits = torch.randn(tree.size, 50_000, generator=gen).to(torch.bfloat16)
-        logits[:, :V] = torch.randint(0, 3, (tree.size, V), generator=gen).to(torch.bfloat16) * 20 + 40
-        logits = logits.cuda()
-        anc = ancestor_table(tree.parents, L)
-        ref = walk_tree(tree, target_choices(logits, 0.0), anc)
-        accepted, path, bonus, last, record = triton_kernels.greedy_walk(tree.tokens, tree.parents, tree.depths,
-                                                                         anc, logits, L)
-        assert (int(accepted), path.tolist(), int(bonus), int(last)) == \
-            (int(ref.accepted), ref.path.tolist(), int(ref.bonus), int(ref.last)), trial
-        assert record.tolist() == ref.host_record(tree).tolist()
