@@ -248,9 +248,12 @@ class _RoundOps:
         return self._tree(tokens, parents, depths), VerifyInputs(positions, mask, vis), ancestors
 
     def _walk_eager(self, tokens, parents, depths, ancestors, logits, uniforms, features):
+        walked = None
         if self.temperature <= 0 and triton_kernels.available(self.device):  # the same walk in three launches
-            accepted, path, bonus, last, record = triton_kernels.greedy_walk(tokens, parents, depths, ancestors,
-                                                                             logits, self.depth_limit)
+            walked = triton_kernels.run(triton_kernels.greedy_walk, tokens, parents, depths, ancestors, logits,
+                                        self.depth_limit)
+        if walked is not None:
+            accepted, path, bonus, last, record = walked
         else:
             tree = self._tree(tokens, parents, depths)
             walk = walk_tree(tree, target_choices(logits, self.temperature, uniforms), ancestors)

@@ -281,7 +281,7 @@ class VerifyForward:
             if mode == "triton":
                 attn, lse = triton_kernels.tree_attention(q, keys, values, visibility, past, self.scale, splits,
                                                           self.attention_config)
-                attn, lse = (attn[0], None) if splits == 1 else (attn, lse)
+                attn, lse = (attn[0], None) if splits == 1 else (attn, lse)  # a failure: cache falls back to HF
             elif mode == "sdpa_gqa":  # [H, N, hd] queries: the folded rows of a group are its G heads
                 attn = F.scaled_dot_product_attention(q.view(1, self.heads, N, -1), keys.unsqueeze(0),
                                                       values.unsqueeze(0), attn_mask=mask, scale=self.scale,

@@ -216,7 +216,7 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     draft_logits: [L, V] (any float dtype; the builder works in fp32). root_token: int or device scalar tensor.
     Work: one topk + logsumexp over [L, V]; per depth one gather + add + stable sort over the staircase
     (~B·ln B candidates); one stable sort over the L·B per-depth winners. On CUDA with Triton the selection
-    (everything after the topk) is L + 2 Triton launches, eval/triton_kernels.py.
+    (everything after the topk) is 2L + 4 Triton launches, eval/triton_kernels.py.
     """
     _check_budget(budget)
     L, V = draft_logits.shape
@@ -229,10 +229,11 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     top_lp, top_ids = top_log_probs(draft_logits, min(B, V))
     K = top_lp.shape[1]
     slot_of, rank_of, frontier = _staircase(B, K, device)  # [M] candidates in (slot, rank) order; root frontier
-    if triton_kernels.available(device):  # the same selection in L + 2 launches
-        tokens, parents, depths = triton_kernels.select_tree(top_lp, top_ids, slot_of, rank_of, B, n,
-                                                          _root_tensor(root_token, device))
-        return Tree(tokens, parents, depths, n, L, "tree")
+    if triton_kernels.available(device):  # the same selection in 2L + 4 launches
+        arrays = triton_kernels.run(triton_kernels.select_tree, top_lp, top_ids, slot_of, rank_of, B, n,
+                                    _root_tensor(root_token, device))
+        if arrays is not None:
+            return Tree(*arrays, n, L, "tree")
     lp_cand = top_lp[:, rank_of]  # [L, M]
     scores, picks = [], []
     for d in range(L):

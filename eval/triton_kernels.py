@@ -29,8 +29,28 @@ except ImportError:  # CPU installs: the torch versions run
     triton = None
 
 
+_FAILED: list[str] = []  # the first kernel failure of this process, if any
+
+
 def available(device) -> bool:
-    return triton is not None and torch.device(device).type == "cuda"
+    """Triton is installed, `device` is CUDA, and no kernel has failed in this process."""
+    return triton is not None and not _FAILED and torch.device(device).type == "cuda"
+
+
+def run(kernel, *args):
+    """`kernel(*args)`, or None if it raises (a Triton build or launch failure on this GPU): the failure is logged
+    once and every kernel here is switched off for the process, so callers fall back to their torch versions."""
+    try:
+        return kernel(*args)
+    except Exception as exc:  # noqa: BLE001 - any compiler/driver error means: use the torch version
+        if not _FAILED:
+            from pipeline.log import get_logger
+
+            get_logger("eval.triton_kernels").warning(
+                "Triton kernel %s failed (%s: %s): using the torch versions from now on", kernel.__name__,
+                type(exc).__name__, exc)
+        _FAILED.append(f"{kernel.__name__}: {exc}")
+        return None
 
 
 def _pow2(n: int) -> int:

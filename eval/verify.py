@@ -37,7 +37,9 @@ def ancestor_table(parents: Tensor, depth_limit: int) -> Tensor:
     ceil(log2(L+1)), so columns cover distances 0..L. Built by doubling: k gathers, no loop over nodes."""
     rounds = max(1, math.ceil(math.log2(depth_limit + 1)))
     if triton_kernels.available(parents.device):  # the same table in one launch
-        return triton_kernels.ancestor_table(parents, 1 << rounds)
+        table = triton_kernels.run(triton_kernels.ancestor_table, parents, 1 << rounds)
+        if table is not None:
+            return table
     table = torch.arange(parents.shape[0], device=parents.device).unsqueeze(1)
     jump = parents
     for _ in range(rounds):
@@ -52,7 +54,9 @@ def ancestor_matrix(tree: Tree, ancestors: Tensor | None = None) -> Tensor:
     N = tree.size
     table = ancestor_table(tree.parents, tree.depth_limit) if ancestors is None else ancestors
     if triton_kernels.available(table.device):
-        return triton_kernels.ancestor_matrix(table)
+        vis = triton_kernels.run(triton_kernels.ancestor_matrix, table)
+        if vis is not None:
+            return vis
     vis = torch.zeros(N, N, dtype=torch.bool, device=tree.parents.device)
     return vis.scatter_(1, table, True)
 

@@ -109,3 +109,14 @@ def test_targets_the_fused_forward_cannot_rebuild_are_refused_and_use_hf():
     assert decode("ddtree", sliding, oracle, prompt, max_new_tokens=20, budget=16,
                   cache_impl="fused").output_ids == greedy[:20]
 
+
+
+def test_a_fused_forward_that_fails_is_dropped_and_decoding_stays_exact():
+    target = tiny_target("llama")
+    cache = target_cache(target, TAPS, "fused")
+    cache.fused.layers = None  # what a compile or kernel error looks like from here: the call raises
+    prompt = prompts(1, 14)[0]
+    greedy = naive_greedy(target, prompt, 20 + BLOCK)
+    oracle = OracleDrafter(target, prompt, greedy, seed=0)
+    res = decode("ddtree", target, oracle, prompt, max_new_tokens=20, budget=16, cache_impl="fused")
+    assert cache.fused is None and res.output_ids == greedy[:20]

@@ -137,3 +137,17 @@ def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernel_equals_its_torch_reference_on_cuda(check):
     globals()[check](device="cuda")
+
+
+def test_a_failing_kernel_switches_every_kernel_off_with_a_warning(caplog):
+    from eval import triton_kernels
+
+    def broken_kernel():
+        raise RuntimeError("PTX assembly failed")  # what a Triton build error on an unsupported GPU raises
+
+    try:
+        assert triton_kernels.run(broken_kernel) is None
+        assert not triton_kernels.available("cuda")
+        assert "broken_kernel" in caplog.text and "torch versions" in caplog.text
+    finally:
+        triton_kernels._FAILED.clear()
