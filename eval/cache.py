@@ -148,6 +148,10 @@ class TargetCache:
     length: int = 0
     round_ops: dict  # the decoder's per-configuration round helpers (CUDA graphs); cleared with the buffers
 
+    def describe(self) -> str:
+        """How the verify forward ran, for reports (the speedups were measured on this path)."""
+        raise NotImplementedError
+
     def reset(self, capacity: int) -> None:
         raise NotImplementedError
 
@@ -234,6 +238,15 @@ class KVTargetCache(TargetCache):
             self._verify_fns.clear()
             self.round_ops.clear()
             self.kv = StaticKV(cfg.num_hidden_layers, heads, head_dim, capacity, self.forward.dtype, self.forward.device)
+
+    def describe(self) -> str:
+        if not self.static:
+            return "dynamic KV, HF forward"
+        forward = "HF forward" if self.fused is None else \
+            f"fused forward ({self.fused.attention_mode(self.forward.device)} attention)"
+        graphs = [f for f in self._verify_fns.values() if hasattr(f, "disabled")]
+        on_graphs = bool(graphs) and not any(f.disabled for f in graphs)
+        return f"static KV, {forward}" + (", CUDA graphs" if on_graphs else "")
 
     def _fused_forward(self, target, tap_ids):
         from eval.target_forward import VerifyForward, refusal
@@ -457,6 +470,9 @@ class RecurrentTargetCache(TargetCache):
         self.round_ops: dict = {}
         self._saved: list[tuple[Tensor, Tensor]] | None = None
         self._tokens: Tensor | None = None
+
+    def describe(self) -> str:
+        return "hybrid: recurrent state + dynamic KV, HF forward, chain rollback"
 
     def reset(self, capacity: int) -> None:
         self.cache = DynamicCache(config=self.config)

@@ -55,6 +55,7 @@ class DecodeResult:
     tree_sizes: list[int]  # drafted nodes verified per round (root excluded)
     timings: dict[str, float] = field(default_factory=dict)  # prefill, decode, draft, tree_build, verify, walk_commit
     stop_reason: str = "max_new_tokens"  # or "stop_token"
+    verify_path: str = ""  # eval.cache TargetCache.describe(): the verify forward these timings come from
 
 
 class _Clock:
@@ -195,6 +196,7 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
     result.num_new_tokens = len(output)
     result.num_rounds = len(result.accept_lengths)
     result.timings = {"prefill": t1 - t0, "decode": t2 - t1, **clock.totals}
+    result.verify_path = cache.describe()
     return result
 
 

@@ -6,7 +6,8 @@ base64 PNGs (matplotlib, Agg backend) — no external src/href, so the file can 
     {"run": str, "target": {...}, "drafter": {"path", "block_size", ...}, "settings": {...},
      "benchmarks": {name: {"path", "prompts", "read", "skipped": {reason: n}}},
      "skipped_methods": [{"method", "budget", "reason"}],
-     "cells": [{"benchmark", "method", "budget", "label", **eval.metrics.summarize(...), "speedup", "ar_match"}]}
+     "cells": [{"benchmark", "method", "budget", "label", **eval.metrics.summarize(...), "speedup", "ar_match",
+                "skipped", "verify_paths"}]}
 
 Undefined numbers (a τ without rounds, a speedup without an AR run) are JSON null and print as "—".
 `compare_runs(eval_dirs, out)` puts two or more such reports side by side (`drafter report`).
@@ -323,6 +324,9 @@ def _settings_text(report: dict) -> str:
 
 def _notes_text(report: dict) -> str:
     lines = []
+    paths = sorted({p for c in report["cells"] for p in c.get("verify_paths", [])})
+    if paths:  # where the timings (and so the speedups) were measured
+        lines.append("verify forward: " + "; ".join(paths))
     for s in report.get("skipped_methods", []):
         lines.append(f"skipped {cell_label(s['method'], s.get('budget'))}: {s['reason']}")
     for name, b in (report.get("benchmarks") or {}).items():

@@ -240,14 +240,15 @@ def _stop_token_ids(tokenizer, target) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _write_unit(stage: StageDir, unit: Unit, records: list[ResponseRecord], skipped: dict[str, int]) -> None:
+def _write_unit(stage: StageDir, unit: Unit, records: list[ResponseRecord], skipped: dict[str, int],
+                verify_paths: list[str]) -> None:
     path = stage.shard_path(unit.name, "jsonl")
     with AtomicFile(path) as tmp:
         with open(tmp, "w") as f:
             for r in records:
                 f.write(json.dumps(r.to_dict()) + "\n")
     stage.finish_unit(unit.name, [path], responses=len(records), new_tokens=sum(r.num_new_tokens for r in records),
-                      skipped=skipped)
+                      skipped=skipped, verify_paths=verify_paths)
 
 
 def read_unit(stage: StageDir, unit: Unit) -> list[ResponseRecord]:
@@ -271,6 +272,7 @@ def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_si
             matched = [ar_out.get((r.prompt_id, r.turn)) == r.output_ids for r in recs]
             cell["ar_match"] = sum(matched) / len(matched) if matched else None
         cell["skipped"] = sidecars[u.name].get("skipped", {})
+        cell["verify_paths"] = sidecars[u.name].get("verify_paths", [])  # the verify forward the timings come from
         cells.append(cell)
     return {**header, "cells": cells}
 
@@ -409,11 +411,15 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
     total = sum(len(benchmarks[u.benchmark].prompts) for u in units)
     bar = progress(total=total, desc="eval", unit="prompt")
     for unit in units:
+        verify_paths: set[str] = set()
+
         @torch.inference_mode()
         def generate(ids: list[int], max_new: int = cfg.eval.max_new_tokens):
-            return decode(unit.method, target, drafter, ids, max_new_tokens=max_new, budget=unit.budget,
-                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, stop_token_ids=stop,
-                          phase_timing=cfg.eval.phase_timing)
+            result = decode(unit.method, target, drafter, ids, max_new_tokens=max_new, budget=unit.budget,
+                            temperature=cfg.eval.temperature, seed=cfg.eval.seed, stop_token_ids=stop,
+                            phase_timing=cfg.eval.phase_timing)
+            verify_paths.add(result.verify_path)
+            return result
 
         if cfg.eval.warmup_tokens > 0:
             generate(warm_ids, min(cfg.eval.warmup_tokens, cfg.eval.max_new_tokens))
@@ -429,6 +435,6 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
                 ids, result = item
                 records.append(response_record(result, prompt_id=prompt.id, turn=turn, prompt_tokens=len(ids)))
             bar.update(1)
-        _write_unit(stage, unit, records, skipped)
+        _write_unit(stage, unit, records, skipped, sorted(verify_paths))
         log.info("%s: %d responses, %d new tokens", unit.name, len(records), sum(r.num_new_tokens for r in records))
     bar.close()

@@ -240,6 +240,16 @@ class VerifyForward:
             self.pre = torch.compile(pre_attention, dynamic=True)
             self.post = torch.compile(post_attention, dynamic=True)
 
+    def attention_mode(self, device) -> str:
+        """The attention that runs on `device`: `self.attention`, with 'auto' = sdpa_gqa on CUDA, else sdpa, and
+        'triton' = sdpa where the kernels are not available."""
+        mode = self.attention
+        if mode == "auto":
+            mode = "sdpa_gqa" if torch.device(device).type == "cuda" else "sdpa"
+        if mode == "triton" and not triton_kernels.available(device):
+            mode = "sdpa"
+        return mode
+
     def attention_splits(self, queries: int, kv_len: int) -> int:
         """Key chunks for `queries` folded query rows over kv_len keys: `self.splits`, else the S in 1, 2, 4, 8 that
         minimises the attention's waves per unit of work, ceil(tiles * S / SMs) / S with tiles = KVH * ceil(M / 64)
@@ -261,11 +271,7 @@ class VerifyForward:
         x = self.base.embed_tokens(ids)  # [N, D]
         cos, sin = self.base.rotary_emb(x.unsqueeze(0), positions)
         cos, sin = cos[0], sin[0]  # [N, hd]
-        mode = self.attention
-        if mode == "auto":
-            mode = "sdpa_gqa" if ids.is_cuda else "sdpa"
-        if mode == "triton" and not triton_kernels.available(ids.device):
-            mode = "sdpa"
+        mode = self.attention_mode(ids.device)
         if mode == "triton":
             splits = self.attention_splits(G * N, kv_len)
         else:  # SDPA under the additive mask (repeated for the folded queries unless SDPA broadcasts the heads)

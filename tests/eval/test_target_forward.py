@@ -83,7 +83,9 @@ def test_fused_cache_decodes_exactly_like_ar(name):
         for budget in (2, 32):
             res = decode("ddtree", target, oracle, prompt, max_new_tokens=30, budget=budget, cache_impl="fused")
             assert res.output_ids == greedy[:30] and (budget < 32 or max(res.accept_lengths) > 3)
-    assert target_cache(target, TAPS, "fused").fused is not None
+    cache = target_cache(target, TAPS, "fused")
+    assert cache.fused is not None and cache.describe() == "static KV, fused forward (sdpa attention)"
+    assert target_cache(target, TAPS, "static").describe() == "static KV, HF forward"
 
 
 def test_a_fused_forward_that_disagrees_with_hf_is_dropped_and_decoding_stays_exact():
