@@ -29,12 +29,14 @@ Implementations:
     compiled pointwise ops under 'graphs') instead of HF's forward. Its first verify is checked against HF's
     forward on the same inputs; a refusal or a mismatch falls back to HF's forward, with a warning.
   * `RecurrentTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers, e.g. qwen3_5_text.
-    Only root/chain verification: a mask cannot stop recurrent state from flowing between tree branches
-    (ddtree.md §6.7), so trees raise `TreeUnsupportedError`. Chain rollback: the recurrent/conv states are
-    copied before verify; if the chain is cut at n < N rows, they are restored, the attention KV is cropped, and the
-    n accepted rows are re-run from the saved state (exact; costs one extra forward of n rows on rejection).
-    A per-node recurrent-state path (state of node i = post-update state of parent[i]) can be added here later as
-    another implementation of the same interface.
+    A tree mask cannot stop recurrent state from flowing between branches (ddtree.md §6.7), so nothing here
+    uses one. Chain: the recurrent/conv states are copied before verify; if the chain is cut at n < N rows,
+    they are restored, the attention KV is cropped, and the n accepted rows are re-run from the saved state.
+    Tree (path-batched): every root->leaf path is one row of a batch [P, depth+1] run from a copy of the committed
+    state (rows cannot leak into each other), each node's logits/taps are read from a row that holds it, and
+    commit re-runs the accepted path on the committed state. Both are exact; a tree costs P*(depth+1) verify rows
+    and one host read of the tree per round, plus the re-run of the accepted rows. A per-node recurrent-state
+    kernel (state of node i = post-update state of parent[i]) would be the fast version of the same interface.
 
 Targets must run with attn_implementation "sdpa" or "eager" for tree masks (never flash_attention_2).
 """
@@ -78,13 +80,10 @@ def recurrent_layer_types(config) -> list[str]:
 
 
 def tree_unsupported_reason(config) -> str | None:
-    """Why DDTree cannot verify on a target with this HF config, or None."""
-    text = text_config(config)
-    recurrent = recurrent_layer_types(config)
-    if recurrent:
-        return (f"target '{text.model_type}' has {', '.join(recurrent)} layers: a tree mask cannot stop recurrent "
-                "state from flowing between branches, and a per-node state path is not implemented "
-                "(ddtree.md §6.7); use 'ar' or 'chain'")
+    """Why DDTree cannot verify on a target with this HF config, or None. (Hybrid targets verify trees path by
+    path, `RecurrentTargetCache`, which needs no tree mask.)"""
+    if recurrent_layer_types(config):
+        return None
     impl = getattr(config, "_attn_implementation", None)
     if impl is not None and impl not in MASKABLE_ATTENTION:
         return f"target attention '{impl}' cannot take a 4-D tree mask; load the target with attn_implementation='sdpa'"
@@ -130,21 +129,22 @@ class _Forward:
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, positions: Tensor, mask, cache, *, last_logits_only=False) -> ForwardOutput:
-        kwargs = dict(input_ids=input_ids.reshape(1, -1), position_ids=positions, attention_mask=mask,
-                      past_key_values=cache, use_cache=True)
+        """input_ids [S] (one sequence) or [B, S] (a batch); outputs flattened to [B*S, ...] rows."""
+        ids = input_ids if input_ids.dim() == 2 else input_ids.reshape(1, -1)
+        kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                      use_cache=True)
         if last_logits_only:
             kwargs["logits_to_keep"] = 1
         if not self.tap_ids:
-            return ForwardOutput(self.target(**kwargs).logits[0], None)
+            return ForwardOutput(self.target(**kwargs).logits.flatten(0, 1), None)
         with TapHooks(self.target, self.tap_ids) as taps:
-            logits = self.target(**kwargs).logits[0]
-            return ForwardOutput(logits, taps.features()[0])
+            logits = self.target(**kwargs).logits.flatten(0, 1)
+            return ForwardOutput(logits, taps.features().flatten(0, 1))
 
 
 class TargetCache:
     """The interface (see module docstring). `length` = committed rows = the bonus token's position."""
 
-    supports_tree = True
     length: int = 0
     round_ops: dict  # the decoder's per-configuration round helpers (CUDA graphs); cleared with the buffers
 
@@ -455,9 +455,9 @@ def _recurrent_layers(cache: DynamicCache):
 
 
 class RecurrentTargetCache(TargetCache):
-    """Hybrid target (linear-attention + attention layers): AR and chain only; rollback by state copy + re-run."""
-
-    supports_tree = False
+    """Hybrid target (linear-attention + attention layers). Chain: rollback by state copy + re-run. Tree: every
+    root->leaf path is one row of a batch run from a copy of the committed state, then the accepted path is re-run
+    on the committed state (see the module docstring)."""
 
     def __init__(self, target, tap_ids: Sequence[int]):
         self.forward = _Forward(target, tap_ids)
@@ -470,9 +470,10 @@ class RecurrentTargetCache(TargetCache):
         self.round_ops: dict = {}
         self._saved: list[tuple[Tensor, Tensor]] | None = None
         self._tokens: Tensor | None = None
+        self._tree = False  # the pending verify was path-batched (the committed state is untouched)
 
     def describe(self) -> str:
-        return "hybrid: recurrent state + dynamic KV, HF forward, chain rollback"
+        return "hybrid: recurrent state + dynamic KV, HF forward (chain rollback; trees path-batched)"
 
     def reset(self, capacity: int) -> None:
         self.cache = DynamicCache(config=self.config)
@@ -486,11 +487,13 @@ class RecurrentTargetCache(TargetCache):
         return out
 
     def verify_inputs(self, tree: Tree, ancestors: Tensor | None = None) -> VerifyInputs:
-        if tree.kind == "tree":
-            raise TreeUnsupportedError(tree_unsupported_reason(self.config) or "recurrent target: no tree verify")
-        return VerifyInputs(verify_positions(tree, self.length), None)  # root/chain: plain causal rows
+        return VerifyInputs(verify_positions(tree, self.length), None)  # rows run causally (chain or per path)
 
     def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
+        self._tokens = tree.tokens
+        self._tree = tree.kind == "tree"
+        if self._tree:
+            return self._verify_paths(tree)
         states = []
         for layer in _recurrent_layers(self.cache):
             for table in (layer.conv_states, layer.recurrent_states):
@@ -498,26 +501,71 @@ class RecurrentTargetCache(TargetCache):
                     if t is not None:
                         states.append((t, t.clone()))
         self._saved = states
-        self._tokens = tree.tokens
         return self.forward(tree.tokens, vin.positions, None, self.cache)
 
+    def _verify_paths(self, tree: Tree) -> ForwardOutput:
+        """Logits/features [N, ...] of every node, in tree order, from a batch of the P root->leaf paths
+        ([P, depth+1] rows, right-padded: causal, so padding never reaches a real row). One host read of the tree."""
+        parents = tree.parents.tolist()
+        N = len(parents)
+        has_child = set(parents[1:])
+        paths = []
+        for leaf in (i for i in range(N) if i not in has_child):
+            path = [leaf]
+            while path[-1] != 0:
+                path.append(parents[path[-1]])
+            paths.append(path[::-1])
+        width = max(len(p) for p in paths)
+        nodes = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], device=self.forward.device)
+        row_of = [0] * N  # node -> its first row in the flattened [P * width] outputs
+        for r in reversed(range(len(paths))):
+            for k, node in enumerate(paths[r]):
+                row_of[node] = r * width + k
+        positions = self.length + torch.arange(width, device=self.forward.device).expand(len(paths), width)
+        out = self.forward(tree.tokens[nodes], positions, None, self._replicated_cache(len(paths)))
+        rows = torch.tensor(row_of, device=self.forward.device)
+        return ForwardOutput(out.logits[rows], None if out.features is None else out.features[rows])
+
+    def _replicated_cache(self, batch: int) -> DynamicCache:
+        """A copy of the committed cache with every state and K/V tensor repeated `batch` times (batch dim 0)."""
+        import copy
+
+        replica = copy.deepcopy(self.cache)
+        for layer in replica.layers:
+            for table in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+                for idx, t in (table or {}).items():
+                    if t is not None:
+                        table[idx] = t.repeat_interleave(batch, dim=0)
+            if isinstance(getattr(layer, "keys", None), Tensor):
+                layer.keys = layer.keys.repeat_interleave(batch, dim=0)
+                layer.values = layer.values.repeat_interleave(batch, dim=0)
+        return replica
+
     def commit(self, path: Tensor, n: int, contiguous: bool) -> None:
-        if not contiguous:
-            raise TreeUnsupportedError("recurrent target: only chain prefixes can be committed")
-        N = self._tokens.shape[0]
-        if n < N:
-            for live, saved in self._saved:
-                live.copy_(saved)
-            for layer in self.cache.layers:
-                if getattr(layer, "keys", None) is not None:
-                    layer.keys = layer.keys[:, :, : self.length]
-                    layer.values = layer.values[:, :, : self.length]
-            positions = torch.arange(self.length, self.length + n, device=self.forward.device).unsqueeze(0)
-            with torch.no_grad():
-                self.forward.target(input_ids=self._tokens[:n].reshape(1, -1), position_ids=positions,
-                                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        """Keep the accepted rows: a tree's path (any shape) or a chain prefix is re-run / kept on the committed
+        state so that it equals the state after exactly those n tokens."""
+        if self._tree:
+            self._run(self._tokens[path[:n]], n)
+        else:
+            if not contiguous:
+                raise TreeUnsupportedError("recurrent target: a chain verify commits a prefix")
+            if n < self._tokens.shape[0]:
+                for live, saved in self._saved:
+                    live.copy_(saved)
+                for layer in self.cache.layers:
+                    if getattr(layer, "keys", None) is not None:
+                        layer.keys = layer.keys[:, :, : self.length]
+                        layer.values = layer.values[:, :, : self.length]
+                self._run(self._tokens[:n], n)
         self._saved = self._tokens = None
         self.length += n
+
+    def _run(self, tokens: Tensor, n: int) -> None:
+        """Advance the committed cache over `tokens` [n] at positions length..length+n-1."""
+        positions = torch.arange(self.length, self.length + n, device=self.forward.device).unsqueeze(0)
+        with torch.no_grad():
+            self.forward.target(input_ids=tokens.reshape(1, -1), position_ids=positions, past_key_values=self.cache,
+                                use_cache=True, logits_to_keep=1)
 
 
 # ----------------------------------------------------------------------------------------------

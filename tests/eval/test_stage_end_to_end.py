@@ -109,18 +109,17 @@ def test_mt_bench_second_turn_is_asked_after_the_targets_own_first_answer(cfg):
     assert run_conversation(prompt, tok, gen, enable_thinking=False, max_prompt_tokens=10) == ["prompt_too_long"]
 
 
-def test_hybrid_target_skips_ddtree_with_the_reason_and_still_runs_ar_and_chain(tmp_path):
+def test_hybrid_target_runs_ar_chain_and_path_batched_ddtree(tmp_path):
     cfg = make_config(tmp_path, ["target.model=random:qwen3_5_text", "eval.budgets=[4]",
                                  "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
     export_random_drafter(cfg, cfg.run_dir / "train")
     manifest = run_eval(cfg, force=False)
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
-    assert [c["label"] for c in report["cells"]] == ["ar", "chain"]
-    assert report["cells"][1]["ar_match"] == 1.0
-    (skip,) = report["skipped_methods"]
-    assert skip["method"] == "ddtree" and skip["budget"] == 4 and "linear_attention" in skip["reason"]
-    assert manifest["skipped_methods"] == report["skipped_methods"]
-    assert "skipped ddtree@4: target 'qwen3_5_text' has linear_attention" in (cfg.run_dir / "eval" / "report.md").read_text()
+    assert [c["label"] for c in report["cells"]] == ["ar", "chain", "ddtree@4"]
+    assert all(c["ar_match"] == 1.0 for c in report["cells"][1:])
+    assert report["skipped_methods"] == [] and manifest["skipped_methods"] == []
+    assert all(c["verify_paths"] and c["verify_paths"][0].startswith("hybrid:") for c in report["cells"])
+    assert "trees path-batched" in (cfg.run_dir / "eval" / "report.md").read_text()
 
 
 def test_a_drafter_for_another_target_is_refused_before_decoding(tmp_path):

@@ -52,10 +52,12 @@ def test_a_drafter_for_another_target_is_refused_naming_the_field(over, field):
     assert field in str(e.value)
 
 
-def test_ddtree_is_skipped_with_a_reason_on_a_hybrid_target_only():
-    reason = tree_unsupported_reason(target_config("random:qwen3_5_text"))
-    assert reason and "linear_attention" in reason
+def test_ddtree_is_refused_with_a_reason_only_where_no_tree_can_be_verified():
     assert tree_unsupported_reason(target_config("random:qwen3")) is None
+    assert tree_unsupported_reason(target_config("random:qwen3_5_text")) is None  # hybrids: path-batched
+    flash = target_config("random:qwen3")
+    flash._attn_implementation = "flash_attention_2"  # no arbitrary 4-D masks
+    assert "cannot take a 4-D tree mask" in tree_unsupported_reason(flash)
 
 
 def test_units_cover_every_benchmark_method_and_budget(tmp_path):
@@ -63,10 +65,10 @@ def test_units_cover_every_benchmark_method_and_budget(tmp_path):
     units, skipped = plan_units(cfg, None)
     assert [u.name for u in units[:4]] == ["gsm8k.ar", "gsm8k.chain", "gsm8k.ddtree-b4", "gsm8k.ddtree-b16"]
     assert len(units) == 3 * 4 and not skipped
-    units, skipped = plan_units(cfg, "hybrid")
+    units, skipped = plan_units(cfg, "flash attention")
     assert {u.method for u in units} == {"ar", "chain"}
-    assert skipped == [{"method": "ddtree", "budget": 4, "reason": "hybrid"},
-                       {"method": "ddtree", "budget": 16, "reason": "hybrid"}]
+    assert skipped == [{"method": "ddtree", "budget": 4, "reason": "flash attention"},
+                       {"method": "ddtree", "budget": 16, "reason": "flash attention"}]
     assert Unit("mt_bench", "ddtree", 64).label == "ddtree@64"
 
 
