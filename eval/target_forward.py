@@ -1,16 +1,17 @@
 """The target's verify forward, rebuilt for speed: Llama-family attention targets on the static KV buffer.
 
-HF's forward under a custom 4-D mask costs ~45 kernels per decoder layer (unfused fp32 RMSNorm, rotate-half
+HF's forward under a custom 4-D mask costs ~60 kernels per decoder layer (unfused fp32 RMSNorm, rotate-half
 RoPE, a GQA copy of K/V because SDPA with a mask cannot broadcast heads). On a Qwen3-8B shape that is ~8 ms of
 a 12 ms verify even inside a CUDA graph. `VerifyForward` computes the same function with
 
   * fused projections: q/k/v and gate/up are ONE GEMM each (`fuse_projections` re-points HF's weights at
     row-views of one buffer, so the model itself is unchanged and no memory is added);
-  * folded-GQA attention: the G query heads that share a KV head are laid out along the query axis,
-    q [KVH, G*N, hd] against k/v [KVH, kv_len, hd] straight from the cache (no K/V copy). On CUDA a Triton
-    kernel (eval/triton_kernels.py `tree_attention`) reads the tree's [N, N] ancestor matrix instead of a
-    [N, kv_len] mask, never reads keys past the tree, and splits the keys into chunks run in parallel and merged
-    by log-sum-exp (`merge_splits`); elsewhere SDPA under the eval/verify.py additive mask;
+  * GQA without a K/V copy: keys/values are read straight from the cache [KVH, kv_len, hd]. The attention is
+    chosen by `ATTENTIONS` — by default on CUDA SDPA with enable_gqa under the eval/verify.py mask;
+    also SDPA over "folded" queries (the G heads of a KV group laid out along the query axis) and a Triton
+    tree-attention kernel (eval/triton_kernels.py) that reads the [N, N] ancestor matrix instead of a mask and
+    splits the keys into chunks merged by log-sum-exp (`merge_splits`). All three measured within 0.4 ms of
+    each other at budget 256 on the H200 (docs/benchmarks.md);
   * pointwise work (RMSNorm, q/k norm, RoPE, SiLU*up, residuals) in two functions per layer that
     torch.compile fuses (`compile=True`; weights are arguments, so one compiled graph serves every layer
     and every N).
