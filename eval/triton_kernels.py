@@ -7,8 +7,8 @@
     tree_attention   eval/target_forward.py attention under the eval/verify.py tree mask (split over keys)
 
 Why: in a CUDA graph each small torch op still costs a kernel of a few microseconds; the torch versions of the
-selection and the walk are ~180 and ~22 kernels per round (0.6 and 0.09 ms of GPU time at budget 256 on the H200;
-the kernels here: 0.09 and 0.03 ms).
+selection and of choices + walk are ~180 and ~22 kernels per round (about 0.45 and 0.09 ms of GPU time at budget
+256 on the H200; the kernels here: 0.085 and 0.034 ms).
 
 Ordering trick (select_tree): a stable descending sort by fp32 score with ties in index order equals a plain
 descending order of unique int64 keys `sortable(score) << 32 | reversed index`. Ranks are computed by counting
