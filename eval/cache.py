@@ -527,18 +527,26 @@ class RecurrentTargetCache(TargetCache):
         return ForwardOutput(out.logits[rows], None if out.features is None else out.features[rows])
 
     def _replicated_cache(self, batch: int) -> DynamicCache:
-        """A copy of the committed cache with every state and K/V tensor repeated `batch` times (batch dim 0)."""
+        """A copy of the committed cache with every state and K/V tensor repeated `batch` times (batch dim 0); the
+        committed cache is not touched. Layer objects are shallow-copied, their tensors replaced (one copy each)."""
         import copy
 
-        replica = copy.deepcopy(self.cache)
-        for layer in replica.layers:
-            for table in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
-                for idx, t in (table or {}).items():
-                    if t is not None:
-                        table[idx] = t.repeat_interleave(batch, dim=0)
-            if isinstance(getattr(layer, "keys", None), Tensor):
-                layer.keys = layer.keys.repeat_interleave(batch, dim=0)
-                layer.values = layer.values.repeat_interleave(batch, dim=0)
+        replica = copy.copy(self.cache)
+        replica.layers = []
+        for layer in self.cache.layers:
+            layer = copy.copy(layer)
+            for name, value in list(vars(layer).items()):  # own bookkeeping dicts: the forward may update them
+                if isinstance(value, dict):
+                    setattr(layer, name, dict(value))
+            for name in ("conv_states", "recurrent_states"):
+                table = getattr(layer, name, None)
+                if table is not None:
+                    setattr(layer, name, {i: None if t is None else t.repeat_interleave(batch, dim=0)
+                                          for i, t in table.items()})
+            for name in ("keys", "values"):
+                if isinstance(getattr(layer, name, None), Tensor):
+                    setattr(layer, name, getattr(layer, name).repeat_interleave(batch, dim=0))
+            replica.layers.append(layer)
         return replica
 
     def commit(self, path: Tensor, n: int, contiguous: bool) -> None:
