@@ -145,8 +145,6 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
         out, t_verify = timed(device, lambda: cache.verify(tree, vin))
         (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], w[1].tolist()))(
             ops.walk(tree, anc, out.logits, None, out.features)))
-        path = deepest_path(tree)
-        path_t = torch.tensor(path + [0] * (L + 1 - len(path)), device=device)
         t_compact = None  # inside the walk on the static cache
         if not ops.compacts:
             _, t_compact = timed(device, lambda: (cache.commit(path_t, len(path), contiguous=False),

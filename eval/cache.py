@@ -55,7 +55,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from eval.tree import Tree
 from eval.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
                          visibility_attention_mask)
-from eval.walk import compact_rows
+from eval.walk import compact_path_rows, compact_rows
 from extract.layers import TapHooks
 from pipeline.log import get_logger
 
@@ -347,9 +347,7 @@ class KVTargetCache(TargetCache):
         """Static cache, fixed shape (CUDA-graph safe, no host value): rows past + path[j] -> past + j for every j
         in 0..L, all layers at once. Rows after the accepted ones are past the committed length (rewritten by the
         next verify); commit(..., contiguous=True) then only counts the accepted rows."""
-        kv = self.kv.kv
-        dest = self.past + torch.arange(path.shape[0], device=path.device)
-        kv.index_copy_(4, dest, kv.index_select(4, self.past + path))
+        compact_path_rows(self.kv.kv, 4, self.past, path)
 
     def commit(self, path: Tensor, n: int, contiguous: bool) -> None:
         """Keep rows length+path[:n] as rows length..length+n-1 (skip the move when path[:n] == arange(n))."""

@@ -70,20 +70,9 @@ def cell_label(method: str, budget: int | None) -> str:
     return f"{method}@{budget}" if budget is not None else method
 
 
-def _labels(report: dict) -> list[str]:
-    out: list[str] = []
-    for c in report["cells"]:
-        if c["label"] not in out:
-            out.append(c["label"])
-    return out
-
-
-def _benchmarks(report: dict) -> list[str]:
-    out: list[str] = []
-    for c in report["cells"]:
-        if c["benchmark"] not in out:
-            out.append(c["benchmark"])
-    return out
+def _distinct(report: dict, key: str) -> list[str]:
+    """The cells' values of `key` ("label" or "benchmark"), each once, in first-seen order."""
+    return list(dict.fromkeys(c[key] for c in report["cells"]))
 
 
 def _cell(report: dict, benchmark: str, label: str) -> dict | None:
@@ -97,9 +86,9 @@ def _cell(report: dict, benchmark: str, label: str) -> dict | None:
 
 def tau_table(report: dict) -> Table:
     """benchmark x method: per-response mean τ and the speedup over AR (the table `drafter eval` prints)."""
-    labels = [lb for lb in _labels(report) if lb != "ar"]
+    labels = [lb for lb in _distinct(report, "label") if lb != "ar"]
     rows = []
-    for b in _benchmarks(report):
+    for b in _distinct(report, "benchmark"):
         row = [b]
         for lb in labels:
             c = _cell(report, b, lb)
@@ -202,8 +191,8 @@ def _grouped_bars(groups: list[str], series: dict[str, list[float | None]], ylab
 
 
 def plot_tau_bars(report: dict) -> bytes:
-    labels = [lb for lb in _labels(report) if lb != "ar"]
-    benches = _benchmarks(report)
+    labels = [lb for lb in _distinct(report, "label") if lb != "ar"]
+    benches = _distinct(report, "benchmark")
     series = {lb: [(_cell(report, b, lb) or {}).get("tau_mean") for b in benches] for lb in labels}
     return _grouped_bars(benches, series, "τ (per-response mean)", "Acceptance length τ per benchmark and method")
 
@@ -238,7 +227,7 @@ def _per_benchmark_axes(n: int):
 
 
 def plot_histograms(report: dict) -> bytes:
-    benches = _benchmarks(report)
+    benches = _distinct(report, "benchmark")
     fig, axes = _per_benchmark_axes(len(benches))
     for ax, b in zip(axes, benches):
         cells = [c for c in report["cells"] if c["benchmark"] == b and c["method"] != "ar"]
@@ -256,7 +245,7 @@ def plot_histograms(report: dict) -> bytes:
 
 
 def plot_per_depth(report: dict) -> bytes:
-    benches = _benchmarks(report)
+    benches = _distinct(report, "benchmark")
     fig, axes = _per_benchmark_axes(len(benches))
     for ax, b in zip(axes, benches):
         for c in report["cells"]:

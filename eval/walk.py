@@ -112,3 +112,11 @@ def compact_rows(x: Tensor, dim: int, past: int, keep: Tensor) -> None:
     """
     n = keep.shape[0]
     x.narrow(dim, past, n).copy_(x.index_select(dim, keep + past))
+
+
+def compact_path_rows(x: Tensor, dim: int, past: Tensor, path: Tensor) -> None:
+    """`compact_rows` for every entry of `path` [L+1] with `past` a 0-dim device int: fixed shape and no host value
+    (CUDA-graph safe). Rows after the accepted ones receive copies that lie past the committed length."""
+    dest = past + torch.arange(path.shape[0], device=path.device)
+    x.index_copy_(dim, dest, x.index_select(dim, past + path))
+
