@@ -44,12 +44,18 @@ def gpu_ms(fn, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def kernel_table(title: str, fn, rows: int = 15) -> None:
+COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::index_copy_", "aten::cat", "aten::stack",
+            "aten::_to_copy", "aten::repeat_interleave", "aten::expand")
+
+
+def kernel_table(title: str, fn, rows: int = 15, copies: bool = False) -> None:
+    """GPU kernels of one call of fn, by total time; with `copies` also the host ops that copy tensors (with their
+    input shapes), which says where device-to-device memcpys come from."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=copies) as prof:
         fn()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
@@ -58,6 +64,11 @@ def kernel_table(title: str, fn, rows: int = 15) -> None:
     print(f"\n== {title}: {count} kernels, {total / 1e3:.3f} ms of GPU time")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
         print(f"  {e.self_device_time_total / 1e3:8.3f} ms {e.count:6d}x  {e.key[:110]}")
+    if copies:
+        ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in COPY_OPS]
+        print("  host ops that copy (count, op, input shapes):")
+        for e in sorted(ops, key=lambda e: -e.count)[:12]:
+            print(f"    {e.count:5d}x  {e.key:24s} {str(e.input_shapes)[:120]}")
 
 
 def matmul_floor(target, rows: int) -> float:
@@ -176,7 +187,8 @@ def main() -> None:
         ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
         tree, vin, anc = ops.build(draft_logits, bonus)
         c.fused, eager_fused = compiled, c.fused
-        kernel_table(f"verify, fused compiled (no graph), budget {budget}", lambda: c.verify(tree, vin), rows=25)
+        kernel_table(f"verify, fused compiled (no graph), budget {budget}", lambda: c.verify(tree, vin), rows=25,
+                     copies=True)
         c.fused = eager_fused
         c = caches["hf eager"]
         ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)

@@ -61,7 +61,7 @@ from pipeline.log import get_logger
 
 log = get_logger("eval.cache")
 
-KV_BUCKET = 512  # static-cache verify: attended key rows are rounded up to this (one verify graph per bucket)
+KV_BUCKET = 128  # static-cache verify: attended key rows are rounded up to this (one verify graph per bucket)
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding")
 MASKABLE_ATTENTION = ("sdpa", "eager")
 

@@ -16,8 +16,8 @@ a 12 ms verify even inside a CUDA graph. `VerifyForward` computes the same funct
     torch.compile fuses (`compile=True`; weights are arguments, so one compiled graph serves every layer
     and every N).
 
-Per layer: qkv GEMM, fused pre-attention kernels, 1 KV write (K and V rows at once), the attention, o GEMM,
-fused merge/residual/norm kernels, gate/up GEMM, fused SiLU*up, down GEMM.
+Per layer: qkv GEMM, fused pre-attention kernels (which also write the layer's K and V rows into the cache),
+the attention, o GEMM, fused merge/residual/norm kernels, gate/up GEMM, fused SiLU*up, down GEMM.
 
 Only targets whose layer math is exactly that are accepted (`refusal`): model_type llama / qwen2 / qwen3,
 every layer full attention (no sliding window), SiLU MLP, RMSNorm, and HF's own `rotary_emb` module (so every
@@ -162,11 +162,15 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def pre_attention(x: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int,
-                  head_dim: int) -> tuple[Tensor, Tensor]:
-    """x [N, D] -> (q [KVH, G*N, hd] with the G heads of a KV group folded into the query axis,
-    kv [2, 1, KVH, N, hd] = rotated K and V rows for the cache)."""
+                  head_dim: int, kv_rows: Tensor, kv_slices: Tensor, write_rows: Tensor, fold: bool) -> Tensor:
+    """x [N, D] -> q, and the layer's rotated K and V rows written into the cache.
+
+    q: [N, H, hd] (token-major: SDPA reads it as the [H, N, hd] view and returns its output in the same layout, so
+    post_attention's [N, H*hd] is a view, not a transpose copy), or with `fold` [KVH, G*N, hd] (the G heads of a
+    KV group folded into the query axis). The write: kv_rows [layers*2*KVH, cap, hd] (the cache buffer, flat)
+    gets rows `write_rows` [N] of slices `kv_slices` [2*KVH] (this layer's K heads then V heads), in place.
+    """
     N = x.shape[0]
-    G = heads // kv_heads
     qkv = F.linear(_rms_norm(x, w.attn_norm, eps), w.w_qkv, w.b_qkv)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = q.view(N, heads, head_dim)
@@ -174,11 +178,14 @@ def pre_attention(x: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: flo
     if w.q_norm is not None:
         q = _rms_norm(q, w.q_norm, eps)
         k = _rms_norm(k, w.k_norm, eps)
-    q = _rope(q.transpose(0, 1), cos, sin)  # [H, N, hd]
-    k = _rope(k.transpose(0, 1), cos, sin)  # [KVH, N, hd]
-    q = q.reshape(kv_heads, G * N, head_dim)  # head h = kvh*G + g -> row g*N + i of group kvh
-    kv = torch.stack([k, v.view(N, kv_heads, head_dim).transpose(0, 1)]).unsqueeze(1)
-    return q, kv
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, hd]: every head
+    q = _rope(q, cos, sin)  # [N, H, hd]
+    k = _rope(k, cos, sin)  # [N, KVH, hd]
+    rows = torch.stack([k, v.view(N, kv_heads, head_dim)], dim=1).reshape(N, 2 * kv_heads, head_dim)
+    kv_rows.index_put_((kv_slices[:, None], write_rows[None, :]), rows.transpose(0, 1))
+    if fold:  # head h = kvh*G + g -> row g*N + i of group kvh
+        return q.transpose(0, 1).reshape(kv_heads, (heads // kv_heads) * N, head_dim)
+    return q
 
 
 def merge_splits(out: Tensor, lse: Tensor) -> Tensor:
@@ -236,10 +243,12 @@ class VerifyForward:
         self.attention = attention
         self.attention_config = None  # (BLOCK_M, BLOCK_N, warps, stages); None = triton_kernels.ATTENTION_CONFIG
         self.splits = splits  # key chunks of the Triton attention; None = `attention_splits`
+        self.compiled = compile
         self.pre, self.post = pre_attention, post_attention
-        if compile:
-            self.pre = torch.compile(pre_attention, dynamic=True)
-            self.post = torch.compile(post_attention, dynamic=True)
+        if compile:  # sizes: N (marked dynamic at each call) varies, the weights' shapes are constants
+            self.pre = torch.compile(pre_attention, dynamic=None)
+            self.post = torch.compile(post_attention, dynamic=None)
+        self._kv_slices: dict = {}  # device -> per layer the [2*KVH] row blocks of its K and V heads
 
     def attention_mode(self, device) -> str:
         """The attention that runs on `device`: `self.attention`, with 'auto' = sdpa_gqa on CUDA, else sdpa, and
@@ -263,39 +272,59 @@ class VerifyForward:
         options = [s for s in (1, 2, 4, 8) if kv_len % (block_n * s) == 0]
         return min(options, key=lambda s: (-(-tiles * s // sms) / s, s))
 
+    def kv_slices(self, device) -> list[Tensor]:
+        """Per layer l: int64 [2*KVH] indices of its K heads then V heads in the flat cache [layers*2*KVH, ...]."""
+        key = str(device)
+        if key not in self._kv_slices:
+            width = 2 * self.kv_heads
+            self._kv_slices[key] = [torch.arange(l * width, (l + 1) * width, device=device)
+                                    for l in range(len(self.layers))]
+        return self._kv_slices[key]
+
     @torch.no_grad()
     def __call__(self, ids: Tensor, positions: Tensor, visibility: Tensor, past: Tensor, write_rows: Tensor,
                  kv: Tensor, kv_len: int) -> tuple[Tensor, Tensor | None]:
-        """visibility: bool [N, N] ancestor matrix; past: 0-dim device int (committed rows)."""
+        """visibility: bool [N, N] ancestor matrix; past: 0-dim device int (committed rows); kv contiguous."""
         N = ids.shape[0]
-        G = self.heads // self.kv_heads
         x = self.base.embed_tokens(ids)  # [N, D]
         cos, sin = self.base.rotary_emb(x.unsqueeze(0), positions)
         cos, sin = cos[0], sin[0]  # [N, hd]
+        if self.compiled:  # one compiled graph for every N (a tensor's N-sized dims)
+            for t in (cos, sin, write_rows):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         mode = self.attention_mode(ids.device)
         if mode == "triton":
-            splits = self.attention_splits(G * N, kv_len)
+            splits = self.attention_splits((self.heads // self.kv_heads) * N, kv_len)
         else:  # SDPA under the additive mask (repeated for the folded queries unless SDPA broadcasts the heads)
             mask = visibility_attention_mask(visibility, positions, past, kv_len, x.dtype)
             if mode == "sdpa":
+                G = self.heads // self.kv_heads
                 mask = mask.reshape(1, N, kv_len).expand(G, N, kv_len).reshape(1, 1, G * N, kv_len)
+        kv_rows = kv.view(-1, kv.shape[-2], kv.shape[-1])  # [layers*2*KVH, cap, hd]
+        slices = self.kv_slices(ids.device)
         taps = []
         for l, w in enumerate(self.layers):
-            q, rows = self.pre(x, w, cos, sin, self.eps, self.heads, self.kv_heads, self.head_dim)
-            kv[l].index_copy_(3, write_rows, rows)
+            if self.compiled:
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+            q = self.pre(x, w, cos, sin, self.eps, self.heads, self.kv_heads, self.head_dim, kv_rows, slices[l],
+                         write_rows, mode != "sdpa_gqa")
             keys, values = kv[l, 0, 0].narrow(1, 0, kv_len), kv[l, 1, 0].narrow(1, 0, kv_len)  # [KVH, kv_len, hd]
             lse = None
             if mode == "triton":
                 attn, lse = triton_kernels.tree_attention(q, keys, values, visibility, past, self.scale, splits,
                                                           self.attention_config)
                 attn, lse = (attn[0], None) if splits == 1 else (attn, lse)  # a failure: cache falls back to HF
-            elif mode == "sdpa_gqa":  # [H, N, hd] queries: the folded rows of a group are its G heads
-                attn = F.scaled_dot_product_attention(q.view(1, self.heads, N, -1), keys.unsqueeze(0),
+            elif mode == "sdpa_gqa":  # q [N, H, hd] read as [1, H, N, hd]; the output keeps q's layout
+                attn = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
                                                       values.unsqueeze(0), attn_mask=mask, scale=self.scale,
                                                       enable_gqa=True)[0]
             else:
                 attn = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                       attn_mask=mask, scale=self.scale)[0]
+            if self.compiled:
+                torch._dynamo.maybe_mark_dynamic(attn, attn.dim() - 2)  # the (folded) query axis
+                if lse is not None:
+                    torch._dynamo.maybe_mark_dynamic(lse, lse.dim() - 1)
             x = self.post(x, attn, lse, w, self.eps, self.heads)
             if l in self.tap_ids:
                 taps.append(x)

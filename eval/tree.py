@@ -73,16 +73,29 @@ class Tree:
 
 
 def top_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """fp32 top-k log-probs and token ids per depth: ([L, k], [L, k]), each row sorted descending.
+    """fp32 top-k log-probs and token ids per depth: ([L, k], [L, k]), each row in descending order of logit, equal
+    logits by token id ascending (so the order, and with it every rank tuple, is defined).
 
     topk of the logits in their own dtype (log-softmax is monotone per row, and every bf16/fp16 value is exact in
     fp32), then log-prob = fp32(logit) - fp32 logsumexp of the row: the [L, V] fp32 log-softmax is never written.
     Log-probs are clamped at LOGPROB_FLOOR and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts
-    and Python comparisons agree.
+    and Python comparisons agree. On CUDA with Triton the logsumexp and the ordering are one launch
+    (eval/triton_kernels.py `order_top`).
     """
-    top, top_ids = torch.topk(draft_logits, k, dim=-1)
+    top, top_ids = torch.topk(draft_logits, k, dim=-1, sorted=False)
+    if triton_kernels.available(draft_logits.device):
+        ordered = triton_kernels.run(triton_kernels.order_top, draft_logits, top, top_ids, LOGPROB_FLOOR)
+        if ordered is not None:
+            return ordered
+    return order_top(draft_logits, top, top_ids)
+
+
+def order_top(draft_logits: Tensor, top: Tensor, top_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The unsorted topk (values [L, k] in the logits' dtype, ids [L, k]) -> `top_log_probs`' result."""
+    top_ids, by_id = top_ids.sort(dim=-1)  # ids ascending, then a stable sort by value: ties stay in id order
+    top, by_value = top.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
     lse = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)
-    return (top.float() - lse).clamp_min(LOGPROB_FLOOR), top_ids
+    return (top.float() - lse).clamp_min(LOGPROB_FLOOR), top_ids.gather(-1, by_value)
 
 
 def tree_size(budget: int, depth_limit: int, vocab: int) -> int:
@@ -216,7 +229,7 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     draft_logits: [L, V] (any float dtype; the builder works in fp32). root_token: int or device scalar tensor.
     Work: one topk + logsumexp over [L, V]; per depth one gather + add + stable sort over the staircase
     (~B·ln B candidates); one stable sort over the L·B per-depth winners. On CUDA with Triton the selection
-    (everything after the topk) is 2L + 4 Triton launches, eval/triton_kernels.py.
+    (everything after the topk) is L + 2 Triton launches, eval/triton_kernels.py.
     """
     _check_budget(budget)
     L, V = draft_logits.shape
@@ -229,7 +242,7 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     top_lp, top_ids = top_log_probs(draft_logits, min(B, V))
     K = top_lp.shape[1]
     slot_of, rank_of, frontier = _staircase(B, K, device)  # [M] candidates in (slot, rank) order; root frontier
-    if triton_kernels.available(device):  # the same selection in 2L + 4 launches
+    if triton_kernels.available(device):  # the same selection in L + 2 launches
         arrays = triton_kernels.run(triton_kernels.select_tree, top_lp, top_ids, slot_of, rank_of, B, n,
                                     _root_tensor(root_token, device))
         if arrays is not None:

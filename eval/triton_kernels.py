@@ -1,9 +1,11 @@
 """The round's CUDA kernels (Triton): each one computes exactly what a torch function elsewhere defines.
 
+    order_top        eval/tree.py `order_top` (logsumexp + ordering of the unsorted top-K, one launch)
     select_tree      eval/tree.py `build_tree` after the top-K (the per-depth staircase selection + final pick)
     ancestor_table,  eval/verify.py functions of the same names (walking up the parents instead of
     ancestor_matrix  pointer doubling + concatenation + scatter)
     greedy_walk      eval/walk.py `target_choices` at T = 0 + `walk_tree` + `Walk.host_record`
+    compact_path_rows  eval/walk.py function of the same name (the static cache's move of the path's K/V rows)
     tree_attention   eval/target_forward.py attention under the eval/verify.py tree mask (split over keys)
 
 Why: in a CUDA graph each small torch op still costs a kernel of a few microseconds; the torch versions of the
@@ -20,6 +22,8 @@ kernel with its torch version in Triton's CPU interpreter and, on the GPU machin
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -72,48 +76,58 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _depth_keys_kernel(top_lp, K, slot_of, rank_of, M, scores, keys, d, B, BLOCK: tl.constexpr):
-        """keys[c] for staircase candidate c at depth d: frontier (scores row d; the root alone at d = 0) + lp."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < M
+    def _candidate_keys(offs, valid, top_lp, K, slot_of, rank_of, scores, d, B):
+        """Keys of staircase candidates `offs` at depth d: score = frontier (scores row d; the root alone at d = 0)
+        + lp of the candidate's rank; key = sortable(score) << 32 | reversed index (unique). Invalid: int64 min."""
         slot = tl.load(slot_of + offs, mask=valid, other=0)
         rank = tl.load(rank_of + offs, mask=valid, other=0)
         root = tl.where(slot == 0, 0.0, float("-inf"))
         deeper = valid & ((offs * 0 + d) > 0)  # a tensor mask (a scalar one is not portable across backends)
         f = tl.where(d == 0, root, tl.load(scores + d * B + slot, mask=deeper, other=float("-inf")))
         score = f + tl.load(top_lp + d * K + rank, mask=valid, other=float("-inf"))
-        tl.store(keys + offs, (_sortable(score) << 32) | (2147483647 - offs).to(tl.int64), mask=valid)
+        key = (_sortable(score) << 32) | (2147483647 - offs).to(tl.int64)
+        return tl.where(valid, key, -9223372036854775807 - 1)
 
     @triton.jit
-    def _rank_kernel(keys, M, limit, out_score, out_index, BLOCK: tl.constexpr, TILE: tl.constexpr):
-        """For each key: rank = #keys greater (keys are unique); if rank < limit write its score (the key's high
-        word) to out_score[rank] and its index to out_index[rank]."""
+    def _score_of(key):
+        hi = (key >> 32).to(tl.int32)
+        return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _depth_rank_kernel(top_lp, K, slot_of, rank_of, M, scores, d, B, picks,
+                           BLOCK: tl.constexpr, TILE: tl.constexpr):
+        """Depth d in one launch: each program ranks its BLOCK candidates against all M (rank = #keys greater; keys
+        are unique, computed on the fly) and writes the B best: scores[d + 1, rank] and picks[d, rank]."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < M
-        mine = tl.load(keys + offs, mask=valid, other=0)
+        mine = _candidate_keys(offs, valid, top_lp, K, slot_of, rank_of, scores, d, B)
         count = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, M, TILE):
             cols = start + tl.arange(0, TILE)
-            other = tl.load(keys + cols, mask=cols < M, other=-9223372036854775807 - 1)
+            other = _candidate_keys(cols, cols < M, top_lp, K, slot_of, rank_of, scores, d, B)
             count += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
-        keep = valid & (count < limit)
-        hi = (mine >> 32).to(tl.int32)
-        score = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
-        tl.store(out_score + count, score, mask=keep)
-        tl.store(out_index + count, offs, mask=keep)
+        keep = valid & (count < B)
+        tl.store(scores + (d + 1) * B + count, _score_of(mine), mask=keep)
+        tl.store(picks + d * B + count, offs, mask=keep)
 
     @triton.jit
-    def _flat_keys_kernel(scores, LB, B, keys, BLOCK: tl.constexpr):
-        """keys over the per-depth winners laid out (depth, slot) = rows 1..L of scores."""
+    def _final_rank_kernel(scores, LB, B, n, chosen, node_of, BLOCK: tl.constexpr, TILE: tl.constexpr):
+        """The n best of the L*B per-depth winners (rows 1..L of scores, flat (depth-1)*B + slot) in one launch:
+        chosen[rank] = flat index and node_of[flat] = rank + 1 (its node id) for rank < n."""
         flat = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = flat < LB
         s = tl.load(scores + B + flat, mask=valid, other=0.0)
-        tl.store(keys + flat, (_sortable(s) << 32) | (2147483647 - flat).to(tl.int64), mask=valid)
-
-    @triton.jit
-    def _node_of_kernel(chosen, n, node_of, BLOCK: tl.constexpr):
-        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(node_of + tl.load(chosen + r, mask=r < n, other=0), r + 1, mask=r < n)
+        mine = tl.where(valid, (_sortable(s) << 32) | (2147483647 - flat).to(tl.int64), -9223372036854775807 - 1)
+        count = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, LB, TILE):
+            cols = start + tl.arange(0, TILE)
+            ok = cols < LB
+            o = tl.load(scores + B + cols, mask=ok, other=0.0)
+            other = tl.where(ok, (_sortable(o) << 32) | (2147483647 - cols).to(tl.int64), -9223372036854775807 - 1)
+            count += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
+        keep = valid & (count < n)
+        tl.store(chosen + count, flat, mask=keep)
+        tl.store(node_of + flat, count + 1, mask=keep)
 
     @triton.jit
     def _tree_arrays_kernel(chosen, picks, slot_of, rank_of, node_of, top_ids, K, B, n, root,
@@ -138,8 +152,8 @@ def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tenso
                 root: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(tokens, parents, depths) int64 [1 + n] of the tree (eval/tree.py layout and order) from fp32 top_lp [L, K]
     (rows sorted descending), int64 top_ids [L, K], the staircase (slot_of, rank_of [M], (slot, rank) order) and
-    root int64 [1]. Launches: per depth keys + rank count, then keys + rank count + node ids over the L*B
-    winners, then one gather of the arrays: 2L + 4."""
+    root int64 [1]. Launches: one rank count per depth (keys computed on the fly), one over the L*B winners (which
+    also writes their node ids), one gather of the arrays: L + 2."""
     L, K = top_lp.shape
     M = slot_of.shape[0]
     device = top_lp.device
@@ -147,22 +161,59 @@ def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tenso
     scores = torch.empty(L + 1, budget, dtype=torch.float32, device=device)  # row d: frontier of depth d (row 0 unused)
     picks = torch.empty(L, budget, dtype=torch.int32, device=device)
     chosen = torch.empty(n, dtype=torch.int32, device=device)
-    chosen_score = torch.empty(n, dtype=torch.float32, device=device)
     node_of = torch.empty(L * budget, dtype=torch.int32, device=device)
-    keys = torch.empty(max(M, L * budget), dtype=torch.int64, device=device)
     BLOCK, TILE = 16, 1024  # rank counting: [16, 1024] comparisons per step
     for d in range(L):
-        _depth_keys_kernel[(triton.cdiv(M, 1024),)](top_lp, K, slot_of, rank_of, M, scores, keys, d, budget,
-                                                    BLOCK=1024)
-        _rank_kernel[(triton.cdiv(M, BLOCK),)](keys, M, budget, scores[d + 1], picks[d], BLOCK=BLOCK, TILE=TILE)
+        _depth_rank_kernel[(triton.cdiv(M, BLOCK),)](top_lp, K, slot_of, rank_of, M, scores, d, budget, picks,
+                                                     BLOCK=BLOCK, TILE=TILE)
     LB = L * budget
-    _flat_keys_kernel[(triton.cdiv(LB, 1024),)](scores, LB, budget, keys, BLOCK=1024)
-    _rank_kernel[(triton.cdiv(LB, BLOCK),)](keys, LB, n, chosen_score, chosen, BLOCK=BLOCK, TILE=TILE)
-    _node_of_kernel[(triton.cdiv(n, 1024),)](chosen, n, node_of, BLOCK=1024)
+    _final_rank_kernel[(triton.cdiv(LB, BLOCK),)](scores, LB, budget, n, chosen, node_of, BLOCK=BLOCK, TILE=TILE)
     tokens, parents, depths = (torch.empty(1 + n, dtype=torch.long, device=device) for _ in range(3))
     _tree_arrays_kernel[(triton.cdiv(n + 1, 128),)](chosen, picks, slot_of, rank_of, node_of, top_ids, K, budget, n,
                                                     root, tokens, parents, depths, BLOCK=128)
     return tokens, parents, depths
+
+
+if triton is not None:
+
+    @triton.jit
+    def _order_top_kernel(logits, V, top, ids, K, floor, out_lp, out_ids, KP: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Row r: fp32 logsumexp of logits[r, :V], then the K (value, id) pairs of the row's unsorted top-K in
+        descending value order, ties by id ascending (one sort of unique int64 keys), as log-probs."""
+        r = tl.program_id(0).to(tl.int64)
+        m_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        s_vec = tl.zeros([BLOCK_V], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(logits + r * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_vec, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_vec = s_vec * tl.exp(m_vec - m_safe) + tl.exp(x - m_safe)
+            m_vec = m_new
+        m = tl.max(m_vec, axis=0)
+        lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
+        j = tl.arange(0, KP)
+        ok = j < K
+        value = tl.load(top + r * K + j, mask=ok, other=0.0).to(tl.float32)
+        token = tl.load(ids + r * K + j, mask=ok, other=0)
+        key = tl.where(ok, (_sortable(value) << 32) | (2147483647 - token), -9223372036854775807 - 1)
+        key = tl.sort(key, descending=True)
+        token = 2147483647 - (key & 0xFFFFFFFF)
+        tl.store(out_lp + r * K + j, tl.maximum(_score_of(key) - lse, floor), mask=ok)
+        tl.store(out_ids + r * K + j, token, mask=ok)
+
+
+def order_top(logits: Tensor, top: Tensor, ids: Tensor, floor: float) -> tuple[Tensor, Tensor]:
+    """eval/tree.py `order_top`: logits [L, V], top [L, K] (logits' dtype), ids [L, K]
+    int64 -> (fp32 log-probs [L, K] clamped at `floor`, ids [L, K]) in descending logit order, ties by id; one
+    launch (program per row)."""
+    L, V = logits.shape
+    K = top.shape[1]
+    out_lp = torch.empty(L, K, dtype=torch.float32, device=logits.device)
+    out_ids = torch.empty(L, K, dtype=torch.long, device=logits.device)
+    _order_top_kernel[(L,)](logits.contiguous(), V, top.contiguous(), ids.contiguous(), K, floor, out_lp, out_ids,
+                            KP=_pow2(K), BLOCK_V=4096, num_warps=8)
+    return out_lp, out_ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,6 +358,40 @@ def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tens
                        bonus, last, record, NP=_pow2(N), WP=_pow2(W), LP=_pow2(L + 1),
                        num_warps=4 if N <= 256 else 8)
     return accepted, path, bonus, last, record
+
+
+# ----------------------------------------------------------------------------------------------
+# Path compaction (eval/walk.py `compact_path_rows`)
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _compact_path_kernel(x, R, C, past_ptr, path, LP1, LP: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Slice p, columns chunk c of x viewed [P, R, C]: rows past + path[j] -> past + j for j < LP1, all rows
+        read before any is written (so no order between the rows is assumed)."""
+        p, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        past = tl.load(past_ptr)
+        j = tl.arange(0, LP)
+        ok = j < LP1
+        cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = ok[:, None] & (cols < C)[None, :]
+        src = past + tl.load(path + j, mask=ok, other=0)
+        base = x + p * R * C
+        rows = tl.load(base + src[:, None] * C + cols[None, :], mask=m)
+        tl.debug_barrier()
+        tl.store(base + (past + j)[:, None] * C + cols[None, :], rows, mask=m)
+
+
+def compact_path_rows(x: Tensor, dim: int, past: Tensor, path: Tensor) -> Tensor:
+    """eval/walk.py `compact_path_rows` for a contiguous x, in place, one launch; returns x."""
+    P, R = math.prod(x.shape[:dim]), x.shape[dim]
+    C = x.numel() // (P * R)
+    block_c = min(_pow2(C), 128)
+    LP1 = path.shape[0]
+    _compact_path_kernel[(P, triton.cdiv(C, block_c))](x, R, C, past.reshape(1), path, LP1, LP=_pow2(LP1),
+                                                       BLOCK_C=block_c)
+    return x
 
 
 # ----------------------------------------------------------------------------------------------

@@ -122,3 +122,27 @@ def test_a_fused_forward_that_fails_is_dropped_and_decoding_stays_exact():
     oracle = OracleDrafter(target, prompt, greedy, seed=0)
     res = decode("ddtree", target, oracle, prompt, max_new_tokens=20, budget=16, cache_impl="fused")
     assert cache.fused is None and res.output_ids == greedy[:20]
+
+
+def test_compiled_fused_forward_equals_eager_with_one_graph_for_every_n_and_layer():
+    """torch.compile'd pre/post (what the CUDA-graph cache runs), here by inductor on the CPU: the same logits,
+    taps and K/V rows as the eager fused forward at several tree sizes, and each function compiled at most twice
+    (N dynamic; never once per layer, whose cache slices and weights are arguments)."""
+    import eval.target_forward as tf
+
+    torch._dynamo.reset()
+    target = tiny_target("qwen3")
+    eager, compiled = target_cache(target, TAPS, "fused"), target_cache(target, TAPS, "fused")
+    compiled.fused = tf.VerifyForward(target, TAPS, compile=True)
+    prompt = prompts(1, 4)[0]
+    draft = torch.randn(BLOCK - 1, target.config.vocab_size, generator=torch.Generator().manual_seed(2)) * 3
+    for budget in (1, 9, 16, 40):
+        ref, ref_rows = verify_once(eager, prompt, draft, budget)
+        got, got_rows = verify_once(compiled, prompt, draft, budget)
+        assert compiled.fused is not None and compiled.fused.compiled, "the compiled forward failed its check"
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.features, ref.features, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_rows, ref_rows, rtol=1e-5, atol=1e-5)
+    for fn in (tf.pre_attention, tf.post_attention):
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
+        assert 1 <= len(entries) <= 2, f"{fn.__name__} compiled {len(entries)} times"

@@ -8,6 +8,7 @@ CUDA).
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -49,6 +50,50 @@ def check_select_tree_equals_heap(device: str = "cpu"):
                                                              tree_size(budget, L, V), torch.tensor([3], device=device))
         assert (tokens.tolist(), parents.tolist(), depths.tolist()) == \
             (ref.tokens.tolist(), ref.parents.tolist(), ref.depths.tolist()), trial
+
+
+def check_order_top_equals_torch(device: str = "cpu"):
+    from eval import triton_kernels
+    from eval.tree import LOGPROB_FLOOR, order_top
+
+    gen = torch.Generator().manual_seed(4)
+    for trial in range(12):
+        L = int(torch.randint(1, 5, (1,), generator=gen))
+        V = int(torch.randint(2, 9000, (1,), generator=gen))  # > one 4096-wide chunk of the logsumexp loop
+        k = int(torch.randint(1, min(V, 300) + 1, (1,), generator=gen))
+        logits = torch.randn(L, V, generator=gen) * 4
+        if trial % 3 == 0:  # many exact ties, so the id tie-break decides the order
+            logits = torch.randint(0, 4, (L, V), generator=gen).float()
+        logits = logits.to(torch.bfloat16 if trial % 2 else torch.float32).to(device)
+        top, ids = torch.topk(logits, k, dim=-1, sorted=False)
+        got_lp, got_ids = triton_kernels.order_top(logits, top, ids, LOGPROB_FLOOR)
+        ref_lp, ref_ids = order_top(logits, top, ids)
+        assert torch.equal(got_ids, ref_ids), trial
+        torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=2e-5)
+
+
+def check_compact_path_rows_equals_torch(device: str = "cpu"):
+    from eval import triton_kernels
+    from eval.walk import compact_path_rows
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(10):
+        shape = [2, 3, 1, 2, 64, 16] if trial % 2 else [3, 40, 200]  # the static cache's layout; a plain one
+        dim = 4 if trial % 2 else 1
+        x = torch.randn(shape, generator=gen).to(device)
+        past = torch.tensor(int(torch.randint(0, 10, (1,), generator=gen)), device=device)
+        L1 = int(torch.randint(1, 12, (1,), generator=gen))
+        if trial % 3 == 0:  # any rows, repeats and backward moves included: all reads happen before the writes
+            path = torch.randint(0, 20, (L1,), generator=gen)
+        else:  # a walk's path: 0, increasing node ids, zeros after the accepted part
+            accepted = int(torch.randint(0, L1, (1,), generator=gen))
+            path = torch.zeros(L1, dtype=torch.long)
+            path[1: accepted + 1] = torch.randperm(20, generator=gen)[:accepted].add(1).sort().values
+        path = path.to(device)
+        ref = x.cpu().clone()
+        compact_path_rows(ref, dim, past.cpu(), path.cpu())  # on the CPU: the torch version
+        triton_kernels.compact_path_rows(x, dim, past, path)
+        assert torch.equal(x.cpu(), ref), trial
 
 
 def check_greedy_walk_equals_walk_tree(device: str = "cpu"):
@@ -124,7 +169,7 @@ def check_ancestors_equal_pointer_doubling(device: str = "cpu"):
         assert torch.equal(triton_kernels.ancestor_matrix(table).cpu(), ancestor_matrix(tree, ref)), trial
 
 
-CHECKS = ["check_select_tree_equals_heap", "check_ancestors_equal_pointer_doubling",
+CHECKS = ["check_order_top_equals_torch", "check_compact_path_rows_equals_torch", "check_select_tree_equals_heap", "check_ancestors_equal_pointer_doubling",
           "check_greedy_walk_equals_walk_tree", "check_tree_attention_equals_sdpa"]
 
 
@@ -145,9 +190,12 @@ def test_a_failing_kernel_switches_every_kernel_off_with_a_warning(caplog):
     def broken_kernel():
         raise RuntimeError("PTX assembly failed")  # what a Triton build error on an unsupported GPU raises
 
+    drafter_log = logging.getLogger("drafter")  # pipeline/log.py stops propagation to the root (caplog's) logger
+    drafter_log.addHandler(caplog.handler)
     try:
         assert triton_kernels.run(broken_kernel) is None
         assert not triton_kernels.available("cuda")
         assert "broken_kernel" in caplog.text and "torch versions" in caplog.text
     finally:
+        drafter_log.removeHandler(caplog.handler)
         triton_kernels._FAILED.clear()
