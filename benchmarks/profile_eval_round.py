@@ -71,6 +71,19 @@ def kernel_table(title: str, fn, rows: int = 15, copies: bool = False) -> None:
             print(f"    {e.count:5d}x  {e.key:24s} {str(e.input_shapes)[:120]}")
 
 
+def graph_ms(fn) -> float:
+    """GPU ms of fn captured in a CUDA graph (kernel time + in-graph gaps, no host launch cost)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return gpu_ms(graph.replay)
+
+
 def matmul_floor(target, rows: int) -> float:
     """GPU ms of the verify's matmuls alone (fused qkv, o, gate/up, down per layer + the LM head), one CUDA graph."""
     fwd = VerifyForward(target, [])
@@ -200,6 +213,23 @@ def main() -> None:
         gops = _round_ops("ddtree", budget, "device", g, 0.0, L, vocab, device)
         print(f"\nbuild graph replay {gpu_ms(lambda: gops.build(draft_logits, bonus)):.3f} ms GPU; "
               f"walk graph {gpu_ms(lambda: gops.walk(tree, anc, out.logits, None, out.features)):.3f} ms GPU")
+        print(f"selection configs at budget {budget} (candidates per program, keys per step, warps): GPU ms of "
+              f"build_tree in a CUDA graph")
+        from eval import triton_kernels
+        default = triton_kernels.SELECT_CONFIG
+        bf16_logits = draft_logits.to(torch.bfloat16)
+        for cfg in ((2, 1024, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 2), (8, 1024, 4), (8, 2048, 8),
+                    (16, 1024, 4), (32, 512, 4)):
+            triton_kernels.SELECT_CONFIG = cfg
+            try:
+                ms = graph_ms(lambda: build_tree(bf16_logits, budget, bonus))
+                same = all(torch.equal(x, y) for x, y in zip(
+                    (lambda t: (t.tokens, t.parents, t.depths))(build_tree(bf16_logits, budget, bonus)),
+                    (lambda t: (t.tokens, t.parents, t.depths))(build_tree_heap(bf16_logits, budget, bonus))))
+                print(f"  {cfg}: {ms:.4f} ms, = heap: {same}")
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not a crash
+                print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
+        triton_kernels.SELECT_CONFIG = default
         for b in (16, 64, 256, 1024):
             k = min(b, vocab)
             t_top = gpu_ms(lambda: top_log_probs(draft_logits.to(torch.bfloat16), k))

@@ -408,7 +408,7 @@ class CudaGraphFn:
                 log.warning("CUDA-graph capture of %s failed (%s): running eagerly", self.name, exc)
                 self.disabled = True
                 return self.fn(*args)
-        for buf, x in zip(_leaves(self.args), _leaves(args)):
+        for buf, x in zip(self.buffers, _leaves(args)):
             if not _same_buffer(buf, x):
                 buf.copy_(x)
         self.graph.replay()
@@ -423,6 +423,7 @@ class CudaGraphFn:
 
     def _capture(self, args) -> None:
         self.args = args
+        self.buffers = _leaves(args)  # the graph's input tensors, flattened once
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

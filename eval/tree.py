@@ -79,7 +79,7 @@ def top_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     topk of the logits in their own dtype (log-softmax is monotone per row, and every bf16/fp16 value is exact in
     fp32), then log-prob = fp32(logit) - fp32 logsumexp of the row: the [L, V] fp32 log-softmax is never written.
     Log-probs are clamped at LOGPROB_FLOOR and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts
-    and Python comparisons agree. On CUDA with Triton the logsumexp and the ordering are one launch
+    and Python comparisons agree. On CUDA with Triton the logsumexp and the ordering are two launches
     (eval/triton_kernels.py `order_top`).
     """
     top, top_ids = torch.topk(draft_logits, k, dim=-1, sorted=False)

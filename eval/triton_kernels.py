@@ -1,6 +1,6 @@
 """The round's CUDA kernels (Triton): each one computes exactly what a torch function elsewhere defines.
 
-    order_top        eval/tree.py `order_top` (logsumexp + ordering of the unsorted top-K, one launch)
+    order_top        eval/tree.py `order_top` (logsumexp + ordering of the unsorted top-K, two launches)
     select_tree      eval/tree.py `build_tree` after the top-K (the per-depth staircase selection + final pick)
     ancestor_table,  eval/verify.py functions of the same names (walking up the parents instead of
     ancestor_matrix  pointer doubling + concatenation + scatter)
@@ -148,6 +148,9 @@ if triton is not None:
         tl.store(depths + i, tl.where(is_root, 0, depth0 + 1).to(tl.int64), mask=i <= n)
 
 
+SELECT_CONFIG = (8, 1024, 4)  # rank counting: candidates per program, keys per compare step, warps (H200 sweep)
+
+
 def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tensor, budget: int, n: int,
                 root: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(tokens, parents, depths) int64 [1 + n] of the tree (eval/tree.py layout and order) from fp32 top_lp [L, K]
@@ -162,12 +165,13 @@ def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tenso
     picks = torch.empty(L, budget, dtype=torch.int32, device=device)
     chosen = torch.empty(n, dtype=torch.int32, device=device)
     node_of = torch.empty(L * budget, dtype=torch.int32, device=device)
-    BLOCK, TILE = 16, 1024  # rank counting: [16, 1024] comparisons per step
+    BLOCK, TILE, warps = SELECT_CONFIG  # rank counting: [BLOCK, TILE] comparisons per step
     for d in range(L):
         _depth_rank_kernel[(triton.cdiv(M, BLOCK),)](top_lp, K, slot_of, rank_of, M, scores, d, budget, picks,
-                                                     BLOCK=BLOCK, TILE=TILE)
+                                                     BLOCK=BLOCK, TILE=TILE, num_warps=warps)
     LB = L * budget
-    _final_rank_kernel[(triton.cdiv(LB, BLOCK),)](scores, LB, budget, n, chosen, node_of, BLOCK=BLOCK, TILE=TILE)
+    _final_rank_kernel[(triton.cdiv(LB, BLOCK),)](scores, LB, budget, n, chosen, node_of, BLOCK=BLOCK, TILE=TILE,
+                                                  num_warps=warps)
     tokens, parents, depths = (torch.empty(1 + n, dtype=torch.long, device=device) for _ in range(3))
     _tree_arrays_kernel[(triton.cdiv(n + 1, 128),)](chosen, picks, slot_of, rank_of, node_of, top_ids, K, budget, n,
                                                     root, tokens, parents, depths, BLOCK=128)
@@ -177,21 +181,28 @@ def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tenso
 if triton is not None:
 
     @triton.jit
-    def _order_top_kernel(logits, V, top, ids, K, floor, out_lp, out_ids, KP: tl.constexpr, BLOCK_V: tl.constexpr):
-        """Row r: fp32 logsumexp of logits[r, :V], then the K (value, id) pairs of the row's unsorted top-K in
+    def _lse_partial_kernel(logits, V, chunk, part_max, part_sum, BLOCK: tl.constexpr):
+        """Row r, chunk c of `chunk` columns: max m and sum(exp(x - m)) in fp32 -> part_max/part_sum [r, c]."""
+        r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        cols = c * chunk + tl.arange(0, BLOCK)
+        x = tl.load(logits + r * V + cols, mask=(cols < V) & (cols < (c + 1) * chunk),
+                    other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(part_max + r * tl.num_programs(1) + c, m)
+        tl.store(part_sum + r * tl.num_programs(1) + c, tl.sum(tl.exp(x - m_safe), axis=0))
+
+    @triton.jit
+    def _order_top_kernel(part_max, part_sum, C, top, ids, K, floor, out_lp, out_ids,
+                          CP: tl.constexpr, KP: tl.constexpr):
+        """Row r: logsumexp from the C chunk partials, then the K (value, id) pairs of the row's unsorted top-K in
         descending value order, ties by id ascending (one sort of unique int64 keys), as log-probs."""
         r = tl.program_id(0).to(tl.int64)
-        m_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        s_vec = tl.zeros([BLOCK_V], tl.float32)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            x = tl.load(logits + r * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m_vec, x)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s_vec = s_vec * tl.exp(m_vec - m_safe) + tl.exp(x - m_safe)
-            m_vec = m_new
-        m = tl.max(m_vec, axis=0)
-        lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
+        c = tl.arange(0, CP)
+        pm = tl.load(part_max + r * C + c, mask=c < C, other=float("-inf"))
+        ps = tl.load(part_sum + r * C + c, mask=c < C, other=0.0)
+        m = tl.max(pm, axis=0)
+        lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
         j = tl.arange(0, KP)
         ok = j < K
         value = tl.load(top + r * K + j, mask=ok, other=0.0).to(tl.float32)
@@ -204,15 +215,20 @@ if triton is not None:
 
 
 def order_top(logits: Tensor, top: Tensor, ids: Tensor, floor: float) -> tuple[Tensor, Tensor]:
-    """eval/tree.py `order_top`: logits [L, V], top [L, K] (logits' dtype), ids [L, K]
-    int64 -> (fp32 log-probs [L, K] clamped at `floor`, ids [L, K]) in descending logit order, ties by id; one
-    launch (program per row)."""
+    """eval/tree.py `order_top`: logits [L, V], top [L, K] (logits' dtype), ids [L, K] int64 -> (fp32 log-probs
+    [L, K] clamped at `floor`, ids [L, K]) in descending logit order, ties by id. Two launches: the logsumexp's
+    per-chunk partials over an [L, chunks] grid, then one program per row merges them and sorts."""
     L, V = logits.shape
     K = top.shape[1]
+    chunk = 4096
+    C = triton.cdiv(V, chunk)
+    part_max = torch.empty(L, C, dtype=torch.float32, device=logits.device)
+    part_sum = torch.empty(L, C, dtype=torch.float32, device=logits.device)
+    _lse_partial_kernel[(L, C)](logits.contiguous(), V, chunk, part_max, part_sum, BLOCK=chunk, num_warps=8)
     out_lp = torch.empty(L, K, dtype=torch.float32, device=logits.device)
     out_ids = torch.empty(L, K, dtype=torch.long, device=logits.device)
-    _order_top_kernel[(L,)](logits.contiguous(), V, top.contiguous(), ids.contiguous(), K, floor, out_lp, out_ids,
-                            KP=_pow2(K), BLOCK_V=4096, num_warps=8)
+    _order_top_kernel[(L,)](part_max, part_sum, C, top.contiguous(), ids.contiguous(), K, floor, out_lp, out_ids,
+                            CP=_pow2(C), KP=_pow2(K), num_warps=4)
     return out_lp, out_ids
 
 

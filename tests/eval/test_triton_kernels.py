@@ -173,6 +173,8 @@ CHECKS = ["check_order_top_equals_torch", "check_compact_path_rows_equals_torch"
           "check_greedy_walk_equals_walk_tree", "check_tree_attention_equals_sdpa"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernels are checked compiled (below); the "
+                    "GPU image's Triton 3.6 interpreter cannot run loops with a runtime bound under NumPy 2.4")
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
     run_interpreted(check)
