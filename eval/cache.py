@@ -414,8 +414,11 @@ class CudaGraphFn:
         self.graph.replay()
         if not self.checked:
             self.checked = True
-            eager = self.fn(*self.args)
-            if not self.check(self.out, eager):
+            from torch.utils._pytree import tree_map
+
+            replayed = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, self.out)
+            eager = self.fn(*self.args)  # (fn may write into the same buffers the graph does: compare a copy)
+            if not self.check(replayed, eager):
                 log.warning("CUDA-graph %s differs from eager: running eagerly from now on", self.name)
                 self.disabled = True
                 return eager

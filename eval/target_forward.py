@@ -249,6 +249,7 @@ class VerifyForward:
             self.pre = torch.compile(pre_attention, dynamic=None)
             self.post = torch.compile(post_attention, dynamic=None)
         self._kv_slices: dict = {}  # device -> per layer the [2*KVH] row blocks of its K and V heads
+        self._out_buffers: dict = {}  # (N, device) -> (logits, features) every verify of N rows writes
 
     def attention_mode(self, device) -> str:
         """The attention that runs on `device`: `self.attention`, with 'auto' = sdpa_gqa on CUDA, else sdpa, and
@@ -328,5 +329,21 @@ class VerifyForward:
             x = self.post(x, attn, lse, w, self.eps, self.heads)
             if l in self.tap_ids:
                 taps.append(x)
-        logits = self.target.get_output_embeddings()(self.base.norm(x))
-        return logits, (torch.cat(taps, dim=-1) if taps else None)
+        return self._outputs(self.base.norm(x), taps)
+
+    def _outputs(self, h: Tensor, taps: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        """(logits [N, V], features [N, n_taps*D] or None) written into buffers kept per N: every verify graph of
+        one tree size returns the SAME tensors, so the walk graph that reads them never copies its inputs when a
+        new key bucket brings a new verify graph. Overwritten by the next verify of that size."""
+        head = self.target.get_output_embeddings()
+        if head.bias is not None:
+            return head(h), (torch.cat(taps, dim=-1) if taps else None)
+        N, key = h.shape[0], (h.shape[0], str(h.device))
+        if key not in self._out_buffers:
+            feats = torch.empty(N, len(taps) * h.shape[1], dtype=h.dtype, device=h.device) if taps else None
+            self._out_buffers[key] = (torch.empty(N, head.weight.shape[0], dtype=h.dtype, device=h.device), feats)
+        logits, feats = self._out_buffers[key]
+        torch.mm(h, head.weight.t(), out=logits)
+        if taps:
+            torch.cat(taps, dim=-1, out=feats)
+        return logits, feats

@@ -371,8 +371,9 @@ class DFlashDrafter(nn.Module):
         return F.embedding(ids, self.embed_weight).to(dtype)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """fp32 logits [.., V] of final-normed hidden states through the frozen LM head."""
-        return F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+        """Logits [.., V] of final-normed hidden states through the frozen LM head, in the head's dtype (an fp32 copy
+        would only be an exact upcast: consumers that need fp32, like the tree builder's log-softmax, convert)."""
+        return F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight)
 
     # -- shared pieces ---------------------------------------------------------------------------
 
@@ -458,7 +459,7 @@ class DFlashDrafter(nn.Module):
     def draft_logits(
         self, cache: DrafterCache, new_context_features: Tensor, bonus_token: int | Tensor, start: int
     ) -> Tensor:
-        """fp32 logits [B-1, V] of block slots 1..B-1 (slot k predicts the token at position start+k).
+        """Logits [B-1, V] (LM head dtype) of block slots 1..B-1 (slot k predicts the token at position start+k).
 
         Appends the T_new new context rows (positions cache.length .. start-1; requires cache.length + T_new ==
         start) to `cache`, then runs the block [bonus, MASK x (B-1)] at positions start..start+B-1 against all

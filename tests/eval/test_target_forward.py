@@ -146,3 +146,24 @@ def test_compiled_fused_forward_equals_eager_with_one_graph_for_every_n_and_laye
     for fn in (tf.pre_attention, tf.post_attention):
         entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
         assert 1 <= len(entries) <= 2, f"{fn.__name__} compiled {len(entries)} times"
+
+
+def test_verifies_of_one_tree_size_return_the_same_buffers_whatever_the_key_bucket():
+    """So the walk's CUDA graph, captured on the first verify's outputs, never copies [N, V] logits when a longer
+    past brings a new verify graph (eval/cache.py KV_BUCKET); the values still equal HF's forward."""
+    from eval.cache import KV_BUCKET
+
+    target = tiny_target("qwen3")
+    hf, fused = target_cache(target, TAPS, "static"), target_cache(target, TAPS, "fused")
+    draft = torch.randn(BLOCK - 1, target.config.vocab_size, generator=torch.Generator().manual_seed(3)) * 3
+    seen = []
+    gen = torch.Generator().manual_seed(4)
+    for prompt_len in (4, KV_BUCKET + 20):  # two different key buckets, the same tree size
+        prompt = torch.randint(3, 259, (prompt_len,), generator=gen).tolist()
+        ref, _ = verify_once(hf, prompt, draft, 16)
+        got, _ = verify_once(fused, prompt, draft, 16)
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.features, ref.features, rtol=1e-4, atol=1e-4)
+        seen.append((got.logits.data_ptr(), got.features.data_ptr(), sorted(fused._verify_fns)))
+    assert seen[0][:2] == seen[1][:2]
+    assert seen[1][2] == [(17, KV_BUCKET), (17, 2 * KV_BUCKET)]  # two verify functions: two buckets

@@ -47,4 +47,4 @@ def test_drafter_block_without_context_equals_hf_qwen3_bidirectional_layers():
             x = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
             x = x[0] if isinstance(x, tuple) else x
         theirs = (norm(x) @ head.T)[0, 1:]
-    torch.testing.assert_close(ours, theirs.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
