@@ -71,6 +71,22 @@ if triton is not None:
         bits = x.to(tl.int32, bitcast=True)
         return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
 
+    @triton.jit
+    def _unique_key(score, index, valid):
+        """sortable(score) << 32 | reversed index: descending key order = descending score, ties by index
+        ascending; int64 min where not valid (below every real key). `_score_of` and `_index_of` invert it."""
+        key = (_sortable(score) << 32) | (2147483647 - index).to(tl.int64)
+        return tl.where(valid, key, -9223372036854775807 - 1)
+
+    @triton.jit
+    def _score_of(key):
+        hi = (key >> 32).to(tl.int32)
+        return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _index_of(key):
+        return 2147483647 - (key & 0xFFFFFFFF)
+
     # ------------------------------------------------------------------------------------------
     # Tree selection
     # ------------------------------------------------------------------------------------------
@@ -85,13 +101,7 @@ if triton is not None:
         deeper = valid & ((offs * 0 + d) > 0)  # a tensor mask (a scalar one is not portable across backends)
         f = tl.where(d == 0, root, tl.load(scores + d * B + slot, mask=deeper, other=float("-inf")))
         score = f + tl.load(top_lp + d * K + rank, mask=valid, other=float("-inf"))
-        key = (_sortable(score) << 32) | (2147483647 - offs).to(tl.int64)
-        return tl.where(valid, key, -9223372036854775807 - 1)
-
-    @triton.jit
-    def _score_of(key):
-        hi = (key >> 32).to(tl.int32)
-        return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+        return _unique_key(score, offs, valid)
 
     @triton.jit
     def _depth_rank_kernel(top_lp, K, slot_of, rank_of, M, scores, d, B, picks,
@@ -117,13 +127,13 @@ if triton is not None:
         flat = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = flat < LB
         s = tl.load(scores + B + flat, mask=valid, other=0.0)
-        mine = tl.where(valid, (_sortable(s) << 32) | (2147483647 - flat).to(tl.int64), -9223372036854775807 - 1)
+        mine = _unique_key(s, flat, valid)
         count = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, LB, TILE):
             cols = start + tl.arange(0, TILE)
             ok = cols < LB
             o = tl.load(scores + B + cols, mask=ok, other=0.0)
-            other = tl.where(ok, (_sortable(o) << 32) | (2147483647 - cols).to(tl.int64), -9223372036854775807 - 1)
+            other = _unique_key(o, cols, ok)
             count += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
         keep = valid & (count < n)
         tl.store(chosen + count, flat, mask=keep)
@@ -207,9 +217,9 @@ if triton is not None:
         ok = j < K
         value = tl.load(top + r * K + j, mask=ok, other=0.0).to(tl.float32)
         token = tl.load(ids + r * K + j, mask=ok, other=0)
-        key = tl.where(ok, (_sortable(value) << 32) | (2147483647 - token), -9223372036854775807 - 1)
+        key = _unique_key(value, token, ok)
         key = tl.sort(key, descending=True)
-        token = 2147483647 - (key & 0xFFFFFFFF)
+        token = _index_of(key)
         tl.store(out_lp + r * K + j, tl.maximum(_score_of(key) - lse, floor), mask=ok)
         tl.store(out_ids + r * K + j, token, mask=ok)
 

@@ -88,11 +88,20 @@ def test_fused_cache_decodes_exactly_like_ar(name):
     assert target_cache(target, TAPS, "static").describe() == "static KV, HF forward"
 
 
-def test_a_fused_forward_that_disagrees_with_hf_is_dropped_and_decoding_stays_exact():
+def _wrong_scale(fused):
+    fused.scale *= 2.0  # a wrong attention scale: what a broken rebuild of the layer would look like
+
+
+def _raising(fused):
+    fused.layers = None  # what a compile or kernel error looks like from here: the call raises
+
+
+@pytest.mark.parametrize("breakage, seed", [(_wrong_scale, 13), (_raising, 14)], ids=["disagrees_with_hf", "fails"])
+def test_a_broken_fused_forward_is_dropped_and_decoding_stays_exact(breakage, seed):
     target = tiny_target("llama")
     cache = target_cache(target, TAPS, "fused")
-    cache.fused.scale *= 2.0  # a wrong attention scale: what a broken rebuild of the layer would look like
-    prompt = prompts(1, 13)[0]
+    breakage(cache.fused)
+    prompt = prompts(1, seed)[0]
     greedy = naive_greedy(target, prompt, 20 + BLOCK)
     oracle = OracleDrafter(target, prompt, greedy, seed=0)
     res = decode("ddtree", target, oracle, prompt, max_new_tokens=20, budget=16, cache_impl="fused")
@@ -110,18 +119,6 @@ def test_targets_the_fused_forward_cannot_rebuild_are_refused_and_use_hf():
     oracle = OracleDrafter(sliding, prompt, greedy, seed=1)
     assert decode("ddtree", sliding, oracle, prompt, max_new_tokens=20, budget=16,
                   cache_impl="fused").output_ids == greedy[:20]
-
-
-
-def test_a_fused_forward_that_fails_is_dropped_and_decoding_stays_exact():
-    target = tiny_target("llama")
-    cache = target_cache(target, TAPS, "fused")
-    cache.fused.layers = None  # what a compile or kernel error looks like from here: the call raises
-    prompt = prompts(1, 14)[0]
-    greedy = naive_greedy(target, prompt, 20 + BLOCK)
-    oracle = OracleDrafter(target, prompt, greedy, seed=0)
-    res = decode("ddtree", target, oracle, prompt, max_new_tokens=20, budget=16, cache_impl="fused")
-    assert cache.fused is None and res.output_ids == greedy[:20]
 
 
 def test_compiled_fused_forward_equals_eager_with_one_graph_for_every_n_and_layer():
