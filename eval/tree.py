@@ -31,7 +31,7 @@ Two builders, identical output:
     (i+1)(j+1) <= budget (any other candidate is beaten by >= budget dominating ones); a stable sort of the
     candidates laid out in (parent slot, rank) order realises the tie-break; a final stable sort over the per-depth
     winners laid out (depth, slot) picks the global top `n`. On CUDA the same selection runs as Triton kernels
-    (eval/triton_kernels.py `select_tree`: one launch; ranks by counting unique int64 keys instead of sorting).
+    (eval/triton_kernels.py `select_tree`: ranks by counting unique int64 keys instead of sorting).
 """
 
 from __future__ import annotations
@@ -73,28 +73,29 @@ class Tree:
 
 
 def top_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """fp32 top-k log-probs and token ids per depth: ([L, k], [L, k]), the k largest logits of each row by
-    (logit descending, token id ascending), in that order — so which of several equal logits at the k-th place
-    are kept, and the order of equal ones, are defined, and with them every rank tuple.
+    """fp32 top-k log-probs and token ids per depth: ([L, k], [L, k]), each row in descending order of logit, equal
+    logits by token id ascending (so the order, and with it every rank tuple, is defined).
 
-    The order is that of the unique int64 keys `sortable(fp32 logit) << 32 | (2^31 - 1 - id)` (+0.0 above -0.0;
-    every bf16/fp16 value is exact in fp32, and log-softmax is monotone per row); log-prob = fp32(logit) - fp32
-    logsumexp of the row, so the [L, V] fp32 log-softmax is never written. Log-probs are clamped at LOGPROB_FLOOR
-    and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts and Python comparisons agree. On CUDA
-    with Triton the whole function is one launch (eval/triton_kernels.py `top_k`: a radix select).
+    topk of the logits in their own dtype (log-softmax is monotone per row, and every bf16/fp16 value is exact in
+    fp32), then log-prob = fp32(logit) - fp32 logsumexp of the row: the [L, V] fp32 log-softmax is never written.
+    Log-probs are clamped at LOGPROB_FLOOR and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts
+    and Python comparisons agree. On CUDA with Triton the logsumexp and the ordering are two launches
+    (eval/triton_kernels.py `order_top`).
     """
+    top, top_ids = torch.topk(draft_logits, k, dim=-1, sorted=False)
     if triton_kernels.available(draft_logits.device):
-        top = triton_kernels.run(triton_kernels.top_k, draft_logits, k, LOGPROB_FLOOR)
-        if top is not None:
-            return top
-    x = draft_logits.float()
-    bits = x.view(torch.int32)
-    sortable = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
-    ids = torch.arange(x.shape[-1], device=x.device)
-    top_keys = torch.topk((sortable << 32) | (0x7FFFFFFF - ids), k, dim=-1).values  # unique keys: no ties
-    top_ids = 0x7FFFFFFF - (top_keys & 0xFFFFFFFF)
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    return (x.gather(-1, top_ids) - lse).clamp_min(LOGPROB_FLOOR), top_ids
+        ordered = triton_kernels.run(triton_kernels.order_top, draft_logits, top, top_ids, LOGPROB_FLOOR)
+        if ordered is not None:
+            return ordered
+    return order_top(draft_logits, top, top_ids)
+
+
+def order_top(draft_logits: Tensor, top: Tensor, top_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The unsorted topk (values [L, k] in the logits' dtype, ids [L, k]) -> `top_log_probs`' result."""
+    top_ids, by_id = top_ids.sort(dim=-1)  # ids ascending, then a stable sort by value: ties stay in id order
+    top, by_value = top.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    lse = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)
+    return (top.float() - lse).clamp_min(LOGPROB_FLOOR), top_ids.gather(-1, by_value)
 
 
 def tree_size(budget: int, depth_limit: int, vocab: int) -> int:
@@ -228,7 +229,7 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     draft_logits: [L, V] (any float dtype; the builder works in fp32). root_token: int or device scalar tensor.
     Work: one topk + logsumexp over [L, V]; per depth one gather + add + stable sort over the staircase
     (~B·ln B candidates); one stable sort over the L·B per-depth winners. On CUDA with Triton the selection
-    (everything after the top-K) is one Triton launch, eval/triton_kernels.py.
+    (everything after the topk) is L + 2 Triton launches, eval/triton_kernels.py.
     """
     _check_budget(budget)
     L, V = draft_logits.shape
@@ -241,7 +242,7 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     top_lp, top_ids = top_log_probs(draft_logits, min(B, V))
     K = top_lp.shape[1]
     slot_of, rank_of, frontier = _staircase(B, K, device)  # [M] candidates in (slot, rank) order; root frontier
-    if triton_kernels.available(device):  # the same selection in one launch
+    if triton_kernels.available(device):  # the same selection in L + 2 launches
         arrays = triton_kernels.run(triton_kernels.select_tree, top_lp, top_ids, slot_of, rank_of, B, n,
                                     _root_tensor(root_token, device))
         if arrays is not None:

@@ -23,7 +23,6 @@ kernel with its torch version in Triton's CPU interpreter and, on the GPU machin
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -88,162 +87,9 @@ if triton is not None:
     def _index_of(key):
         return 2147483647 - (key & 0xFFFFFFFF)
 
-    @triton.jit
-    def _grid_barrier(counter, phase):
-        """Every program of the launch arrives here before any goes on (phase = 1, 2, ...; counter: int32 zeroed
-        before the launch). Needs all programs resident at once: launches using it have <= one program per SM
-        (`_programs`). Stores before it are visible to `volatile` loads after it. The spin is bounded, so a broken
-        residency assumption gives wrong output (caught by the tests) instead of a hung GPU."""
-        tl.debug_barrier()  # this program's threads have all stored
-        tl.atomic_add(counter, 1, sem="release", scope="gpu")
-        target = phase * tl.num_programs(0)
-        seen = tl.load(counter, volatile=True)  # plain loads, served by L2: no atomic traffic while spinning
-        spins = 0
-        while (seen < target) & (spins < 50_000_000):
-            seen = tl.load(counter, volatile=True)
-            spins += 1
-        tl.debug_barrier()
-
-
-def _programs(device, work_items: int) -> int:
-    """Programs of a launch that uses `_grid_barrier`: one per SM at most (so all are resident at once), and one
-    in Triton's interpreter (which runs programs one after another)."""
-    if torch.device(device).type != "cuda":
-        return 1
-    return max(1, min(work_items, torch.cuda.get_device_properties(device).multi_processor_count))
-
-
-# ----------------------------------------------------------------------------------------------
-# Top-K (eval/tree.py `top_log_probs`): radix select on the logits' sortable bits, one launch
-# ----------------------------------------------------------------------------------------------
-
-if triton is not None:
-
-    @triton.jit
-    def _radix_prefix(hist, row, L, K, LEVEL: tl.constexpr):
-        """(top 8*LEVEL bits of the row's K-th largest key, how many keys with those top bits are in the top K)
-        from the merged per-level digit histograms hist [levels, L, 256] of the levels before LEVEL."""
-        prefix = (row * 0).to(tl.int64)
-        k = (row * 0 + K).to(tl.int32)
-        bins = tl.arange(0, 256)
-        for level in tl.static_range(LEVEL):
-            counts = tl.load(hist + (level * L + row) * 256 + bins, volatile=True)
-            above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)  # keys with a larger digit
-            here = (above < k) & (above + counts >= k)
-            digit = tl.max(tl.where(here, bins, -1), axis=0)
-            k -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
-            prefix = (prefix << 8) | digit.to(tl.int64)
-        return prefix, k
-
-    @triton.jit
-    def _top_k_kernel(logits, V, K, L, C, floor, hist, chunk_hist, fill, counter, part_max, part_sum,
-                      cand_val, cand_id, out_lp, out_ids,
-                      LEVELS: tl.constexpr, CHUNK: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr,
-                      HIST_MASK: tl.constexpr):
-        """Work item (row, chunk c of CHUNK columns) = item // C, item % C; program p takes items p, p + P, ...
-        Keys: u = sortable(fp32 logit) + 2^31 (unsigned order = value order); the top 8*LEVELS bits already
-        tell values of the logits' dtype apart (bf16 2, fp16 3, fp32 4 levels of 8 bits).
-          level l      digit histogram of the keys whose higher digits equal the prefix so far -> hist[l, row]
-                       (level 0 also writes the chunk's logsumexp partials; the last level also keeps each
-                       chunk's histogram, for the ties' index order); then a grid barrier
-          write        keys above the threshold T go to slots from a per-row atomic counter; keys equal to T
-                       (ties) fill the remaining k slots in token order (chunks before this one come first)
-          order        program r < L: logsumexp, one sort of the row's K unique keys (value desc, id asc)"""
-        pid = tl.program_id(0)
-        P = tl.num_programs(0)
-        offs = tl.arange(0, CHUNK)
-        bins = tl.arange(0, 256 if HIST_MASK else 512)
-        for level in tl.static_range(LEVELS):
-            for item in range(pid, L * C, P):
-                row, c = item // C, item % C
-                cols = c * CHUNK + offs
-                ok = cols < V
-                x = tl.load(logits + row.to(tl.int64) * V + cols, mask=ok, other=float("-inf")).to(tl.float32)
-                u = _sortable(x) + 2147483648
-                prefix, _ = _radix_prefix(hist, row, L, K, level)
-                match = ok & ((u >> (32 - 8 * level)) == prefix)
-                digit = ((u >> (24 - 8 * level)) & 255).to(tl.int32)
-                if HIST_MASK:
-                    h = tl.histogram(digit, 256, mask=match)
-                else:  # older Triton: the keys that do not match go to bins >= 256, which are dropped
-                    h = tl.histogram(tl.where(match, digit, 256), 512)
-                tl.atomic_add(hist + (level * L + row) * 256 + bins, h, mask=bins < 256)
-                if level == LEVELS - 1:
-                    tl.store(chunk_hist + (row * C + c) * 256 + bins, h, mask=bins < 256)
-                if level == 0:
-                    m = tl.max(x, axis=0)
-                    m_safe = tl.where(m == float("-inf"), 0.0, m)
-                    tl.store(part_max + row * C + c, m)
-                    tl.store(part_sum + row * C + c, tl.sum(tl.exp(x - m_safe), axis=0))
-            _grid_barrier(counter, level + 1)
-        chunks = tl.arange(0, CP)
-        for item in range(pid, L * C, P):
-            row, c = item // C, item % C
-            cols = c * CHUNK + offs
-            ok = cols < V
-            x = tl.load(logits + row.to(tl.int64) * V + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            top = (_sortable(x) + 2147483648) >> (32 - 8 * LEVELS)
-            threshold, ties = _radix_prefix(hist, row, L, K, LEVELS)
-            above = ok & (top > threshold)
-            slot = tl.atomic_add(fill + row, tl.sum(above.to(tl.int32), axis=0)) \
-                + tl.cumsum(above.to(tl.int32), axis=0) - 1
-            tl.store(cand_val + row * K + slot, x, mask=above)
-            tl.store(cand_id + row * K + slot, cols, mask=above)
-            equal = ok & (top == threshold)
-            before = tl.sum(tl.load(chunk_hist + (row * C + chunks) * 256 + (threshold & 255).to(tl.int32),
-                                    mask=chunks < c, other=0, volatile=True), axis=0)
-            tie_rank = before + tl.cumsum(equal.to(tl.int32), axis=0) - 1
-            take = equal & (tie_rank < ties)
-            tl.store(cand_val + row * K + (K - ties) + tie_rank, x, mask=take)
-            tl.store(cand_id + row * K + (K - ties) + tie_rank, cols, mask=take)
-        _grid_barrier(counter, LEVELS + 1)
-        j = tl.arange(0, KP)
-        for row in range(pid, L, P):
-            pm = tl.load(part_max + row * C + chunks, mask=chunks < C, other=float("-inf"), volatile=True)
-            ps = tl.load(part_sum + row * C + chunks, mask=chunks < C, other=0.0, volatile=True)
-            m = tl.max(pm, axis=0)
-            lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
-            ok = j < K
-            value = tl.load(cand_val + row * K + j, mask=ok, other=0.0, volatile=True)
-            token = tl.load(cand_id + row * K + j, mask=ok, other=0, volatile=True)
-            key = tl.sort(_unique_key(value, token, ok), descending=True)
-            tl.store(out_lp + row * K + j, tl.maximum(_score_of(key) - lse, floor), mask=ok)
-            tl.store(out_ids + row * K + j, _index_of(key), mask=ok)
-
-
-_HIST_MASK = triton is not None and "mask" in inspect.signature(tl.histogram).parameters  # Triton >= 3.4 (?)
-RADIX_LEVELS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}  # 8-bit digits that tell values apart
-TOPK_CONFIG = (4096, 8)  # columns per work item, warps
-
-
-def top_k(logits: Tensor, k: int, floor: float) -> tuple[Tensor, Tensor]:
-    """eval/tree.py `top_log_probs`: logits [L, V] (bf16, fp16 or fp32) -> (fp32 log-probs [L, k] clamped at
-    `floor`, int64 ids [L, k]), by (logit desc, id asc). One launch (+ one memset) with grid barriers."""
-    L, V = logits.shape
-    chunk, warps = TOPK_CONFIG
-    C = triton.cdiv(V, chunk)
-    device = logits.device
-    levels = RADIX_LEVELS[logits.dtype]
-    counters = torch.zeros(levels * L * 256 + L + 1, dtype=torch.int32, device=device)
-    hist, fill, counter = counters[: levels * L * 256], counters[levels * L * 256: -1], counters[-1:]
-    chunk_hist = torch.empty(L, C, 256, dtype=torch.int32, device=device)
-    part_max, part_sum = (torch.empty(L, C, dtype=torch.float32, device=device) for _ in range(2))
-    cand_val = torch.empty(L, k, dtype=torch.float32, device=device)
-    cand_id = torch.empty(L, k, dtype=torch.int32, device=device)
-    out_lp = torch.empty(L, k, dtype=torch.float32, device=device)
-    out_ids = torch.empty(L, k, dtype=torch.long, device=device)
-    _top_k_kernel[(_programs(device, L * C),)](
-        logits.contiguous(), V, k, L, C, floor, hist, chunk_hist, fill, counter, part_max, part_sum, cand_val,
-        cand_id, out_lp, out_ids, LEVELS=levels, CHUNK=chunk, CP=_pow2(C), KP=_pow2(k),
-        HIST_MASK=_HIST_MASK, num_warps=warps)
-    return out_lp, out_ids
-
-
-# ----------------------------------------------------------------------------------------------
-# Tree selection (eval/tree.py `build_tree` after the top-K), one launch
-# ----------------------------------------------------------------------------------------------
-
-if triton is not None:
+    # ------------------------------------------------------------------------------------------
+    # Tree selection
+    # ------------------------------------------------------------------------------------------
 
     @triton.jit
     def _candidate_keys(offs, valid, top_lp, K, slot_of, rank_of, scores, d, B):
@@ -253,17 +99,19 @@ if triton is not None:
         rank = tl.load(rank_of + offs, mask=valid, other=0)
         root = tl.where(slot == 0, 0.0, float("-inf"))
         deeper = valid & ((offs * 0 + d) > 0)  # a tensor mask (a scalar one is not portable across backends)
-        f = tl.where(d == 0, root, tl.load(scores + d * B + slot, mask=deeper, other=float("-inf"), volatile=True))
+        f = tl.where(d == 0, root, tl.load(scores + d * B + slot, mask=deeper, other=float("-inf")))
         score = f + tl.load(top_lp + d * K + rank, mask=valid, other=float("-inf"))
         return _unique_key(score, offs, valid)
 
     @triton.jit
-    def _rank_depth(offs, end, top_lp, K, slot_of, rank_of, M, scores, d, B, picks, TILE: tl.constexpr):
-        """Depth d for candidates `offs` (< end): rank = #candidate keys greater (keys unique, computed on the fly
-        for all M); the B best write scores[d + 1, rank] and picks[d, rank]."""
-        valid = offs < end
+    def _depth_rank_kernel(top_lp, K, slot_of, rank_of, M, scores, d, B, picks,
+                           BLOCK: tl.constexpr, TILE: tl.constexpr):
+        """Depth d in one launch: each program ranks its BLOCK candidates against all M (rank = #keys greater; keys
+        are unique, computed on the fly) and writes the B best: scores[d + 1, rank] and picks[d, rank]."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < M
         mine = _candidate_keys(offs, valid, top_lp, K, slot_of, rank_of, scores, d, B)
-        count = offs * 0
+        count = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, M, TILE):
             cols = start + tl.arange(0, TILE)
             other = _candidate_keys(cols, cols < M, top_lp, K, slot_of, rank_of, scores, d, B)
@@ -273,93 +121,125 @@ if triton is not None:
         tl.store(picks + d * B + count, offs, mask=keep)
 
     @triton.jit
-    def _rank_final(flat, end, scores, LB, B, n, chosen, node_of, TILE: tl.constexpr):
-        """The n best of the L*B per-depth winners (rows 1..L of scores, flat (depth-1)*B + slot), for `flat`
-        (< end): chosen[rank] = flat index and node_of[flat] = rank + 1 (its node id) for rank < n."""
-        valid = flat < end
-        mine = _unique_key(tl.load(scores + B + flat, mask=valid, other=0.0, volatile=True), flat, valid)
-        count = flat * 0
+    def _final_rank_kernel(scores, LB, B, n, chosen, node_of, BLOCK: tl.constexpr, TILE: tl.constexpr):
+        """The n best of the L*B per-depth winners (rows 1..L of scores, flat (depth-1)*B + slot) in one launch:
+        chosen[rank] = flat index and node_of[flat] = rank + 1 (its node id) for rank < n."""
+        flat = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = flat < LB
+        s = tl.load(scores + B + flat, mask=valid, other=0.0)
+        mine = _unique_key(s, flat, valid)
+        count = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, LB, TILE):
             cols = start + tl.arange(0, TILE)
             ok = cols < LB
-            other = _unique_key(tl.load(scores + B + cols, mask=ok, other=0.0, volatile=True), cols, ok)
+            o = tl.load(scores + B + cols, mask=ok, other=0.0)
+            other = _unique_key(o, cols, ok)
             count += tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
         keep = valid & (count < n)
         tl.store(chosen + count, flat, mask=keep)
         tl.store(node_of + flat, count + 1, mask=keep)
 
     @triton.jit
-    def _tree_arrays(i, end, chosen, picks, slot_of, rank_of, node_of, top_ids, K, B, root, tokens, parents,
-                     depths):
-        """Nodes i (< end = n + 1): token, parent node id and depth from the final ranking."""
-        row = i < end
-        node = row & (i >= 1)
-        flat = tl.load(chosen + i - 1, mask=node, other=0, volatile=True)
+    def _tree_arrays_kernel(chosen, picks, slot_of, rank_of, node_of, top_ids, K, B, n, root,
+                            tokens, parents, depths, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # node index 0..n
+        node = (i >= 1) & (i <= n)
+        flat = tl.load(chosen + i - 1, mask=node, other=0)
         depth0 = flat // B
-        cand = tl.load(picks + flat, mask=node, other=0, volatile=True)
+        cand = tl.load(picks + flat, mask=node, other=0)
         has_parent = node & (depth0 > 0)
         parent = tl.load(node_of + (depth0 - 1) * B + tl.load(slot_of + cand, mask=has_parent, other=0),
-                         mask=has_parent, other=0, volatile=True)
+                         mask=has_parent, other=0)
         token = tl.load(top_ids + depth0 * K + tl.load(rank_of + cand, mask=node, other=0), mask=node, other=0)
         is_root = i == 0
         token = tl.where(is_root, tl.load(root + i * 0, mask=is_root, other=0), token)
-        tl.store(tokens + i, token, mask=row)
-        tl.store(parents + i, parent.to(tl.int64), mask=row)
-        tl.store(depths + i, tl.where(is_root, 0, depth0 + 1).to(tl.int64), mask=row)
-
-    @triton.jit
-    def _select_tree_kernel(top_lp, top_ids, K, slot_of, rank_of, M, B, n, L, root, scores, picks, chosen,
-                            node_of, counter, tokens, parents, depths, BLOCK: tl.constexpr, TILE: tl.constexpr):
-        """Program p owns an equal contiguous share of the M staircase candidates, of the L*B winners and of the
-        n + 1 nodes, in blocks of BLOCK; a grid barrier separates the L depths, the final ranking and the
-        arrays (each reads what all programs wrote in the phase before)."""
-        pid = tl.program_id(0)
-        P = tl.num_programs(0)
-        block = tl.arange(0, BLOCK)
-        share = tl.cdiv(M, P)
-        lo, hi = pid * share, tl.minimum(pid * share + share, M)
-        for d in range(L):
-            for start in range(lo, hi, BLOCK):
-                _rank_depth(start + block, hi, top_lp, K, slot_of, rank_of, M, scores, d, B, picks, TILE)
-            _grid_barrier(counter, d + 1)
-        LB = L * B
-        share = tl.cdiv(LB, P)
-        lo, hi = pid * share, tl.minimum(pid * share + share, LB)
-        for start in range(lo, hi, BLOCK):
-            _rank_final(start + block, hi, scores, LB, B, n, chosen, node_of, TILE)
-        _grid_barrier(counter, L + 1)
-        share = tl.cdiv(n + 1, P)
-        lo, hi = pid * share, tl.minimum(pid * share + share, n + 1)
-        for start in range(lo, hi, BLOCK):
-            _tree_arrays(start + block, hi, chosen, picks, slot_of, rank_of, node_of, top_ids, K, B, root, tokens,
-                         parents, depths)
+        tl.store(tokens + i, token, mask=i <= n)
+        tl.store(parents + i, parent.to(tl.int64), mask=i <= n)
+        tl.store(depths + i, tl.where(is_root, 0, depth0 + 1).to(tl.int64), mask=i <= n)
 
 
-SELECT_CONFIG = (8192, 8)  # rank counting: [BLOCK, TILE] comparisons per step, warps
+SELECT_CONFIG = (8, 1024, 4)  # rank counting: candidates per program, keys per compare step, warps (H200 sweep)
 
 
 def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tensor, budget: int, n: int,
                 root: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(tokens, parents, depths) int64 [1 + n] of the tree (eval/tree.py layout and order) from fp32 top_lp [L, K]
     (rows sorted descending), int64 top_ids [L, K], the staircase (slot_of, rank_of [M], (slot, rank) order) and
-    root int64 [1]. One launch (+ one memset): per depth a rank count (keys computed on the fly), then the count
-    over the L*B winners (which also writes their node ids), then the arrays, with a grid barrier between."""
+    root int64 [1]. Launches: one rank count per depth (keys computed on the fly), one over the L*B winners (which
+    also writes their node ids), one gather of the arrays: L + 2."""
     L, K = top_lp.shape
     M = slot_of.shape[0]
     device = top_lp.device
+    top_lp, top_ids = top_lp.contiguous(), top_ids.contiguous()
     scores = torch.empty(L + 1, budget, dtype=torch.float32, device=device)  # row d: frontier of depth d (row 0 unused)
     picks = torch.empty(L, budget, dtype=torch.int32, device=device)
     chosen = torch.empty(n, dtype=torch.int32, device=device)
     node_of = torch.empty(L * budget, dtype=torch.int32, device=device)
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    BLOCK, TILE, warps = SELECT_CONFIG  # rank counting: [BLOCK, TILE] comparisons per step
+    for d in range(L):
+        _depth_rank_kernel[(triton.cdiv(M, BLOCK),)](top_lp, K, slot_of, rank_of, M, scores, d, budget, picks,
+                                                     BLOCK=BLOCK, TILE=TILE, num_warps=warps)
+    LB = L * budget
+    _final_rank_kernel[(triton.cdiv(LB, BLOCK),)](scores, LB, budget, n, chosen, node_of, BLOCK=BLOCK, TILE=TILE,
+                                                  num_warps=warps)
     tokens, parents, depths = (torch.empty(1 + n, dtype=torch.long, device=device) for _ in range(3))
-    step, warps = SELECT_CONFIG
-    TILE = min(_pow2(M), step)  # every candidate key in one tile up to `step` candidates (one round of loads)
-    BLOCK = max(1, step // TILE)
-    _select_tree_kernel[(_programs(device, triton.cdiv(M, BLOCK)),)](
-        top_lp.contiguous(), top_ids.contiguous(), K, slot_of, rank_of, M, budget, n, L, root, scores, picks,
-        chosen, node_of, counter, tokens, parents, depths, BLOCK=BLOCK, TILE=TILE, num_warps=warps)
+    _tree_arrays_kernel[(triton.cdiv(n + 1, 128),)](chosen, picks, slot_of, rank_of, node_of, top_ids, K, budget, n,
+                                                    root, tokens, parents, depths, BLOCK=128)
     return tokens, parents, depths
+
+
+if triton is not None:
+
+    @triton.jit
+    def _lse_partial_kernel(logits, V, chunk, part_max, part_sum, BLOCK: tl.constexpr):
+        """Row r, chunk c of `chunk` columns: max m and sum(exp(x - m)) in fp32 -> part_max/part_sum [r, c]."""
+        r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        cols = c * chunk + tl.arange(0, BLOCK)
+        x = tl.load(logits + r * V + cols, mask=(cols < V) & (cols < (c + 1) * chunk),
+                    other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(part_max + r * tl.num_programs(1) + c, m)
+        tl.store(part_sum + r * tl.num_programs(1) + c, tl.sum(tl.exp(x - m_safe), axis=0))
+
+    @triton.jit
+    def _order_top_kernel(part_max, part_sum, C, top, ids, K, floor, out_lp, out_ids,
+                          CP: tl.constexpr, KP: tl.constexpr):
+        """Row r: logsumexp from the C chunk partials, then the K (value, id) pairs of the row's unsorted top-K in
+        descending value order, ties by id ascending (one sort of unique int64 keys), as log-probs."""
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, CP)
+        pm = tl.load(part_max + r * C + c, mask=c < C, other=float("-inf"))
+        ps = tl.load(part_sum + r * C + c, mask=c < C, other=0.0)
+        m = tl.max(pm, axis=0)
+        lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
+        j = tl.arange(0, KP)
+        ok = j < K
+        value = tl.load(top + r * K + j, mask=ok, other=0.0).to(tl.float32)
+        token = tl.load(ids + r * K + j, mask=ok, other=0)
+        key = _unique_key(value, token, ok)
+        key = tl.sort(key, descending=True)
+        token = _index_of(key)
+        tl.store(out_lp + r * K + j, tl.maximum(_score_of(key) - lse, floor), mask=ok)
+        tl.store(out_ids + r * K + j, token, mask=ok)
+
+
+def order_top(logits: Tensor, top: Tensor, ids: Tensor, floor: float) -> tuple[Tensor, Tensor]:
+    """eval/tree.py `order_top`: logits [L, V], top [L, K] (logits' dtype), ids [L, K] int64 -> (fp32 log-probs
+    [L, K] clamped at `floor`, ids [L, K]) in descending logit order, ties by id. Two launches: the logsumexp's
+    per-chunk partials over an [L, chunks] grid, then one program per row merges them and sorts."""
+    L, V = logits.shape
+    K = top.shape[1]
+    chunk = 4096
+    C = triton.cdiv(V, chunk)
+    part_max = torch.empty(L, C, dtype=torch.float32, device=logits.device)
+    part_sum = torch.empty(L, C, dtype=torch.float32, device=logits.device)
+    _lse_partial_kernel[(L, C)](logits.contiguous(), V, chunk, part_max, part_sum, BLOCK=chunk, num_warps=8)
+    out_lp = torch.empty(L, K, dtype=torch.float32, device=logits.device)
+    out_ids = torch.empty(L, K, dtype=torch.long, device=logits.device)
+    _order_top_kernel[(L,)](part_max, part_sum, C, top.contiguous(), ids.contiguous(), K, floor, out_lp, out_ids,
+                            CP=_pow2(C), KP=_pow2(K), num_warps=4)
+    return out_lp, out_ids
 
 
 # ----------------------------------------------------------------------------------------------
