@@ -9,13 +9,8 @@ of the real shape (weights do not change the speed) with a random-init DFlash dr
                contiguous (the worst case) + drafter context gather; the static cache does both inside the walk
                for all L+1 path rows (fixed shape, part of walk+read), so the column shows '-' 
                (these three are timed separately, each between two syncs: a breakdown, not a sum)
-  overhead     the three in ONE timed region, as a round with phase timing runs them: build graph, walk graph,
-               the read (reference, DDTree authors' code on H200: 0.89 / 1.02 / 1.52 / 4.28 ms at budgets
-               16/64/256/1024)
-  1-graph      the same work as the decoder's timed rounds run it on the static cache (phase timing off): build,
-               verify and walk as ONE CUDA graph, then the read and the commit, MINUS the verify graph alone,
-               both timed back to back in each iteration (median of the differences): what build + mask + walk +
-               compaction add to a round when they have no graph boundary of their own
+  overhead     the three in ONE timed region, as a round runs them (one sync: the read)
+               (reference, DDTree authors' code on H200: 0.89 / 1.02 / 1.52 / 4.28 ms at budgets 16/64/256/1024)
   verify       the target forward over 1+n rows with ~`--past` committed rows: the decoder's default on CUDA
                (static KV + eval.target_forward fused forward + Triton tree attention + CUDA graphs), then
                HF's forward on the static KV in CUDA graphs, static KV eager, and the dynamic-cache reference path
@@ -123,7 +118,7 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
     draft_cache = drafter.new_cache()
     draft_logits = drafter.draft_logits(draft_cache, _FEATURES["ctx"], 7, past)
     bonus = torch.tensor([7], device=device)
-    samples = {k: [] for k in ("build", "walk", "compact", "verify", "overhead", "one_graph")}
+    samples = {k: [] for k in ("build", "walk", "compact", "verify", "overhead")}
     syncs_ok = None
     for it in range(iters + 3):
         # the whole overhead as one region, as a round runs it: build, walk on the verify's logits, the one read,
@@ -155,22 +150,16 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
             _, t_compact = timed(device, lambda: (cache.commit(path_t, len(path), contiguous=False),
                                                   out.features.index_select(0, path_t[: len(path)])))
         rewind(cache, past)
-        t_one_graph = None
-        if ops.one_graph and cache.graphable_verify():  # the decoder's round with phase timing off
-            _, t_round = timed(device, lambda: (ops.round(draft_logits, bonus, None)[2].tolist(),
-                                                cache.commit(path_t, len(path), contiguous=True)))
-            rewind(cache, past)
-            t_one_graph = t_round - t_verify
         if it >= 3:
-            for k, v in zip(("build", "walk", "compact", "verify", "overhead", "one_graph"),
-                            (t_build, t_walk, t_compact, t_verify, t_overhead, t_one_graph)):
+            for k, v in zip(("build", "walk", "compact", "verify", "overhead"),
+                            (t_build, t_walk, t_compact, t_verify, t_overhead)):
                 samples[k].append(v)
         if it == 2 and device.type == "cuda":
             syncs_ok = one_sync_round(ops, cache, draft_logits, bonus, path_t, len(path), past)
     med = {k: statistics.median(v) if None not in v else None for k, v in samples.items()}
     med["N"] = tree.size
     med["syncs_ok"] = syncs_ok
-    fns = [ops._build, ops._walk] + list(ops._rounds.values()) + list(getattr(cache, "_verify_fns", {}).values())
+    fns = [ops._build, ops._walk] + list(getattr(cache, "_verify_fns", {}).values())
     med["graphs"] = all(not getattr(f, "disabled", True) for f in fns)
     med["fused"] = getattr(cache, "fused", None) is not None
     med["builders"] = builders_agree(budget, L, vocab, device)
@@ -203,13 +192,6 @@ def one_sync_round(ops, cache, draft_logits, bonus, path_t, n, past) -> bool:
         else:
             cache.commit(path_t, n, contiguous=False)
             out.features.index_select(0, path_t[:n])
-        if ops.one_graph:  # the same round as one graph
-            rewind(cache, past)
-            _, _, record, _ = ops.round(draft_logits, bonus, None)
-            torch.cuda.set_sync_debug_mode(0)
-            record.tolist()  # the read
-            torch.cuda.set_sync_debug_mode("error")
-            cache.commit(path_t, n, contiguous=True)
         ok = True
     except RuntimeError as exc:
         print(f"  hidden host sync: {exc}", file=sys.stderr)
@@ -301,7 +283,6 @@ def main() -> None:
         print(f"target {args.shape} ({dtype}) on {device}, past {args.past}, block {args.block_size}, "
               f"fast path: {fast}, attention: {args.attention}")
         head = (f"{'budget':>6} {'N':>5} {'build+mask':>10} {'walk+read':>9} {'compact':>8} {'overhead':>8} "
-                f"{'1-graph':>8} "
                 f"{'verify':>8} {'v.hf-graph':>10} {'v.static':>8} {'v.dynamic':>9} {'round':>8} {'tau':>5} "
                 f"{'graphs':>6} {'fused':>5} {'syncs':>5} {'dev=heap':>8}")
         print(head + "\n" + "-" * len(head))
@@ -319,8 +300,7 @@ def main() -> None:
                             if args.new_tokens else (None, float("nan")))
             syncs = {True: "1", False: "MORE", None: "n/a"}[m["syncs_ok"]]
             print(f"{budget:>6} {m['N']:>5} {ms(m['build']):>10} {ms(m['walk']):>9} {ms(m['compact'])} "
-                  f"{ms(m['overhead'])} {ms(m['one_graph'])} {ms(m['verify'])} {ms(v_hf_graph):>10} {ms(v_static)} "
-                  f"{ms(v_dyn):>9} "
+                  f"{ms(m['overhead'])} {ms(m['verify'])} {ms(v_hf_graph):>10} {ms(v_static)} {ms(v_dyn):>9} "
                   f"{ms(round_s)} {tau:5.2f} {str(m['graphs']):>6} {str(m['fused']):>5} {syncs:>5} "
                   f"{str(m['builders']):>8}")
         if args.new_tokens:

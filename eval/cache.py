@@ -292,34 +292,23 @@ class KVTargetCache(TargetCache):
     def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
         if not self.static:
             return self.forward(tree.tokens, vin.positions, vin.mask, self.dynamic)
-        kv_len = self.key_rows(tree.size)
+        kv_len = min(self.kv.capacity, -(-(self.length + tree.size) // KV_BUCKET) * KV_BUCKET)
         if self.fused is not None and not self._fused_checked:
             self._check_fused(kv_len, tree, vin)
         key = (tree.size, kv_len)
         fn = self._verify_fns.get(key)
         if fn is None:
-            fn = functools.partial(self.static_verify, kv_len)
+            fn = functools.partial(self._static_verify, kv_len)
             if self.graphs:
                 fn = CudaGraphFn(fn, f"verify forward N={tree.size} keys={kv_len}", check=_logits_close)
             self._verify_fns[key] = fn
         logits, features = fn(tree.tokens, vin.positions, vin.mask, vin.visibility)
         return ForwardOutput(logits, features)
 
-    def key_rows(self, size: int) -> int:
-        """Static cache: the key rows a verify of `size` rows attends to (committed length + size, rounded up to
-        KV_BUCKET): one verify graph per bucket."""
-        return min(self.kv.capacity, -(-(self.length + size) // KV_BUCKET) * KV_BUCKET)
-
-    def graphable_verify(self) -> bool:
-        """`static_verify` may be captured inside a caller's CUDA graph: static buffers, and the fused forward (if
-        any) already checked against HF's forward (the first `verify` does that)."""
-        return self.static and (self.fused is None or self._fused_checked)
-
-    def static_verify(self, kv_len: int, ids: Tensor, positions: Tensor, mask,
-                      visibility: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _static_verify(self, kv_len: int, ids: Tensor, positions: Tensor, mask,
+                       visibility: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """Rows past..past+N-1 of the static buffer, attending to rows [0, kv_len) (all shapes fixed by N and
-        kv_len) -> (logits [N, V], tap features or None). The mask is `mask` if given, else built here from
-        `visibility` and the device scalar `past`. No host read: capturable in a CUDA graph."""
+        kv_len). The mask is `mask` if given, else built here from `visibility` and the device scalar `past`."""
         self.kv.kv_len = kv_len
         self.kv.write_rows = self.past + torch.arange(ids.shape[0], device=ids.device)
         if self.fused is not None:
@@ -337,10 +326,10 @@ class KVTargetCache(TargetCache):
 
         self._fused_checked = True
         fused, self.fused = self.fused, None
-        ref = self.static_verify(kv_len, tree.tokens, vin.positions, vin.mask, vin.visibility)
+        ref = self._static_verify(kv_len, tree.tokens, vin.positions, vin.mask, vin.visibility)
         self.fused = fused
         try:  # also compiles it (torch.compile, Triton): a failure here means HF's forward, not a crash
-            got = self.static_verify(kv_len, tree.tokens, vin.positions, vin.mask, vin.visibility)
+            got = self._static_verify(kv_len, tree.tokens, vin.positions, vin.mask, vin.visibility)
         except Exception as exc:  # noqa: BLE001
             log.warning("fused verify forward failed (%s: %s): using HF's forward", type(exc).__name__, exc)
             self.fused = None

@@ -16,14 +16,10 @@ Lossless: at T = 0 the output equals AR greedy decoding token for token; at T > 
 softmax(logits / T) with one uniform per row position (drawn for a fixed maximum row count per round from a
 seeded generator, so the stream does not depend on the tree's shape) and the same walk rule applies.
 The prefill is timed separately and excluded from `timings["decode"]`.
-
-On the static cache with phase timing off, tree_build + verify + walk_commit's device work is one call
-(`_RoundOps.round`; one CUDA graph per key bucket on CUDA), so a round is: drafter, one graph, one read.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -171,14 +167,11 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         if method != "ar":
             draft_logits = drafter.draft_logits(draft_cache, context.unsqueeze(0), bonus, cache.length)
         clock.lap("draft")
-        if ops.one_graph and not phase_timing and cache.graphable_verify():
-            tree, walk, record, path_features = ops.round(draft_logits, bonus_dev, uniforms())
-        else:  # three steps (the phase timer syncs between them)
-            tree, vin, ancestors = ops.build(draft_logits, bonus_dev)
-            clock.lap("tree_build")
-            out = cache.verify(tree, vin)
-            clock.lap("verify")
-            walk, record, path_features = ops.walk(tree, ancestors, out.logits, uniforms(), out.features)
+        tree, vin, ancestors = ops.build(draft_logits, bonus_dev)
+        clock.lap("tree_build")
+        out = cache.verify(tree, vin)
+        clock.lap("verify")
+        walk, record, path_features = ops.walk(tree, ancestors, out.logits, uniforms(), out.features)
         record = record.tolist()  # the round's one host sync
         accepted, bonus, depth = record[0], record[1], record[2]
         path = record[3: 3 + tree.depth_limit + 1][: accepted + 1]
@@ -213,13 +206,11 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
 
 
 class _RoundOps:
-    """build(draft logits, bonus) -> (tree, verify inputs) and walk(tree, logits, uniforms) -> (walk, host record),
-    and on the static cache `round`: build + the cache's verify + walk in one call.
+    """build(draft logits, bonus) -> (tree, verify inputs) and walk(tree, logits, uniforms) -> (walk, host record).
 
-    With a graph-enabled static cache each runs as a CUDA graph keyed by the round's static shape: a round with
-    phase timing launches drafter, build graph, verify graph, walk graph, then one D2H read; without it (the
-    timed decode) drafter, ONE round graph per key bucket, then the read. Tree fields that are host values
-    (num_nodes, depth_limit, kind) are fixed per method/budget and restored around the graphs.
+    With a graph-enabled static cache both run as CUDA graphs keyed by the round's static shape (so a round
+    launches: drafter, build graph, verify graph, walk graph, then one D2H read). Tree fields that are host
+    values (num_nodes, depth_limit, kind) are fixed per method/budget and restored around the graphs.
     """
 
     def __init__(self, method, budget, builder, cache, temperature, L, vocab, device):
@@ -238,9 +229,6 @@ class _RoundOps:
         self._build = CudaGraphFn(self._build_eager, f"{method} tree build") if graphs and capturable_build \
             else self._build_eager
         self._walk = CudaGraphFn(self._walk_eager, f"{method} walk") if graphs else self._walk_eager
-        self.one_graph = self.compacts and capturable_build  # build + verify + walk as one function (static cache)
-        self.graphs = graphs
-        self._rounds: dict[int, object] = {}  # key rows of the verify -> round fn / CUDA graph
 
     def _tree(self, tokens, parents, depths) -> Tree:
         return Tree(tokens, parents, depths, self.num_nodes, self.depth_limit, self.kind)
@@ -286,40 +274,6 @@ class _RoundOps:
         (accepted, path, bonus, last), record, path_features = self._walk(
             tree.tokens, tree.parents, tree.depths, ancestors, logits, uniforms, features)
         return Walk(accepted, path, bonus, last), record, path_features
-
-
-    def _round_eager(self, kv_len, draft_logits, bonus, uniforms):
-        (tokens, parents, depths, ancestors), (positions, mask, vis) = self._build_eager(draft_logits, bonus)
-        logits, features = self.cache.static_verify(kv_len, tokens, positions, mask, vis)
-        walked, record, path_features = self._walk_eager(tokens, parents, depths, ancestors, logits, uniforms,
-                                                         features)
-        return (tokens, parents, depths), logits, (walked, record, path_features)
-
-    def round(self, draft_logits, bonus, uniforms):
-        """Static cache (`one_graph`, after the cache's first `verify`): build, verify and walk (with the path's
-        compaction) in one call, a CUDA graph per key bucket when graphs are on -> (tree, walk, host record
-        [3 + 2(L+1)], features of the L+1 path rows or None). Same results as build -> verify -> walk."""
-        from eval.cache import CudaGraphFn
-
-        kv_len = self.cache.key_rows(1 + self.num_nodes)
-        fn = self._rounds.get(kv_len)
-        if fn is None:
-            fn = functools.partial(self._round_eager, kv_len)
-            if self.graphs:
-                fn = CudaGraphFn(fn, f"{self.method} round keys={kv_len}", check=_same_tree_close_logits)
-            self._rounds[kv_len] = fn
-        (tokens, parents, depths), _, ((accepted, path, bonus, last), record, path_features) = fn(
-            draft_logits, bonus.reshape(1), uniforms)
-        return self._tree(tokens, parents, depths), Walk(accepted, path, bonus, last), record, path_features
-
-
-def _same_tree_close_logits(graph_out, eager_out) -> bool:
-    """A round graph's self-check: the same tree, and verify logits equal up to rounding (eval.cache's verify
-    check); the walk is then a function of those logits."""
-    from eval.cache import _logits_close
-
-    same_tree = all(torch.equal(a, b) for a, b in zip(graph_out[0], eager_out[0]))
-    return same_tree and _logits_close((graph_out[1],), (eager_out[1],))
 
 
 def _round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device) -> _RoundOps:
