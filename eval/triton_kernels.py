@@ -63,17 +63,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-PDL = True  # programmatic dependent launch for the selection's chain of kernels where the GPU has it
-
-
-def _launch(device) -> dict:
-    """Launch options of a kernel that starts with `_after_previous_kernel`: programmatic dependent launch on CUDA
-    with compute capability >= 9 (Hopper) while `PDL` is on, so its launch overlaps the previous kernel's tail."""
-    device = torch.device(device)
-    pdl = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
-
-
 if triton is not None:
 
     @triton.jit
@@ -98,15 +87,6 @@ if triton is not None:
     def _index_of(key):
         return 2147483647 - (key & 0xFFFFFFFF)
 
-    @triton.jit
-    def _after_previous_kernel(PDL: tl.constexpr):
-        """With programmatic dependent launch (PDL, Hopper+): let the next kernel start launching now, then wait
-        until the previous kernel has finished and its writes are visible. Every kernel launched with
-        `launch_pdl` calls this before reading anything an earlier kernel wrote."""
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-
     # ------------------------------------------------------------------------------------------
     # Tree selection
     # ------------------------------------------------------------------------------------------
@@ -125,10 +105,9 @@ if triton is not None:
 
     @triton.jit
     def _depth_rank_kernel(top_lp, K, slot_of, rank_of, M, scores, d, B, picks,
-                           BLOCK: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK: tl.constexpr, TILE: tl.constexpr):
         """Depth d in one launch: each program ranks its BLOCK candidates against all M (rank = #keys greater; keys
         are unique, computed on the fly) and writes the B best: scores[d + 1, rank] and picks[d, rank]."""
-        _after_previous_kernel(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < M
         mine = _candidate_keys(offs, valid, top_lp, K, slot_of, rank_of, scores, d, B)
@@ -142,11 +121,9 @@ if triton is not None:
         tl.store(picks + d * B + count, offs, mask=keep)
 
     @triton.jit
-    def _final_rank_kernel(scores, LB, B, n, chosen, node_of, BLOCK: tl.constexpr, TILE: tl.constexpr,
-                           PDL: tl.constexpr):
+    def _final_rank_kernel(scores, LB, B, n, chosen, node_of, BLOCK: tl.constexpr, TILE: tl.constexpr):
         """The n best of the L*B per-depth winners (rows 1..L of scores, flat (depth-1)*B + slot) in one launch:
         chosen[rank] = flat index and node_of[flat] = rank + 1 (its node id) for rank < n."""
-        _after_previous_kernel(PDL)
         flat = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = flat < LB
         s = tl.load(scores + B + flat, mask=valid, other=0.0)
@@ -164,8 +141,7 @@ if triton is not None:
 
     @triton.jit
     def _tree_arrays_kernel(chosen, picks, slot_of, rank_of, node_of, top_ids, K, B, n, root,
-                            tokens, parents, depths, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        _after_previous_kernel(PDL)
+                            tokens, parents, depths, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # node index 0..n
         node = (i >= 1) & (i <= n)
         flat = tl.load(chosen + i - 1, mask=node, other=0)
@@ -200,25 +176,23 @@ def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tenso
     chosen = torch.empty(n, dtype=torch.int32, device=device)
     node_of = torch.empty(L * budget, dtype=torch.int32, device=device)
     BLOCK, TILE, warps = SELECT_CONFIG  # rank counting: [BLOCK, TILE] comparisons per step
-    launch = _launch(device)
-    tokens, parents, depths = (torch.empty(1 + n, dtype=torch.long, device=device) for _ in range(3))
     for d in range(L):
         _depth_rank_kernel[(triton.cdiv(M, BLOCK),)](top_lp, K, slot_of, rank_of, M, scores, d, budget, picks,
-                                                     BLOCK=BLOCK, TILE=TILE, num_warps=warps, **launch)
+                                                     BLOCK=BLOCK, TILE=TILE, num_warps=warps)
     LB = L * budget
     _final_rank_kernel[(triton.cdiv(LB, BLOCK),)](scores, LB, budget, n, chosen, node_of, BLOCK=BLOCK, TILE=TILE,
-                                                  num_warps=warps, **launch)
+                                                  num_warps=warps)
+    tokens, parents, depths = (torch.empty(1 + n, dtype=torch.long, device=device) for _ in range(3))
     _tree_arrays_kernel[(triton.cdiv(n + 1, 128),)](chosen, picks, slot_of, rank_of, node_of, top_ids, K, budget, n,
-                                                    root, tokens, parents, depths, BLOCK=128, **launch)
+                                                    root, tokens, parents, depths, BLOCK=128)
     return tokens, parents, depths
 
 
 if triton is not None:
 
     @triton.jit
-    def _lse_partial_kernel(logits, V, chunk, part_max, part_sum, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _lse_partial_kernel(logits, V, chunk, part_max, part_sum, BLOCK: tl.constexpr):
         """Row r, chunk c of `chunk` columns: max m and sum(exp(x - m)) in fp32 -> part_max/part_sum [r, c]."""
-        _after_previous_kernel(PDL)
         r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         cols = c * chunk + tl.arange(0, BLOCK)
         x = tl.load(logits + r * V + cols, mask=(cols < V) & (cols < (c + 1) * chunk),
@@ -230,10 +204,9 @@ if triton is not None:
 
     @triton.jit
     def _order_top_kernel(part_max, part_sum, C, top, ids, K, floor, out_lp, out_ids,
-                          CP: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+                          CP: tl.constexpr, KP: tl.constexpr):
         """Row r: logsumexp from the C chunk partials, then the K (value, id) pairs of the row's unsorted top-K in
         descending value order, ties by id ascending (one sort of unique int64 keys), as log-probs."""
-        _after_previous_kernel(PDL)
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, CP)
         pm = tl.load(part_max + r * C + c, mask=c < C, other=float("-inf"))
@@ -261,12 +234,11 @@ def order_top(logits: Tensor, top: Tensor, ids: Tensor, floor: float) -> tuple[T
     C = triton.cdiv(V, chunk)
     part_max = torch.empty(L, C, dtype=torch.float32, device=logits.device)
     part_sum = torch.empty(L, C, dtype=torch.float32, device=logits.device)
-    _lse_partial_kernel[(L, C)](logits.contiguous(), V, chunk, part_max, part_sum, BLOCK=chunk, num_warps=8,
-                                **_launch(logits.device))
+    _lse_partial_kernel[(L, C)](logits.contiguous(), V, chunk, part_max, part_sum, BLOCK=chunk, num_warps=8)
     out_lp = torch.empty(L, K, dtype=torch.float32, device=logits.device)
     out_ids = torch.empty(L, K, dtype=torch.long, device=logits.device)
     _order_top_kernel[(L,)](part_max, part_sum, C, top.contiguous(), ids.contiguous(), K, floor, out_lp, out_ids,
-                            CP=_pow2(C), KP=_pow2(K), num_warps=4, **_launch(logits.device))
+                            CP=_pow2(C), KP=_pow2(K), num_warps=4)
     return out_lp, out_ids
 
 
@@ -277,9 +249,8 @@ def order_top(logits: Tensor, top: Tensor, ids: Tensor, floor: float) -> tuple[T
 if triton is not None:
 
     @triton.jit
-    def _ancestor_table_kernel(parents, N, W, table, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _ancestor_table_kernel(parents, N, W, table, BLOCK: tl.constexpr):
         """table[i, m] = the ancestor m steps above node i (the root's self-loop absorbs overshoot)."""
-        _after_previous_kernel(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         node = i < N
         cur = i.to(tl.int64)
@@ -288,9 +259,8 @@ if triton is not None:
             cur = tl.load(parents + cur, mask=node, other=0)
 
     @triton.jit
-    def _ancestor_matrix_kernel(table, N, W, vis, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _ancestor_matrix_kernel(table, N, W, vis, BLOCK: tl.constexpr):
         """vis[i, table[i, m]] = True for every m (vis zeroed by the caller)."""
-        _after_previous_kernel(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         node = i < N
         for m in range(W):
@@ -302,7 +272,7 @@ def ancestor_table(parents: Tensor, width: int) -> Tensor:
     """eval/verify.py `ancestor_table` with `width` = 2^k columns: int64 [N, width], one launch."""
     N = parents.shape[0]
     table = torch.empty(N, width, dtype=torch.long, device=parents.device)
-    _ancestor_table_kernel[(triton.cdiv(N, 128),)](parents, N, width, table, BLOCK=128, **_launch(parents.device))
+    _ancestor_table_kernel[(triton.cdiv(N, 128),)](parents, N, width, table, BLOCK=128)
     return table
 
 
@@ -310,8 +280,7 @@ def ancestor_matrix(table: Tensor) -> Tensor:
     """eval/verify.py `ancestor_matrix` from the table: bool [N, N], a memset and one launch."""
     N, W = table.shape
     vis = torch.zeros(N, N, dtype=torch.bool, device=table.device)
-    _ancestor_matrix_kernel[(triton.cdiv(N, 128),)](table, N, W, vis.view(torch.int8), BLOCK=128,
-                                                    **_launch(table.device))
+    _ancestor_matrix_kernel[(triton.cdiv(N, 128),)](table, N, W, vis.view(torch.int8), BLOCK=128)
     return vis
 
 
@@ -322,9 +291,8 @@ def ancestor_matrix(table: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _argmax_partial_kernel(logits, V, chunk, best, where, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _argmax_partial_kernel(logits, V, chunk, best, where, BLOCK: tl.constexpr):
         """Row r, chunk c: max and first argmax of logits[r, c*chunk : (c+1)*chunk] -> best/where [r, c]."""
-        _after_previous_kernel(PDL)
         r, c = tl.program_id(0), tl.program_id(1)
         chunks = tl.num_programs(1)
         lo = c * chunk
@@ -342,9 +310,8 @@ if triton is not None:
         tl.store(where + r * chunks + c, run_idx.to(tl.int64))
 
     @triton.jit
-    def _argmax_final_kernel(best, where, CH, choices, CHP: tl.constexpr, PDL: tl.constexpr):
+    def _argmax_final_kernel(best, where, CH, choices, CHP: tl.constexpr):
         """Row r: the first chunk holding the row maximum gives the row's first argmax."""
-        _after_previous_kernel(PDL)
         r = tl.program_id(0)
         c = tl.arange(0, CHP)
         part = tl.load(best + r * CH + c, mask=c < CH, other=float("-inf"))
@@ -354,8 +321,7 @@ if triton is not None:
     @triton.jit
     def _walk_kernel(tokens, parents, depths, ancestors, W, N, L, choices, match_buf,
                      path, accepted_out, bonus_out, last_out, record,
-                     NP: tl.constexpr, WP: tl.constexpr, LP: tl.constexpr, PDL: tl.constexpr):
-        _after_previous_kernel(PDL)
+                     NP: tl.constexpr, WP: tl.constexpr, LP: tl.constexpr):
         i = tl.arange(0, NP)
         node = i < N
         lp = tl.arange(0, LP)
@@ -395,10 +361,9 @@ def greedy_choices(logits: Tensor) -> Tensor:
     chunks = triton.cdiv(V, chunk)
     best = torch.empty(N, chunks, dtype=torch.float32, device=logits.device)
     where = torch.empty(N, chunks, dtype=torch.long, device=logits.device)
-    _argmax_partial_kernel[(N, chunks)](logits.contiguous(), V, chunk, best, where, BLOCK=chunk, num_warps=8,
-                                        **_launch(logits.device))
+    _argmax_partial_kernel[(N, chunks)](logits.contiguous(), V, chunk, best, where, BLOCK=chunk, num_warps=8)
     choices = torch.empty(N, dtype=torch.long, device=logits.device)
-    _argmax_final_kernel[(N,)](best, where, chunks, choices, CHP=_pow2(chunks), **_launch(logits.device))
+    _argmax_final_kernel[(N,)](best, where, chunks, choices, CHP=_pow2(chunks))
     return choices
 
 
@@ -417,7 +382,7 @@ def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tens
     W = ancestors.shape[1]
     _walk_kernel[(1,)](tokens, parents, depths, ancestors.contiguous(), W, N, L, choices, match, path, accepted,
                        bonus, last, record, NP=_pow2(N), WP=_pow2(W), LP=_pow2(L + 1),
-                       num_warps=4 if N <= 256 else 8, **_launch(device))
+                       num_warps=4 if N <= 256 else 8)
     return accepted, path, bonus, last, record
 
 
@@ -428,10 +393,9 @@ def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tens
 if triton is not None:
 
     @triton.jit
-    def _compact_path_kernel(x, R, C, past_ptr, path, LP1, LP: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    def _compact_path_kernel(x, R, C, past_ptr, path, LP1, LP: tl.constexpr, BLOCK_C: tl.constexpr):
         """Slice p, columns chunk c of x viewed [P, R, C]: rows past + path[j] -> past + j for j < LP1, all rows
         read before any is written (so no order between the rows is assumed)."""
-        _after_previous_kernel(PDL)
         p, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         past = tl.load(past_ptr)
         j = tl.arange(0, LP)
@@ -452,7 +416,7 @@ def compact_path_rows(x: Tensor, dim: int, past: Tensor, path: Tensor) -> Tensor
     block_c = min(_pow2(C), 128)
     LP1 = path.shape[0]
     _compact_path_kernel[(P, triton.cdiv(C, block_c))](x, R, C, past.reshape(1), path, LP1, LP=_pow2(LP1),
-                                                       BLOCK_C=block_c, **_launch(x.device))
+                                                       BLOCK_C=block_c)
     return x
 
 
