@@ -7,7 +7,7 @@ of the real shape (weights do not change the speed) with a random-init DFlash dr
   walk+read    target choices, device tree walk, the round's single D2H read (accepted count, bonus, path)
   compact+ctx  dynamic cache only: KV compaction of an accepted path of depth min(L, tree depth) that is NOT
                contiguous (the worst case) + drafter context gather; the static cache does both inside the walk
-               for all L+1 path rows (fixed shape, part of walk+read), so the column shows '-' 
+               for all L+1 path rows (fixed shape, part of walk+read), so the column shows '-'
                (these three are timed separately, each between two syncs: a breakdown, not a sum)
   overhead     the three in ONE timed region, as a round runs them (one sync: the read)
                (reference, DDTree authors' code on H200: 0.89 / 1.02 / 1.52 / 4.28 ms at budgets 16/64/256/1024)

@@ -123,4 +123,3 @@ def compact_path_rows(x: Tensor, dim: int, past: Tensor, path: Tensor) -> None:
             return
     dest = past + torch.arange(path.shape[0], device=path.device)
     x.index_copy_(dim, dest, x.index_select(dim, past + path))
-
