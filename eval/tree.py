@@ -73,29 +73,32 @@ class Tree:
 
 
 def top_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """fp32 top-k log-probs and token ids per depth: ([L, k], [L, k]), each row in descending order of logit, equal
-    logits by token id ascending (so the order, and with it every rank tuple, is defined).
-
-    topk of the logits in their own dtype (log-softmax is monotone per row, and every bf16/fp16 value is exact in
-    fp32), then log-prob = fp32(logit) - fp32 logsumexp of the row: the [L, V] fp32 log-softmax is never written.
-    Log-probs are clamped at LOGPROB_FLOOR and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts
-    and Python comparisons agree. On CUDA with Triton the logsumexp and the ordering are two launches
-    (eval/triton_kernels.py `order_top`).
+    """fp32 top-k log-probs and token ids per depth: ([L, k], [L, k]), the first k tokens of each row in the order
+    logit descending, equal logits by token id ascending (so the set, its order and every rank tuple are defined:
+    a tie at the k-th logit keeps the lowest ids). log-prob = fp32(logit) - fp32 logsumexp of the row, clamped at
+    LOGPROB_FLOOR and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts and Python comparisons
+    agree; the [L, V] fp32 log-softmax is never written. On CUDA with Triton, 16-bit logits take a radix select
+    (eval/triton_kernels.py `top_log_probs`); everything else takes `top_log_probs_torch`, the definition.
     """
-    top, top_ids = torch.topk(draft_logits, k, dim=-1, sorted=False)
-    if triton_kernels.available(draft_logits.device):
-        ordered = triton_kernels.run(triton_kernels.order_top, draft_logits, top, top_ids, LOGPROB_FLOOR)
-        if ordered is not None:
-            return ordered
-    return order_top(draft_logits, top, top_ids)
+    if draft_logits.dtype in triton_kernels.TOP_K_DTYPES and triton_kernels.available(draft_logits.device):
+        top = triton_kernels.run(triton_kernels.top_log_probs, draft_logits, k, LOGPROB_FLOOR)
+        if top is not None:
+            return top
+    return top_log_probs_torch(draft_logits, k)
 
 
-def order_top(draft_logits: Tensor, top: Tensor, top_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """The unsorted topk (values [L, k] in the logits' dtype, ids [L, k]) -> `top_log_probs`' result."""
-    top_ids, by_id = top_ids.sort(dim=-1)  # ids ascending, then a stable sort by value: ties stay in id order
-    top, by_value = top.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
-    lse = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)
-    return (top.float() - lse).clamp_min(LOGPROB_FLOOR), top_ids.gather(-1, by_value)
+def top_log_probs_torch(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """`top_log_probs` in torch: one topk over unique int64 keys sortable(logit) << 32 | (2^31 - 1 - id), whose
+    descending order is logit descending, ids ascending (+0.0 above -0.0, as in the Triton kernels' keys)."""
+    x = draft_logits.float()
+    bits = x.view(torch.int32)
+    ids = torch.arange(x.shape[-1], device=x.device)
+    keys = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() << 32) | (0x7FFFFFFF - ids)
+    top = torch.topk(keys, k, dim=-1).values
+    high = (top >> 32).int()
+    value = torch.where(high < 0, high ^ 0x7FFFFFFF, high).view(torch.float32)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    return (value - lse).clamp_min(LOGPROB_FLOOR), 0x7FFFFFFF - (top & 0xFFFFFFFF)
 
 
 def tree_size(budget: int, depth_limit: int, vocab: int) -> int:
@@ -212,14 +215,16 @@ def _staircase_host(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 _STAIRCASE: dict = {}
 
 
-def _staircase(budget: int, k: int, device) -> tuple[Tensor, Tensor, Tensor]:
-    """(slot_of, rank_of, root frontier) device constants, built once per (budget, K, device)."""
+def _staircase(budget: int, k: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(slot_of, rank_of, first, root frontier) device constants, built once per (budget, K, device); first[i] is
+    the index of candidate (i, 0)."""
     key = (budget, k, str(device))
     if key not in _STAIRCASE:
         i, j = _staircase_host(budget, k)
+        first = np.searchsorted(i, np.arange(budget))
         frontier = torch.full((budget,), float("-inf"))
         frontier[0] = 0.0  # depth 0: the root alone in slot 0
-        _STAIRCASE[key] = (torch.from_numpy(i).to(device), torch.from_numpy(j).to(device), frontier.to(device))
+        _STAIRCASE[key] = tuple(torch.as_tensor(a).to(device) for a in (i, j, first, frontier))
     return _STAIRCASE[key]
 
 
@@ -229,7 +234,7 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     draft_logits: [L, V] (any float dtype; the builder works in fp32). root_token: int or device scalar tensor.
     Work: one topk + logsumexp over [L, V]; per depth one gather + add + stable sort over the staircase
     (~B·ln B candidates); one stable sort over the L·B per-depth winners. On CUDA with Triton the selection
-    (everything after the topk) is L + 2 Triton launches, eval/triton_kernels.py.
+    (everything after the top-K) is L + 3 Triton launches, eval/triton_kernels.py.
     """
     _check_budget(budget)
     L, V = draft_logits.shape
@@ -241,9 +246,9 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     B = budget
     top_lp, top_ids = top_log_probs(draft_logits, min(B, V))
     K = top_lp.shape[1]
-    slot_of, rank_of, frontier = _staircase(B, K, device)  # [M] candidates in (slot, rank) order; root frontier
-    if triton_kernels.available(device):  # the same selection in L + 2 launches
-        arrays = triton_kernels.run(triton_kernels.select_tree, top_lp, top_ids, slot_of, rank_of, B, n,
+    slot_of, rank_of, first, frontier = _staircase(B, K, device)  # [M] candidates in (slot, rank) order
+    if triton_kernels.available(device):  # the same selection in L + 3 launches
+        arrays = triton_kernels.run(triton_kernels.select_tree, top_lp, top_ids, slot_of, rank_of, first, B, n,
                                     _root_tensor(root_token, device))
         if arrays is not None:
             return Tree(*arrays, n, L, "tree")

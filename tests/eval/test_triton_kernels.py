@@ -41,33 +41,38 @@ def check_select_tree_equals_heap(device: str = "cpu"):
         logits = torch.randn(L, V, generator=gen) * 3
         if trial % 3 == 0:  # exact ties between log-probs and between prefix sums
             logits = torch.randint(0, 3, (L, V), generator=gen).float() * 40
+        if trial % 3 == 1:  # one confident token per row: deep trees, pruning at some depths and not others
+            logits[torch.arange(L), torch.randint(0, V, (L,), generator=gen)] += float(torch.rand(1, generator=gen)) * 12
         logits = logits.to(device)
         ref = build_tree_heap(logits, budget, 3)
         k = min(budget, V)
         lp, ids = top_log_probs(logits, k)
-        slot_of, rank_of, _ = _staircase(budget, k, device)
-        tokens, parents, depths = triton_kernels.select_tree(lp, ids, slot_of, rank_of, budget,
+        slot_of, rank_of, first, _ = _staircase(budget, k, device)
+        tokens, parents, depths = triton_kernels.select_tree(lp, ids, slot_of, rank_of, first, budget,
                                                              tree_size(budget, L, V), torch.tensor([3], device=device))
         assert (tokens.tolist(), parents.tolist(), depths.tolist()) == \
             (ref.tokens.tolist(), ref.parents.tolist(), ref.depths.tolist()), trial
 
 
-def check_order_top_equals_torch(device: str = "cpu"):
+def check_top_log_probs_equals_torch(device: str = "cpu"):
     from eval import triton_kernels
-    from eval.tree import LOGPROB_FLOOR, order_top
+    from eval.tree import LOGPROB_FLOOR, top_log_probs_torch
 
     gen = torch.Generator().manual_seed(4)
-    for trial in range(12):
-        L = int(torch.randint(1, 5, (1,), generator=gen))
-        V = int(torch.randint(2, 9000, (1,), generator=gen))  # > one 4096-wide chunk of the logsumexp loop
-        k = int(torch.randint(1, min(V, 300) + 1, (1,), generator=gen))
+    big = device != "cpu"  # compiled: the real vocabulary and budgets up to 1024
+    for trial in range(40 if big else 12):
+        L = int(torch.randint(1, 16 if big else 5, (1,), generator=gen))
+        V = int(torch.randint(2, 152_000 if big else 9000, (1,), generator=gen))  # > one 4096-wide chunk
+        k = int(torch.randint(1, min(V, 1024 if big else 300) + 1, (1,), generator=gen))
         logits = torch.randn(L, V, generator=gen) * 4
-        if trial % 3 == 0:  # many exact ties, so the id tie-break decides the order
-            logits = torch.randint(0, 4, (L, V), generator=gen).float()
-        logits = logits.to(torch.bfloat16 if trial % 2 else torch.float32).to(device)
-        top, ids = torch.topk(logits, k, dim=-1, sorted=False)
-        got_lp, got_ids = triton_kernels.order_top(logits, top, ids, LOGPROB_FLOOR)
-        ref_lp, ref_ids = order_top(logits, top, ids)
+        if trial % 3 == 0:  # many exact ties, +0.0 and -0.0 included: the ids decide the set and the order
+            logits = torch.randint(-2, 3, (L, V), generator=gen).float()
+            logits[logits == 0] = torch.where(torch.rand(int((logits == 0).sum()), generator=gen) < 0.5, 0.0, -0.0)
+        if trial % 5 == 1:  # one value everywhere: every key is the threshold
+            logits = torch.full((L, V), 1.5)
+        logits = logits.to(torch.bfloat16 if trial % 2 else torch.float16).to(device)
+        got_lp, got_ids = triton_kernels.top_log_probs(logits, k, LOGPROB_FLOOR)
+        ref_lp, ref_ids = top_log_probs_torch(logits, k)
         assert torch.equal(got_ids, ref_ids), trial
         torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=2e-5)
 
@@ -169,7 +174,7 @@ def check_ancestors_equal_pointer_doubling(device: str = "cpu"):
         assert torch.equal(triton_kernels.ancestor_matrix(table).cpu(), ancestor_matrix(tree, ref)), trial
 
 
-CHECKS = ["check_order_top_equals_torch", "check_compact_path_rows_equals_torch", "check_select_tree_equals_heap", "check_ancestors_equal_pointer_doubling",
+CHECKS = ["check_top_log_probs_equals_torch", "check_compact_path_rows_equals_torch", "check_select_tree_equals_heap", "check_ancestors_equal_pointer_doubling",
           "check_greedy_walk_equals_walk_tree", "check_tree_attention_equals_sdpa"]
 
 
