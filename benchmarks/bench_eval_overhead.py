@@ -25,6 +25,9 @@ reference on this device (5 random drafts per budget).
     python benchmarks/bench_eval_overhead.py --device cuda --shape qwen3-8b --past 1024 \\
         --budgets 16,32,64,128,256,512,1024 --iters 30
     python benchmarks/bench_eval_overhead.py --device cpu --shape tiny --past 128 --budgets 16,64,256 --iters 3
+
+`--draft two-way` replaces the random drafter's logits (whose trees are one level deep, so the selection prunes
+every deeper depth) by two likely tokens per depth, which keeps every depth of the selection busy: the worst case.
 """
 
 from __future__ import annotations
@@ -108,7 +111,17 @@ def deepest_path(tree) -> list[int]:
     return path[::-1]
 
 
-def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, device) -> dict:
+def two_way_draft(L: int, vocab: int, device, dtype) -> torch.Tensor:
+    """Draft logits [L, V] with two likely tokens per depth (p ~ 0.5 each, every other token ~e-30): the tree fills
+    depth after depth and every depth keeps live candidates, so no depth of the selection is pruned away."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.full((L, vocab), -30.0, device=device) + torch.randn(L, vocab, generator=gen, device=device) * 0.1
+    likely = torch.randint(0, vocab, (L, 2), generator=gen, device=device)
+    logits.scatter_(1, likely, torch.randn(L, 2, generator=gen, device=device) * 0.1)
+    return logits.to(dtype)
+
+
+def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, device, draft: str = "drafter") -> dict:
     """Median seconds per step for one budget on `cache` (which holds the prefilled prompt)."""
     past = prompt.numel()
     L = drafter.args.block_size - 1
@@ -117,6 +130,8 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
     rewind(cache, past)  # an end-to-end decode may have run on this cache (same prompt rows, longer length)
     draft_cache = drafter.new_cache()
     draft_logits = drafter.draft_logits(draft_cache, _FEATURES["ctx"], 7, past)
+    if draft == "two-way":
+        draft_logits = two_way_draft(L, vocab, device, draft_logits.dtype)
     bonus = torch.tensor([7], device=device)
     samples = {k: [] for k in ("build", "walk", "compact", "verify", "overhead")}
     syncs_ok = None
@@ -132,9 +147,9 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
         t0 = time.perf_counter()
         tree, vin, anc = ops.build(draft_logits, bonus)
         walk, record, ctx = ops.walk(tree, anc, out.logits, None, out.features)
-        record.tolist()
+        accepted = ops.read(record)[0]
         if ops.compacts:  # done inside the walk (every path row, whatever the path)
-            cache.commit(path_t, len(path), contiguous=True)
+            cache.commit_compacted(accepted + 1)
         else:
             cache.commit(path_t, len(path), contiguous=False)
             out.features.index_select(0, path_t[: len(path)])
@@ -143,7 +158,7 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
         rewind(cache, past)
         (tree, vin, anc), t_build = timed(device, lambda: ops.build(draft_logits, bonus))
         out, t_verify = timed(device, lambda: cache.verify(tree, vin))
-        (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], w[1].tolist()))(
+        (walk, record), t_walk = timed(device, lambda: (lambda w: (w[0], ops.read(w[1])))(
             ops.walk(tree, anc, out.logits, None, out.features)))
         t_compact = None  # inside the walk on the static cache
         if not ops.compacts:
@@ -158,6 +173,7 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
             syncs_ok = one_sync_round(ops, cache, draft_logits, bonus, path_t, len(path), past)
     med = {k: statistics.median(v) if None not in v else None for k, v in samples.items()}
     med["N"] = tree.size
+    med["depth"] = int(tree.depths.max())
     med["syncs_ok"] = syncs_ok
     fns = [ops._build, ops._walk] + list(getattr(cache, "_verify_fns", {}).values())
     med["graphs"] = all(not getattr(f, "disabled", True) for f in fns)
@@ -185,10 +201,10 @@ def one_sync_round(ops, cache, draft_logits, bonus, path_t, n, past) -> bool:
         out = cache.verify(tree, vin)
         walk, record, _ = ops.walk(tree, anc, out.logits, None, out.features)
         torch.cuda.set_sync_debug_mode(0)
-        record.tolist()  # the read
+        accepted = ops.read(record)[0]  # the read
         torch.cuda.set_sync_debug_mode("error")
         if ops.compacts:
-            cache.commit(path_t, n, contiguous=True)
+            cache.commit_compacted(accepted + 1)
         else:
             cache.commit(path_t, n, contiguous=False)
             out.features.index_select(0, path_t[:n])
@@ -257,6 +273,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens of the end-to-end decode per budget (0 = skip)")
     ap.add_argument("--skip-reference", action="store_true", help="skip the eager-static and dynamic verify columns")
     ap.add_argument("--attention", default="auto", help="eval.target_forward.ATTENTIONS mode of the fused verify")
+    ap.add_argument("--draft", choices=["drafter", "two-way"], default="drafter",
+                    help="draft logits of the overhead columns: the random drafter's (its trees are one level deep: "
+                         "pruning skips the deeper depths), or two likely tokens per depth (every depth selects)")
     args = ap.parse_args()
 
     device = torch.device(args.device)
@@ -281,14 +300,14 @@ def main() -> None:
         for cache in caches.values():
             prefill(cache, prompt, capacity)
         print(f"target {args.shape} ({dtype}) on {device}, past {args.past}, block {args.block_size}, "
-              f"fast path: {fast}, attention: {args.attention}")
-        head = (f"{'budget':>6} {'N':>5} {'build+mask':>10} {'walk+read':>9} {'compact':>8} {'overhead':>8} "
+              f"fast path: {fast}, attention: {args.attention}, draft: {args.draft}")
+        head = (f"{'budget':>6} {'N':>5} {'depth':>5} {'build+mask':>10} {'walk+read':>9} {'compact':>8} {'overhead':>8} "
                 f"{'verify':>8} {'v.hf-graph':>10} {'v.static':>8} {'v.dynamic':>9} {'round':>8} {'tau':>5} "
                 f"{'graphs':>6} {'fused':>5} {'syncs':>5} {'dev=heap':>8}")
         print(head + "\n" + "-" * len(head))
         ms = lambda s: f"{s * 1e3:8.3f}" if s is not None else f"{'-':>8}"
         for budget in budgets:
-            m = measure_budget(target, drafter, caches[fast], prompt, budget, args.iters, device)
+            m = measure_budget(target, drafter, caches[fast], prompt, budget, args.iters, device, args.draft)
             v_static = v_dyn = v_hf_graph = None
             if not args.skip_reference:
                 v_static = verify_only(caches["static"], target, drafter, prompt, budget, args.iters, device)
@@ -299,7 +318,7 @@ def main() -> None:
             round_s, tau = (end_to_end("ddtree", target, drafter, prompt, budget, args.new_tokens, "auto")
                             if args.new_tokens else (None, float("nan")))
             syncs = {True: "1", False: "MORE", None: "n/a"}[m["syncs_ok"]]
-            print(f"{budget:>6} {m['N']:>5} {ms(m['build']):>10} {ms(m['walk']):>9} {ms(m['compact'])} "
+            print(f"{budget:>6} {m['N']:>5} {m['depth']:>5} {ms(m['build']):>10} {ms(m['walk']):>9} {ms(m['compact'])} "
                   f"{ms(m['overhead'])} {ms(m['verify'])} {ms(v_hf_graph):>10} {ms(v_static)} {ms(v_dyn):>9} "
                   f"{ms(round_s)} {tau:5.2f} {str(m['graphs']):>6} {str(m['fused']):>5} {syncs:>5} "
                   f"{str(m['builders']):>8}")

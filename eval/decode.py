@@ -172,12 +172,12 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         out = cache.verify(tree, vin)
         clock.lap("verify")
         walk, record, path_features = ops.walk(tree, ancestors, out.logits, uniforms(), out.features)
-        record = record.tolist()  # the round's one host sync
+        record = ops.read(record)  # the round's one host sync
         accepted, bonus, depth = record[0], record[1], record[2]
         path = record[3: 3 + tree.depth_limit + 1][: accepted + 1]
         path_tokens = record[3 + tree.depth_limit + 1:][1: accepted + 1]
-        if ops.compacts:  # the walk already moved the path's K/V rows to the front and gathered their features
-            cache.commit(walk.path, accepted + 1, contiguous=True)
+        if ops.compacts:  # the walk already moved the path's K/V rows to the front, advanced the device length
+            cache.commit_compacted(accepted + 1)  # and gathered the path's features
             if path_features is not None:
                 context = path_features[: accepted + 1]
         else:
@@ -206,7 +206,8 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
 
 
 class _RoundOps:
-    """build(draft logits, bonus) -> (tree, verify inputs) and walk(tree, logits, uniforms) -> (walk, host record).
+    """build(draft logits, bonus) -> (tree, verify inputs), walk(tree, logits, uniforms) -> (walk, record) and
+    read(record) -> the record as host ints.
 
     With a graph-enabled static cache both run as CUDA graphs keyed by the round's static shape (so a round
     launches: drafter, build graph, verify graph, walk graph, then one D2H read). Tree fields that are host
@@ -225,10 +226,14 @@ class _RoundOps:
         self.compacts = getattr(cache, "static", False)
         from eval.cache import CudaGraphFn
 
+        # the walk's record also lands in pinned host memory inside its graph: the read is then a stream sync
+        self._host = torch.empty(3 + 2 * (self.depth_limit + 1), dtype=torch.long, pin_memory=True) \
+            if device.type == "cuda" else None
         capturable_build = not (method == "ddtree" and builder is build_tree_heap)  # the heap reads the host
         self._build = CudaGraphFn(self._build_eager, f"{method} tree build") if graphs and capturable_build \
             else self._build_eager
-        self._walk = CudaGraphFn(self._walk_eager, f"{method} walk") if graphs else self._walk_eager
+        state = (lambda: cache.compaction_state(self.depth_limit + 1)) if self.compacts else None
+        self._walk = CudaGraphFn(self._walk_eager, f"{method} walk", state=state) if graphs else self._walk_eager
 
     def _tree(self, tokens, parents, depths) -> Tree:
         return Tree(tokens, parents, depths, self.num_nodes, self.depth_limit, self.kind)
@@ -261,19 +266,30 @@ class _RoundOps:
             walk = walk_tree(tree, target_choices(logits, self.temperature, uniforms), ancestors)
             accepted, path, bonus, last, record = walk.accepted, walk.path, walk.bonus, walk.last, \
                 walk.host_record(tree)
+        if self._host is not None:
+            self._host.copy_(record, non_blocking=True)
         path_features = None
         if self.compacts:
-            self.cache.compact_path(path)
+            self.cache.compact_path(path, accepted)
             if features is not None:
                 path_features = features.index_select(0, path)
         return (accepted, path, bonus, last), record, path_features
 
     def walk(self, tree, ancestors, logits, uniforms, features=None):
         """-> (walk, host record [3 + 2(L+1)], features of the L+1 path rows or None). With `compacts` the K/V
-        rows of the path are also moved to the front (commit then only counts them)."""
+        rows of the path are also moved to the front and the cache's device length advanced (the caller then
+        calls `commit_compacted`)."""
         (accepted, path, bonus, last), record, path_features = self._walk(
             tree.tokens, tree.parents, tree.depths, ancestors, logits, uniforms, features)
         return Walk(accepted, path, bonus, last), record, path_features
+
+
+    def read(self, record: Tensor) -> list[int]:
+        """The round's one host sync: the walk's record (from `walk`) as a list of ints."""
+        if self._host is None:
+            return record.tolist()
+        torch.cuda.current_stream(self.device).synchronize()
+        return self._host.tolist()
 
 
 def _round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device) -> _RoundOps:

@@ -85,3 +85,22 @@ def test_checker_catches_the_patterns_it_guards_against():
             except Exception:  # meta raises on data-dependent output sizes after the checker has seen the op
                 pass
         assert checker.bad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_a_graphs_first_call_leaves_in_place_state_as_one_run_does():
+    """The first call runs fn four times (two warm-ups, the replay, the eager check); a walk that compacts the KV
+    rows and advances the length in place must still look like one run (its `state` is restored in between)."""
+    from eval.cache import CudaGraphFn
+
+    x = torch.zeros(4, device="cuda")
+
+    def advance(step):
+        x.add_(step)
+        return x * 2
+
+    graph = CudaGraphFn(advance, "advance", state=lambda: [x])
+    out = graph(torch.ones(4, device="cuda"))
+    assert torch.equal(x, torch.ones(4, device="cuda")) and torch.equal(out, x * 2)
+    graph(torch.full((4,), 3.0, device="cuda"))
+    assert not graph.disabled and torch.equal(x, torch.full((4,), 4.0, device="cuda"))
