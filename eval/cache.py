@@ -382,10 +382,14 @@ def _relative_error(got: Tensor, ref: Tensor) -> float:
 
 
 def _logits_close(graph_out, eager_out) -> bool:
-    """The verify graph's self-check: its logits equal an eager run's up to rounding, relative L2 error <= 1e-4
-    (fp32) or 1e-2 (bf16/fp16); a graph that replays stale inputs is off by ~1. A failure logs the error."""
+    """The verify graph's self-check: its logits equal an eager run's up to rounding, the same allowance as the
+    fused forward against HF's (eval/target_forward.py `max_error`: bf16 rounding differences grow through the
+    layers; 2.6e-2 measured for a bf16 AR graph of a random-init Qwen3-8B shape); a graph that replays stale
+    inputs is off by ~1. A failure logs the error."""
+    from eval.target_forward import max_error
+
     err = _relative_error(graph_out[0], eager_out[0])
-    ok = err <= (1e-4 if eager_out[0].dtype == torch.float32 else 1e-2)
+    ok = err <= max_error(eager_out[0].dtype)
     if not ok:
         log.warning("verify graph vs eager: relative L2 error of the logits %.2e", err)
     return ok
