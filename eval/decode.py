@@ -283,7 +283,6 @@ class _RoundOps:
             tree.tokens, tree.parents, tree.depths, ancestors, logits, uniforms, features)
         return Walk(accepted, path, bonus, last), record, path_features
 
-
     def read(self, record: Tensor) -> list[int]:
         """The round's one host sync: the walk's record (from `walk`) as a list of ints."""
         if self._host is None:

@@ -228,19 +228,12 @@ if triton is not None:
         return tl.where(b < 0, ~b & 0xFFFF, b | 0x8000)
 
     @triton.jit
-    def _threshold(hist, row, K, HB: tl.constexpr):
-        """(digit-0 value b*, digit value l*, #keys above T) of the row's K-th largest key T = b* << 8 | l*, from the
-        row's complete digit histograms hist[row, 0, :] (all keys) and hist[row, 1, :] (keys with digit 0 = b*)."""
-        bins = tl.arange(0, 256)
-        h0 = tl.load(hist + row * HB + bins)
-        at_least0 = tl.cumsum(h0, axis=0, reverse=True)  # [b]: keys with digit 0 >= b
-        b_star = tl.sum((at_least0 >= K).to(tl.int32), axis=0) - 1
-        above0 = tl.sum(tl.where(bins > b_star, h0, 0), axis=0)
-        h1 = tl.load(hist + row * HB + 256 + bins)
-        at_least1 = above0 + tl.cumsum(h1, axis=0, reverse=True)
-        l_star = tl.sum((at_least1 >= K).to(tl.int32), axis=0) - 1
-        above = above0 + tl.sum(tl.where(bins > l_star, h1, 0), axis=0)
-        return b_star, l_star, above
+    def _digit_threshold(h, K, above):
+        """(digit d* of the row's K-th largest key, #keys above the keys with digit d*) from the histogram h [256] of
+        one digit over the keys that tie on all higher digits, `above` keys being greater than all of those."""
+        at_least = above + tl.cumsum(h, axis=0, reverse=True)  # [d]: keys greater, or tied with digit >= d
+        d_star = tl.sum((at_least >= K).to(tl.int32), axis=0) - 1
+        return d_star, above + tl.sum(tl.where(tl.arange(0, 256) > d_star, h, 0), axis=0)
 
     @triton.jit
     def _topk_digit0_kernel(logits, V, hist, HB, part_max, part_sum, CHUNK: tl.constexpr):
@@ -264,8 +257,7 @@ if triton is not None:
         whose digit 0 is b*: added to hist[r, 1] and kept per chunk in chunk_hist[r, c] (the ties' token order)."""
         r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         bins = tl.arange(0, 256)
-        h0 = tl.load(hist + r * HB + bins)
-        b_star = tl.sum((tl.cumsum(h0, axis=0, reverse=True) >= K).to(tl.int32), axis=0) - 1
+        b_star, _ = _digit_threshold(tl.load(hist + r * HB + bins), K, 0)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         ok = cols < V
         u = _key16(tl.load(logits + r * V + cols, mask=ok, other=0.0))
@@ -281,8 +273,10 @@ if triton is not None:
         + (rank among the chunk's ties), kept if < K: the ties with the lowest token ids fill the row."""
         r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         C = tl.num_programs(1)
-        b_star, l_star, above = _threshold(hist, r, K, HB)
-        t = (b_star << 8) | l_star
+        bins = tl.arange(0, 256)
+        b_star, above0 = _digit_threshold(tl.load(hist + r * HB + bins), K, 0)
+        l_star, above = _digit_threshold(tl.load(hist + r * HB + 256 + bins), K, above0)
+        t = (b_star << 8) | l_star  # T: keys > T are `above` < K of them; keys == T fill the remaining slots
         earlier = tl.arange(0, CP)
         ties_before = tl.sum(tl.load(chunk_hist + (r * C + earlier) * 256 + l_star, mask=earlier < c, other=0),
                              axis=0)
