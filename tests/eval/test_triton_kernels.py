@@ -3,7 +3,7 @@
 On the CPU `TRITON_INTERPRET=1` executes the kernel code with NumPy, in a subprocess because the switch is read
 when the kernels are defined (at import). On the GPU machine the same checks run compiled for CUDA, at real sizes
 (`test_kernel_equals_its_torch_reference_on_cuda`; tests/eval/test_tree_builder.py also runs the builder tests on
-CUDA).
+CUDA). Every kernel is also compiled here for an sm_90 GPU (`test_kernel_compiles_for_an_sm90_gpu_without_one`).
 """
 
 from __future__ import annotations
@@ -189,6 +189,51 @@ def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernel_equals_its_torch_reference_on_cuda(check):
     globals()[check](device="cuda")
+
+
+# Every kernel with the argument types and constants its launcher passes on the GPU (ints equal to 0 or 1 are
+# specialized to constants by Triton's launcher, so the depth index is also compiled as 0 and 1).
+P, I, I64, F = "*fp32", "i32", "*i64", "fp32"
+COMPILED = [
+    ("_topk_digit0_kernel", dict(logits="*bf16", V=I, hist="*i32", HB=I, part_max=P, part_sum=P), dict(CHUNK=4096)),
+    ("_topk_digit1_kernel", dict(logits="*bf16", V=I, K=I, hist="*i32", HB=I, chunk_hist="*i32"), dict(CHUNK=4096)),
+    ("_topk_collect_kernel", dict(logits="*fp16", V=I, K=I, hist="*i32", HB=I, chunk_hist="*i32", top="*fp16",
+                                  ids=I64), dict(CHUNK=4096, CP=64)),
+    ("_order_top_kernel", dict(part_max=P, part_sum=P, C=I, top="*bf16", ids=I64, K=I, floor=F, out_lp=P,
+                               out_ids=I64), dict(CP=64, KP=256)),
+    ("_select_init_kernel", dict(top_lp=P, K=I, M=I, B=I, keys=I64, scores=P), dict(BLOCK=1024)),
+    *[("_depth_rank_kernel", dict(keys=I64, M=I, top_lp=P, K=I, first=I64, scores=P, picks="*i32", d=d, L=I, B=I),
+       dict(BLOCK=8, TILE=1024, CHILDREN=128, **({} if d == I else {"d": int(d)}))) for d in (I, "0", "1")],
+    ("_final_rank_kernel", dict(scores=P, LB=I, B=I, n=I, chosen="*i32", node_of="*i32"), dict(BLOCK=8, TILE=1024)),
+    ("_tree_arrays_kernel", dict(chosen="*i32", picks="*i32", slot_of=I64, rank_of=I64, node_of="*i32", top_ids=I64,
+                                 K=I, B=I, n=I, root=I64, tokens=I64, parents=I64, depths=I64), dict(BLOCK=128)),
+    ("_ancestor_table_kernel", dict(parents=I64, N=I, W=I, table=I64), dict(BLOCK=128)),
+    ("_ancestor_matrix_kernel", dict(table=I64, N=I, W=I, vis="*i8"), dict(BLOCK=128)),
+    ("_argmax_partial_kernel", dict(logits="*bf16", V=I, chunk=I, best=P, where=I64), dict(BLOCK=4096)),
+    ("_argmax_final_kernel", dict(best=P, where=I64, CH=I, choices=I64), dict(CHP=64)),
+    ("_walk_kernel", dict(tokens=I64, parents=I64, depths=I64, ancestors=I64, W=I, N=I, L=I, choices=I64,
+                          match_buf="*i8", path=I64, accepted_out=I64, bonus_out=I64, last_out=I64, record=I64),
+     dict(NP=512, WP=16, LP=16)),
+    ("_compact_path_kernel", dict(x="*bf16", R=I, C=I, past_ptr=I64, path=I64, LP1=I), dict(LP=16, BLOCK_C=128)),
+    ("_tree_attention_kernel", dict(q="*bf16", k="*bf16", v="*bf16", vis="*u8", past_ptr=I64, out="*bf16", lse=P,
+                                    N=I, GN=I, stride_kh=I, stride_kt=I, kv_chunk=I, scale=F), dict(HD=128, BM=64, BN=64)),
+]
+
+
+@pytest.mark.parametrize("name,signature,constants", COMPILED, ids=[f"{c[0]}-{i}" for i, c in enumerate(COMPILED)])
+def test_kernel_compiles_for_an_sm90_gpu_without_one(name, signature, constants):
+    """Triton's whole compiler (to PTX and cubin with its bundled ptxas) on this CPU machine: catches what the
+    interpreter lets through (e.g. a method on an argument the launcher turns into a constant)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from eval import triton_kernels
+
+    kernel = getattr(triton_kernels, name)
+    signature = {**signature, **{k: "constexpr" for k in constants}}
+    assert list(signature) == kernel.arg_names, "the test's signature is out of date"
+    triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
 
 
 def test_a_failing_kernel_switches_every_kernel_off_with_a_warning(caplog):
