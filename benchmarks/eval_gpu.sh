@@ -4,7 +4,7 @@
 # (benchmarks/profile_eval_round.py) and the per-round overhead table (benchmarks/bench_eval_overhead.py), each
 # into its own log under --out. Prints the summary lines of each.
 #
-#   bash benchmarks/eval_gpu.sh --out $OUT                        (H200: ~9 min, ~5.5 of them the tests)
+#   bash benchmarks/eval_gpu.sh --out $OUT                        (H200: ~9 min before the two-way bench was added)
 #   bash benchmarks/eval_gpu.sh --out $OUT --budgets 16,64,256,1024 --skip-tests
 #
 # Options: --out DIR (default ./eval_gpu_out)  --budgets LIST (bench, default 16,64,256,1024)
@@ -35,7 +35,8 @@ status=0
 
 if [ -n "$TESTS" ]; then
   "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/eval/test_triton_kernels.py tests/eval/test_tree_builder.py \
-    tests/eval/test_target_forward.py tests/eval/test_decode_greedy.py -k "cuda or builder or brute or heap or fused" \
+    tests/eval/test_target_forward.py tests/eval/test_decode_greedy.py tests/eval/test_round_capture_safety.py \
+    -k "cuda or builder or brute or heap or fused or graph" \
     > "$OUT/tests.log" 2>&1 || status=1
   grep -E "^E |passed|failed" "$OUT/tests.log" | tail -12
 fi
@@ -48,5 +49,9 @@ if [ -n "$BENCH" ]; then
   "$PY" benchmarks/bench_eval_overhead.py --device cuda --shape qwen3-8b --past 1024 --budgets "$BUDGETS" \
     --iters "$ITERS" --new-tokens 0 > "$OUT/bench.log" 2>&1 || status=1
   grep -E "^ +[0-9]+ +[0-9]+ |^budget|^target|Targets" "$OUT/bench.log"
+  # the selection's worst case: every depth keeps live candidates
+  "$PY" benchmarks/bench_eval_overhead.py --device cuda --shape qwen3-8b --past 1024 --budgets "$BUDGETS" \
+    --iters "$ITERS" --new-tokens 0 --skip-reference --draft two-way > "$OUT/bench_two_way.log" 2>&1 || status=1
+  grep -E "^ +[0-9]+ +[0-9]+ |^target" "$OUT/bench_two_way.log"
 fi
 exit $status
