@@ -4,7 +4,7 @@
 # (benchmarks/profile_eval_round.py) and the per-round overhead table (benchmarks/bench_eval_overhead.py), each
 # into its own log under --out. Prints the summary lines of each.
 #
-#   bash benchmarks/eval_gpu.sh --out $OUT                        (H200: ~9 min before the two-way bench was added)
+#   bash benchmarks/eval_gpu.sh --out $OUT        (H200: ~9 min, ~5.5 of them the tests, before the two-way bench)
 #   bash benchmarks/eval_gpu.sh --out $OUT --budgets 16,64,256,1024 --skip-tests
 #
 # Options: --out DIR (default ./eval_gpu_out)  --budgets LIST (bench, default 16,64,256,1024)
