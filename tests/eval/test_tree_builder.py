@@ -129,3 +129,20 @@ def test_chain_and_root_layouts():
     assert as_lists(chain) == ([5, 1, 0, 1], [0, 0, 1, 2], [0, 1, 2, 3]) and chain.kind == "chain"
     root = root_tree(4, "cpu")
     assert as_lists(root) == ([4], [0], [0]) and root.size == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_log_probs_are_the_first_k_of_a_stable_descending_sort(dtype):
+    """The top-K definition: logit descending, equal logits by token id ascending, so a tie at the k-th logit keeps
+    the lowest ids; log-probs are the row's fp32 log-softmax at those ids (no zeros here: +0.0 ranks above -0.0)."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        V = int(torch.randint(2, 3000, (1,), generator=gen))
+        k = int(torch.randint(1, V + 1, (1,), generator=gen))
+        logits = torch.randint(1, 6, (3, V), generator=gen).float() * (1 if trial % 2 else -0.5)  # many ties
+        logits = logits.to(dtype)
+        lp, ids = top_log_probs(logits, k)
+        ref_ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(ids, ref_ids), trial
+        ref_lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ref_ids)
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
