@@ -123,7 +123,7 @@ if triton is not None:
         row = keys + d * M
         mine = tl.load(row + offs, mask=offs < M, other=INVALID)
         live = mine != INVALID
-        if tl.max(live.to(tl.int32), axis=0) > 0:
+        if tl.max(live.to(tl.int32), axis=0) > 0:  # a block of pruned candidates has nothing to rank or write
             count = tl.zeros([BLOCK], dtype=tl.int32)
             for start in range(0, M, TILE):
                 cols = start + tl.arange(0, TILE)
