@@ -210,7 +210,7 @@ class _RoundOps:
     read(record) -> the record as host ints.
 
     With a graph-enabled static cache both run as CUDA graphs keyed by the round's static shape (so a round
-    launches: drafter, build graph, verify graph, walk graph (whose last step copies the record into pinned host
+    launches: drafter, build graph, verify graph, walk graph (which also copies the record into pinned host
     memory), then waits once for the stream). Tree fields that are host
     values (num_nodes, depth_limit, kind) are fixed per method/budget and restored around the graphs.
     """
