@@ -29,7 +29,7 @@ Implementations:
     compiled pointwise ops under 'graphs') instead of HF's forward. Its first verify is checked against HF's
     forward on the same inputs; a refusal or a mismatch falls back to HF's forward, with a warning.
   * `RecurrentTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers, e.g. qwen3_5_text.
-    A tree mask cannot stop recurrent state from flowing between branches (ddtree.md §6.7), so nothing here
+    A tree mask cannot stop recurrent state from flowing between branches (docs/tree.md, "Hybrid (recurrent) targets"), so nothing here
     uses one. Chain: the recurrent/conv states are copied before verify; if the chain is cut at n < N rows,
     they are restored, the attention KV is cropped, and the n accepted rows are re-run from the saved state.
     Tree (path-batched): every root->leaf path is one row of a batch [P, depth+1] run from a copy of the committed

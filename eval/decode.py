@@ -40,7 +40,7 @@ PHASES = ("draft", "tree_build", "verify", "walk_commit")
 
 @dataclass
 class DecodeResult:
-    """One decoded response (documented for eval/stage.py in /work/helpers/notes/F-to-G.md)."""
+    """One decoded response (the unit `eval/stage.py` aggregates into τ, acceptance and speed)."""
 
     method: str
     budget: int | None

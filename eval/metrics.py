@@ -1,4 +1,4 @@
-"""Speculative-decoding metrics over decoded responses (definitions: docs ddtree.md §4.1).
+"""Speculative-decoding metrics over decoded responses (definitions: docs/tree.md, "Metrics").
 
 One `ResponseRecord` per generated response (one per MT-Bench turn). Per verify round it holds
 

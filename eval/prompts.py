@@ -121,7 +121,11 @@ def _record_id(name: str, record: Any, index: int) -> str:
 
 
 def _read_records(path: Path) -> list[Any]:
-    """Rows of a .jsonl file (an unparsable line becomes `BAD_JSON`) or of a .json array."""
+    """Rows of a .jsonl file (an unparsable line becomes `BAD_JSON`), of a .json array or of a .parquet file."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         data = json.loads(text)
@@ -145,7 +149,7 @@ def _read_records(path: Path) -> list[Any]:
 def load_benchmark(bench: BenchmarkConfig) -> LoadedBenchmark:
     """The first `bench.num_samples` well-formed prompts of `bench.path` in the `bench.name` format."""
     if not bench.path:
-        raise ConfigError(f"eval.benchmarks: benchmark {bench.name!r} needs a `path` (a local .jsonl/.json file)")
+        raise ConfigError(f"eval.benchmarks: benchmark {bench.name!r} needs a `path` (a local .jsonl/.json/.parquet file)")
     path = Path(bench.path)
     if not path.is_file():
         raise FileNotFoundError(f"eval benchmark {bench.name!r}: prompt file {path} does not exist")

@@ -1,4 +1,4 @@
-"""THE tree layout and the DDTree best-first builder (ddtree.md §2).
+"""THE tree layout and the DDTree best-first builder (docs/tree.md, "The tree layout" and "Builder").
 
 Layout (`Tree`, all tensors on the draft/target device, int64):
 
@@ -7,7 +7,7 @@ Layout (`Tree`, all tensors on the draft/target device, int64):
     index 1..n   drafted nodes in *selection order*; parents[i] < i; depths[i] = depths[parents[i]] + 1
                  <= depth_limit = L = B-1; children of one node carry distinct tokens.
 
-Builder (ddtree.md §2.3, PAPER Alg. 1): the draft logits [L, V] give per-depth marginals q_d. With
+Builder (docs/tree.md, "Builder"; the DDTree paper's Algorithm 1): the draft logits [L, V] give per-depth marginals q_d. With
 `K = min(budget, V)` and fp32 log-probs `lp = topk(log_softmax(logits), K)` (computed on the device), a prefix is a
 rank tuple rho = (r_1..r_d) with score sigma(rho) = lp[1, r_1] + ... + lp[d, r_d], summed left to right in fp32
 (sigma(child) = fp32(sigma(parent) + lp[d, r])).  The tree is exactly the `budget` highest-sigma prefixes

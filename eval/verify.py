@@ -1,4 +1,4 @@
-"""Tree verification inputs (ddtree.md §2.7, §3.1): position ids and the 4-D attention mask, built on the device.
+"""Tree verification inputs (docs/tree.md, "Verify: positions and mask"): position ids and the 4-D attention mask, built on the device.
 
 One target forward verifies every node of a `eval.tree.Tree`:
 

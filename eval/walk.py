@@ -1,4 +1,4 @@
-"""The tree walk on the device (ddtree.md §3.2, §7.2) and KV compaction (§3.4, §6.5).
+"""The tree walk on the device (docs/tree.md, "Walk") and KV compaction ("Commit").
 
 After the verify forward, row i of the target logits is p(. | prefix, root->i path). The target's choice at row
 i (`target_choices`: argmax, or one sample per row at T > 0) is compared with the children of i:

@@ -16,8 +16,22 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
+PROMPTS = REPO / "data" / "prompts"  # vendored public prompt sets (data/prompts/README.md)
 CACHE = REPO / ".cache"  # materialized targets are keyed by content hash: safe to share between tests
+
+
+def prompt_records(name: str) -> list[dict]:
+    """The rows of a vendored prompt file (.jsonl, .json array or .parquet) as dicts."""
+    import json
+
+    path = PROMPTS / name
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(autouse=True)

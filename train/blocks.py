@@ -1,6 +1,6 @@
 """THE anchor sampling, block construction, training attention mask and labels of DFlash.
 
-Training packs N blocks of B slots into one query sequence of Q = N*B rows (dflash.md §4.3-4.5):
+Training packs N blocks of B slots into one query sequence of Q = N*B rows (docs/drafter.md, "Training: anchors, packed layout and mask"):
 
     block n    = [x[a_n], MASK x (B-1)]             slot 0 is the real (anchor) token, never a target
     positions  = a_n - doc_start_n + j               RoPE position of slot j (absolute within its sequence)

@@ -1,4 +1,4 @@
-"""Decayed, chunked cross-entropy of DFlash (dflash.md §4.5) and its accuracy statistics.
+"""Decayed, chunked cross-entropy of DFlash (docs/drafter.md, "Training: labels and loss") and its accuracy statistics.
 
     w_k  = exp(-(k-1)/gamma) for slot k >= 1, 0 at slot 0 (the anchor token is never a target)
     loss = sum_q w_{k(q)} m_q CE(logits_q, label_q) / sum_q w_{k(q)} m_q          m = batch.label_mask

@@ -1,4 +1,4 @@
-"""The DFlash drafter (dflash.md §2-3): fused target features injected as K/V into a small Qwen3-style decoder.
+"""The DFlash drafter (docs/drafter.md): fused target features injected as K/V into a small Qwen3-style decoder.
 
     features [T, n_taps*D] --fc--> hidden_norm --> H_t [T, D]             once per context token, shared by all layers
     block    [x_bonus, MASK x (B-1)] --frozen target embedding--> x [B, D]

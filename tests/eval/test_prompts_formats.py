@@ -1,4 +1,5 @@
-"""Benchmark prompt formats (z-lab/dflash benchmark.py) on the real prompt files, shipped and shared."""
+"""Benchmark prompt formats (z-lab/dflash benchmark.py) on the real prompt files: the small jsonl/json subsets
+and the full parquet sets vendored in data/prompts."""
 
 from __future__ import annotations
 
@@ -10,25 +11,22 @@ import pytest
 from eval.prompts import HUMANEVAL_PREFIX, REASON_SUFFIX, chat_prompt_ids, load_benchmark
 from pipeline.config import BenchmarkConfig, ConfigError
 from pipeline.target import build_byte_tokenizer
+from tests.conftest import prompt_records
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "data" / "prompts"
-SHARED = REPO.parent / "shared" / "data" / "prompts"
-DIRS = [pytest.param(SHIPPED, id="shipped"),
-        pytest.param(SHARED, id="shared", marks=pytest.mark.skipif(not SHARED.is_dir(), reason="no shared prompts"))]
-GSM8K = {SHIPPED: "gsm8k_test_100.jsonl", SHARED: "gsm8k_test.jsonl"}
-CODE_ALPACA = {SHIPPED: "code_alpaca_1k.json", SHARED: "code_alpaca_2k.json"}
+DIRS = [pytest.param("subset", id="subset"), pytest.param("full", id="full")]
+GSM8K = {"subset": "gsm8k_test_100.jsonl", "full": "gsm8k_test.parquet"}
+CODE_ALPACA = {"subset": "code_alpaca_1k.json", "full": "code_alpaca_2k.parquet"}
 
 
 def first_row(path: Path) -> dict:
-    if path.suffix == ".json":
-        return json.loads(path.read_text())[0]
-    return json.loads(path.read_text().splitlines()[0])
+    return prompt_records(path.name)[0]
 
 
 @pytest.mark.parametrize("root", DIRS)
 def test_gsm8k_prompt_is_question_then_boxed_instruction(root):
-    path = root / GSM8K[root]
+    path = SHIPPED / GSM8K[root]
     loaded = load_benchmark(BenchmarkConfig(name="gsm8k", path=str(path), num_samples=5))
     assert len(loaded.prompts) == 5 and loaded.read == 5 and not loaded.skipped
     p = loaded.prompts[0]
@@ -37,9 +35,8 @@ def test_gsm8k_prompt_is_question_then_boxed_instruction(root):
     assert p.id == "gsm8k/0" and p.benchmark == "gsm8k"
 
 
-@pytest.mark.parametrize("root", DIRS)
-def test_humaneval_prompt_wraps_the_code_in_a_python_block(root):
-    path = root / "humaneval.jsonl"
+def test_humaneval_prompt_wraps_the_code_in_a_python_block():
+    path = SHIPPED / "humaneval.jsonl"
     loaded = load_benchmark(BenchmarkConfig(name="humaneval", path=str(path), num_samples=3))
     row = first_row(path)
     assert loaded.prompts[0].turns == (
@@ -48,9 +45,8 @@ def test_humaneval_prompt_wraps_the_code_in_a_python_block(root):
     assert loaded.prompts[0].id == "humaneval/HumanEval/0"
 
 
-@pytest.mark.parametrize("root", DIRS)
-def test_mt_bench_prompt_keeps_both_user_turns(root):
-    path = root / "mt_bench.jsonl"
+def test_mt_bench_prompt_keeps_both_user_turns():
+    path = SHIPPED / "mt_bench.jsonl"
     loaded = load_benchmark(BenchmarkConfig(name="mt_bench", path=str(path), num_samples=80))
     assert len(loaded.prompts) == 80
     assert all(len(p.turns) == 2 for p in loaded.prompts)
@@ -60,14 +56,14 @@ def test_mt_bench_prompt_keeps_both_user_turns(root):
 
 @pytest.mark.parametrize("root", DIRS)
 def test_alpaca_prompt_appends_the_input_when_there_is_one(root):
-    seed = load_benchmark(BenchmarkConfig(name="alpaca", path=str(root / "alpaca_seed_tasks.jsonl"), num_samples=175))
-    rows = [json.loads(line) for line in (root / "alpaca_seed_tasks.jsonl").read_text().splitlines()]
+    seed = load_benchmark(BenchmarkConfig(name="alpaca", path=str(SHIPPED / "alpaca_seed_tasks.jsonl"), num_samples=175))
+    rows = [json.loads(line) for line in (SHIPPED / "alpaca_seed_tasks.jsonl").read_text().splitlines()]
     assert len(seed.prompts) == 175
     for p, row in zip(seed.prompts, rows):
         inp = row["instances"][0]["input"]
         assert p.turns == ((row["instruction"] + "\n\n" + inp) if inp.strip() else row["instruction"],)
-    code = load_benchmark(BenchmarkConfig(name="alpaca", path=str(root / CODE_ALPACA[root]), num_samples=2))
-    row = first_row(root / CODE_ALPACA[root])
+    code = load_benchmark(BenchmarkConfig(name="alpaca", path=str(SHIPPED / CODE_ALPACA[root]), num_samples=2))
+    row = first_row(SHIPPED / CODE_ALPACA[root])
     assert code.prompts[0].turns == (row["instruction"] + "\n\n" + row["input"],)
 
 

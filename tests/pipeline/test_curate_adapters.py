@@ -1,4 +1,4 @@
-"""Every schema adapter on the real prompt files (../shared/data/prompts), the hub-dataset record path,
+"""Every schema adapter on the real prompt files vendored in data/prompts, the hub-dataset record path,
 and the whole stage on all real files at once: every row obeys the curated schema."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import datasets
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from tests.conftest import SHARED_PROMPTS
+from tests.conftest import PROMPTS, prompt_records
 
 from pipeline.config import load_config
 from pipeline.curate.adapters import NotThisFormat, adapt, detect_format
@@ -31,7 +31,7 @@ def jsonl(path):
 
 
 def test_gsm8k_question_answer_becomes_user_then_assistant():
-    records = jsonl(SHARED_PROMPTS / "gsm8k_train.jsonl")
+    records = prompt_records("gsm8k_train.parquet")
     assert len(records) == 7473
     for r in records:
         fmt, [(messages, _)] = adapt(r, "auto")
@@ -40,7 +40,7 @@ def test_gsm8k_question_answer_becomes_user_then_assistant():
 
 
 def test_alpaca_instruction_and_input_join_with_a_blank_line():
-    records = json.load(open(SHARED_PROMPTS / "code_alpaca_2k.json"))
+    records = prompt_records("code_alpaca_2k.parquet")
     with_input = next(r for r in records if r["input"])
     fmt, [(messages, _)] = adapt(with_input, "auto")
     assert fmt == "alpaca"
@@ -51,7 +51,7 @@ def test_alpaca_instruction_and_input_join_with_a_blank_line():
 
 
 def test_code_alpaca_new_response_key_is_the_answer():
-    records = json.load(open(SHARED_PROMPTS / "code_alpaca_new.json"))
+    records = prompt_records("code_alpaca_new.parquet")
     assert all("response" in r for r in records)
     for r in records[:200]:
         _, [(messages, _)] = adapt(r, "auto")
@@ -61,7 +61,7 @@ def test_code_alpaca_new_response_key_is_the_answer():
 
 
 def test_alpaca_seed_tasks_give_one_conversation_per_instance():
-    records = jsonl(SHARED_PROMPTS / "alpaca_seed_tasks.jsonl")
+    records = prompt_records("alpaca_seed_tasks.jsonl")
     assert len(records) == 175
     for r in records:
         fmt, convs = adapt(r, "auto")
@@ -76,7 +76,7 @@ def test_alpaca_seed_tasks_give_one_conversation_per_instance():
 
 
 def test_humaneval_prompt_with_canonical_solution():
-    records = jsonl(SHARED_PROMPTS / "humaneval.jsonl")
+    records = prompt_records("humaneval.jsonl")
     assert len(records) == 164
     for r in records:
         fmt, [(messages, meta)] = adapt(r, "auto")
@@ -87,7 +87,7 @@ def test_humaneval_prompt_with_canonical_solution():
 
 
 def test_mt_bench_turns_are_user_turns_without_answers():
-    records = jsonl(SHARED_PROMPTS / "mt_bench.jsonl")
+    records = prompt_records("mt_bench.jsonl")
     assert len(records) == 80
     for r in records:
         fmt, [(messages, meta)] = adapt(r, "auto")
@@ -99,7 +99,7 @@ def test_mt_bench_turns_are_user_turns_without_answers():
 
 def test_openai_sharegpt_and_prompt_layouts_of_real_records():
     """The same real gsm8k record written in each chat layout adapts to the same conversation."""
-    r = jsonl(SHARED_PROMPTS / "gsm8k_train.jsonl")[0]
+    r = prompt_records("gsm8k_train.parquet")[0]
     expected = [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]
     layouts = {
         "openai": {"messages": expected},
@@ -127,7 +127,7 @@ def test_record_without_its_layout_fields_is_not_this_format():
 
 
 def test_hub_dataset_rows_become_records_with_locations():
-    ds = datasets.Dataset.from_list(jsonl(SHARED_PROMPTS / "mt_bench.jsonl"))
+    ds = datasets.Dataset.from_list(prompt_records("mt_bench.jsonl"))
     recs = list(dataset_records(ds, 10, 13, first=10, where="hub:lmsys/mt_bench/train"))
     assert [r.index for r in recs] == [10, 11, 12]
     assert recs[0].location == "hub:lmsys/mt_bench/train#10"
@@ -147,7 +147,7 @@ def test_non_local_path_goes_through_datasets_load_dataset(tmp_path, monkeypatch
     data_files=...)` id -- here datasets' packaged json builder, which works offline."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     source = {"name": "via_datasets", "path": "json", "split": "train", "max_samples": 300,
-              "data_files": str(SHARED_PROMPTS / "gsm8k_train.jsonl")}
+              "data_files": str(PROMPTS / "gsm8k_train_1k.jsonl")}
     cfg = curate_config(tmp_path, [source])
     m = run_curate(cfg)
     assert m["counts"]["read"] == 300 and m["counts"]["malformed"] == 0
@@ -158,17 +158,17 @@ def test_non_local_path_goes_through_datasets_load_dataset(tmp_path, monkeypatch
 
 def test_all_real_prompt_files_curate_into_the_schema(tmp_path):
     sources = [
-        {"name": "gsm8k", "path": str(SHARED_PROMPTS / "gsm8k_train.jsonl")},
-        {"name": "code_alpaca_2k", "path": str(SHARED_PROMPTS / "code_alpaca_2k.json")},
-        {"name": "code_alpaca_new", "path": str(SHARED_PROMPTS / "code_alpaca_new.json")},
-        {"name": "seed", "path": str(SHARED_PROMPTS / "alpaca_seed_tasks.jsonl")},
-        {"name": "humaneval", "path": str(SHARED_PROMPTS / "humaneval.jsonl"), "format": "humaneval"},
-        {"name": "mt_bench", "path": str(SHARED_PROMPTS / "mt_bench.jsonl"), "format": "mt_bench"},
+        {"name": "gsm8k", "path": str(PROMPTS / "gsm8k_train.parquet")},
+        {"name": "code_alpaca_2k", "path": str(PROMPTS / "code_alpaca_2k.parquet")},
+        {"name": "code_alpaca_new", "path": str(PROMPTS / "code_alpaca_new.parquet")},
+        {"name": "seed", "path": str(PROMPTS / "alpaca_seed_tasks.jsonl")},
+        {"name": "humaneval", "path": str(PROMPTS / "humaneval.jsonl"), "format": "humaneval"},
+        {"name": "mt_bench", "path": str(PROMPTS / "mt_bench.jsonl"), "format": "mt_bench"},
     ]
     cfg = curate_config(tmp_path, sources, eval_size=50, shard_size=4000)
     m = run_curate(cfg)
     c = m["counts"]
-    sizes = [len(json.load(open(SHARED_PROMPTS / f))) for f in ("code_alpaca_2k.json", "code_alpaca_new.json")]
+    sizes = [len(prompt_records(f)) for f in ("code_alpaca_2k.parquet", "code_alpaca_new.parquet")]
     assert c["read"] == 7473 + sum(sizes) + 175 + 164 + 80 and c["malformed"] == 0
     dropped = sum(v for k, v in c.items() if k.startswith("dropped."))
     assert c["conversations"] == dropped + c["unique"]  # every conversation accounted for
@@ -189,7 +189,7 @@ def test_all_real_prompt_files_curate_into_the_schema(tmp_path):
             assert row["id"].startswith(row["source"] + "/") and row["id"] not in ids
             ids.add(row["id"])
             meta = json.loads(row["metadata"])
-            assert meta["location"].startswith(str(SHARED_PROMPTS))
+            assert meta["location"].startswith(str(PROMPTS))
     assert len(ids) == c["train"] + c["eval"]
     mt = [json.loads(r) for r in pq.read_table(shard).column("metadata").to_pylist()]
     assert all("format" in x for x in mt)

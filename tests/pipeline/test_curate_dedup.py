@@ -15,7 +15,7 @@ from pipeline.curate.dedup import (
     MINHASH_SEED, exact_duplicates, exact_key, minhash_signatures, near_duplicates, normalize, shingle_hashes,
 )
 from pipeline.curate.stage import run_curate
-from tests.conftest import SHARED_PROMPTS
+from tests.conftest import prompt_records
 
 
 def curate_config(tmp_path, sources, **curate):
@@ -32,13 +32,11 @@ def write_jsonl(path, records):
 
 def gsm8k(n: int) -> list[dict]:
     out = []
-    with open(SHARED_PROMPTS / "gsm8k_train.jsonl") as f:
-        for line in f:
-            r = json.loads(line)
-            if len(r["question"].split()) >= 45:  # long enough that one changed word keeps Jaccard > 0.85
-                out.append(r)
-            if len(out) == n:
-                return out
+    for r in prompt_records("gsm8k_train.parquet"):
+        if len(r["question"].split()) >= 45:  # long enough that one changed word keeps Jaccard > 0.85
+            out.append(r)
+        if len(out) == n:
+            return out
     return out
 
 

@@ -12,12 +12,12 @@ from pipeline.config import load_config
 from pipeline.curate.mix import apportion
 from pipeline.curate.stage import run_curate
 from pipeline.runner import sha256_file
-from tests.conftest import SHARED_PROMPTS
+from tests.conftest import PROMPTS
 
 SOURCES = [
-    {"name": "gsm8k", "path": str(SHARED_PROMPTS / "gsm8k_train.jsonl"), "weight": 0.6},
-    {"name": "code", "path": str(SHARED_PROMPTS / "code_alpaca_2k.json"), "weight": 0.3},
-    {"name": "humaneval", "path": str(SHARED_PROMPTS / "humaneval.jsonl"), "weight": 0.1},
+    {"name": "gsm8k", "path": str(PROMPTS / "gsm8k_train.parquet"), "weight": 0.6},
+    {"name": "code", "path": str(PROMPTS / "code_alpaca_2k.parquet"), "weight": 0.3},
+    {"name": "humaneval", "path": str(PROMPTS / "humaneval.jsonl"), "weight": 0.1},
 ]
 
 
@@ -84,7 +84,7 @@ def test_selection_is_deterministic_under_the_seed_and_changes_with_it(tmp_path)
 
 
 def test_without_total_everything_unique_is_kept(tmp_path):
-    cfg = curate_config(tmp_path, [SOURCES[2], {"name": "mt", "path": str(SHARED_PROMPTS / "mt_bench.jsonl")}],
+    cfg = curate_config(tmp_path, [SOURCES[2], {"name": "mt", "path": str(PROMPTS / "mt_bench.jsonl")}],
                         eval_size=4)
     m = run_curate(cfg)
     assert m["counts"]["unique"] == 244 and m["counts"]["train"] == 240 and m["counts"]["repeats"] == 0

@@ -1,5 +1,5 @@
 """The training mask: strict context (t < anchor), bidirectional block in full layers, causal + window in sliding
-layers, padded blocks see nothing -- checked against a brute-force loop written from dflash.md §4.4, and at the
+layers, padded blocks see nothing -- checked against a brute-force loop written from docs/drafter.md ("Training: anchors, packed layout and mask"), and at the
 model level by perturbation (leakage): what an anchor may not see changes nothing, what it may see changes it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ D, N_TAPS, V, B, MASK = 32, 2, 64, 4, 60
 
 
 def brute_force_mask(anchors, valid, doc_start, S, B, window):
-    """dflash.md §4.4 spelled out as loops."""
+    """docs/drafter.md's mask rules spelled out as loops."""
     Q = len(anchors) * B
     m = torch.zeros(Q, S + Q, dtype=torch.bool)
     for n, a in enumerate(anchors):
