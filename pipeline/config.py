@@ -106,6 +106,13 @@ class RegenConfig:
     batch_size: int = doc("prompts per generate call (hf backend)", 32)
     shard_size: int = doc("conversations per regen shard (the unit of resume)", 256)
     max_samples: Optional[int] = doc("regenerate only the first N curated conversations", None)
+    samples_per_prompt: int = doc(
+        "responses written per curated conversation, each its own sample `<id>#<k>` with its own seed "
+        "(> 1 needs temperature > 0)", 1)
+    prompt_formats: Optional[dict] = doc(
+        "per curate source name, a list of templates with `{prompt}` for the first user turn; sample k of a "
+        "conversation uses template k mod len (e.g. gsm8k: ['{prompt}', 'Solve step by step. {prompt}'])",
+        None)
     tensor_parallel_size: int = doc("vLLM tensor parallelism", 1)
     gpu_memory_utilization: float = doc("vLLM memory fraction (on CPU: fraction of RAM)", 0.85)
     max_model_len: int = doc("context limit for generation (prompt + response)", 4096)
@@ -408,6 +415,19 @@ def validate(cfg: RunConfig) -> None:
     for i, b in enumerate(cfg.eval.budgets):
         if b < 1:
             raise ConfigError(f"eval.budgets[{i}]: must be >= 1, got {b}")
+    r = cfg.regen
+    if r.samples_per_prompt < 1:
+        raise ConfigError(f"regen.samples_per_prompt: must be >= 1, got {r.samples_per_prompt}")
+    if r.samples_per_prompt > 1 and r.temperature <= 0 and r.backend != "none":
+        raise ConfigError(f"regen.samples_per_prompt: {r.samples_per_prompt} samples need regen.temperature > 0 "
+                          "(greedy decoding writes the same response every time)")
+    for source, templates in (r.prompt_formats or {}).items():
+        if not isinstance(templates, list) or not templates:
+            raise ConfigError(f"regen.prompt_formats.{source}: expected a non-empty list of templates")
+        for i, t in enumerate(templates):
+            if not isinstance(t, str) or t.count("{prompt}") != 1:
+                raise ConfigError(f"regen.prompt_formats.{source}[{i}]: a template must hold '{{prompt}}' once, "
+                                  f"got {t!r}")
 
 
 def to_dict(cfg: Any) -> dict:

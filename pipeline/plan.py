@@ -72,6 +72,10 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
     """Every number `plan` prints, as a dict (tests and the extract disk-space check use it)."""
     shape = target_shape(cfg)
     samples = cfg.curate.total or _curated_count(cfg) or 0
+    if cfg.regen.max_samples is not None:
+        samples = min(samples, cfg.regen.max_samples)
+    if cfg.regen.backend != "none":
+        samples *= cfg.regen.samples_per_prompt  # regen writes n responses per conversation
     if mean_response_tokens is None:
         mean_response_tokens = 0.6 * cfg.regen.max_new_tokens
     mean_tokens = min(mean_prompt_tokens + mean_response_tokens, cfg.regen.max_len)

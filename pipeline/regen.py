@@ -13,7 +13,14 @@ hf and vllm backends see identical prompt ids.
 `regen.backend: none` keeps the dataset's answers (off-policy: the drafter then learns the dataset, not the
 target; the fingerprint says `off_policy: true`); conversations without an answer are counted as failed.
 
-Accounting: input = written + failed.<reason> + skipped.max_samples, over all curated train conversations.
+`regen.samples_per_prompt: n` > 1 writes n responses per conversation, sample k with the id `<id>#<k>` and its
+own per-request seed (so n samples are n distinct draws at `regen.temperature`, stable across resumes and ranks).
+`regen.prompt_formats` rewrites the first user turn of sample k with the k-th template (cyclically) of the
+conversation's source, so the training data shows the prompt formats a user serves (e.g. a GSM8K-style
+"put the answer in \\boxed{}" instruction); the rewritten turn is what the target answers and what tokenize sees.
+
+Accounting (in samples = conversations x n): input = written + failed.<reason> + skipped.max_samples, over all
+curated train conversations.
 With one rank, run_regen ends by running tokenize (so `drafter regen` yields tokenized data).
 """
 
@@ -31,7 +38,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, section_hash
 from pipeline.curate.schema import CONVERSATION_SCHEMA  # regen writes the curate schema back, answers replaced
-from pipeline.conversation import (MalformedConversation, end_of_turn_ids, prompt_ids, skeleton,
+from pipeline.conversation import (MalformedConversation, Skeleton, end_of_turn_ids, prompt_ids, skeleton,
                                    strip_reasoning)
 from pipeline.log import get_logger, progress, summary
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, input_ref,
@@ -113,9 +120,25 @@ def read_rows(path: Path, lo: int, hi: int) -> list[dict]:
 
 def sampling_fields(cfg: RunConfig) -> dict:
     r = cfg.regen
-    return {"backend": r.backend, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-            "max_new_tokens": r.max_new_tokens, "max_model_len": r.max_model_len,
-            "strip_reasoning": r.strip_reasoning, "seed": r.seed}
+    fields = {"backend": r.backend, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+              "max_new_tokens": r.max_new_tokens, "max_model_len": r.max_model_len,
+              "strip_reasoning": r.strip_reasoning, "seed": r.seed}
+    if r.samples_per_prompt != 1 or r.prompt_formats:  # absent at the defaults: earlier runs keep their hash
+        fields.update(samples_per_prompt=r.samples_per_prompt, prompt_formats=r.prompt_formats or {})
+    return fields
+
+
+def sample_id(conv_id: str, k: int, n: int) -> str:
+    """The id of response k of n for one conversation: the conversation's own id when n == 1."""
+    return conv_id if n == 1 else f"{conv_id}#{k}"
+
+
+def formatted(sk: Skeleton, templates: list[str] | None, k: int) -> Skeleton:
+    """The skeleton with its first user turn put into template k (cyclically); unchanged without templates."""
+    if not templates:
+        return sk
+    first = templates[k % len(templates)].replace("{prompt}", sk.users[0])
+    return Skeleton(sk.system, [first, *sk.users[1:]])
 
 
 def regen_fingerprint(cfg: RunConfig, location: str, tokenizer) -> dict:
@@ -228,39 +251,41 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
     """Regenerate one unit and record it (parquet + sidecar). Returns the sidecar record."""
     t0 = time.time()
     rows = [row for name, lo, hi in unit.segments for row in read_rows(curate.shards / name, lo, hi)]
+    n = samples_per_conversation(cfg)
+    formats = cfg.regen.prompt_formats or {}
     failures: dict[str, tuple[str, str]] = {}
-    items = []
+    items = []  # (sample id, skeleton, curated row)
     for row in rows:
         try:
             sk = skeleton(row["messages"] or [])
         except MalformedConversation as e:
-            failures[row["id"]] = (e.reason, e.detail)
+            for k in range(n):
+                failures[sample_id(row["id"], k, n)] = (e.reason, e.detail)
             continue
         if cfg.regen.backend == "none" and not any(m["role"] == "assistant" for m in row["messages"]):
             failures[row["id"]] = ("no_answer", "regen.backend is 'none' and the conversation has no assistant turn")
             continue
-        items.append((row["id"], sk))
+        for k in range(n):
+            items.append((sample_id(row["id"], k, n), formatted(sk, formats.get(row["source"]), k), row))
 
     out_rows = []
     if cfg.regen.backend == "none":
-        keep = {cid for cid, _ in items}
-        for row in rows:
-            if row["id"] in keep:
-                meta = _with_regen_metadata(row["metadata"], {"backend": "none", "off_policy": True})
-                out_rows.append({**row, "metadata": meta})
+        for _, _, row in items:
+            meta = _with_regen_metadata(row["metadata"], {"backend": "none", "off_policy": True})
+            out_rows.append({**row, "metadata": meta})
         answered: dict[str, Answered] = {}
     else:
-        answered, gen_failures = regenerate(generator, tokenizer, items, cfg)
+        answered, gen_failures = regenerate(generator, tokenizer, [(sid, sk) for sid, sk, _ in items], cfg)
         failures.update(gen_failures)
-        skeletons = dict(items)
-        for row in rows:
-            a = answered.get(row["id"])
+        for sid, sk, row in items:
+            a = answered.get(sid)
             if a is None:
                 continue
             info = {"backend": cfg.regen.backend, "finish_reasons": a.finish_reasons,
                     "generated_tokens": a.generated_tokens}
-            out_rows.append({"id": row["id"], "source": row["source"],
-                             "messages": skeletons[row["id"]].conversation(a.answers),
+            if n > 1:
+                info["sample"] = int(sid.rsplit("#", 1)[1])
+            out_rows.append({"id": sid, "source": row["source"], "messages": sk.conversation(a.answers),
                              "metadata": _with_regen_metadata(row["metadata"], info)})
 
     path = stage.shard_path(unit.name, "parquet")
@@ -268,7 +293,7 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
     reasons = Counter(reason for reason, _ in failures.values())
     return stage.finish_unit(
         unit.name, [path],
-        rows=len(rows), written=len(out_rows), failed=dict(reasons),
+        rows=len(rows) * n, written=len(out_rows), failed=dict(reasons),
         failures=[{"id": cid, "reason": reason, "detail": detail} for cid, (reason, detail) in failures.items()],
         turns=sum(len(a.answers) for a in answered.values()),
         truncated_turns=sum(f == "length" for a in answered.values() for f in a.finish_reasons),
@@ -282,8 +307,13 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
 # ----------------------------------------------------------------------------------------------
 
 
-def _counts(units: list[Unit], done: dict[str, dict], total: int) -> dict:
-    counts = Counter({"input": total, "skipped.max_samples": total - sum(u.rows for u in units), "written": 0,
+def samples_per_conversation(cfg: RunConfig) -> int:
+    return 1 if cfg.regen.backend == "none" else cfg.regen.samples_per_prompt
+
+
+def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dict:
+    """Counts in samples: `total` curated train conversations with `n` samples each."""
+    counts = Counter({"input": total * n, "skipped.max_samples": (total - sum(u.rows for u in units)) * n, "written": 0,
                       "failed": 0, "turns": 0, "truncated_turns": 0, "generated_tokens": 0})
     for u in units:
         rec = done[u.name]
@@ -293,8 +323,8 @@ def _counts(units: list[Unit], done: dict[str, dict], total: int) -> dict:
             counts["failed"] += n
         for key in ("turns", "truncated_turns", "generated_tokens"):
             counts[key] += rec[key]
-    if counts["written"] + counts["failed"] + counts["skipped.max_samples"] != total:
-        raise StageError(f"regen accounting broken: {dict(counts)} does not add up to {total} inputs")
+    if counts["written"] + counts["failed"] + counts["skipped.max_samples"] != total * n:
+        raise StageError(f"regen accounting broken: {dict(counts)} does not add up to {total} x {n} inputs")
     return dict(counts)
 
 
@@ -307,7 +337,7 @@ def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total:
         log.info("regen: %d of %d units still missing (e.g. %s): manifest not written yet",
                  len(missing), len(units), missing[:3])
         return None
-    counts = _counts(units, done, total)
+    counts = _counts(units, done, total, samples_per_conversation(cfg))
     seconds = sum(done[u.name]["seconds"] for u in units)
     examples = [f for u in units for f in done[u.name]["failures"]][:MAX_FAILURE_EXAMPLES]
     manifest = stage.write_manifest(
@@ -317,7 +347,8 @@ def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total:
                "generated_tokens_per_s": round(counts["generated_tokens"] / seconds, 1) if seconds else None},
     )
     summary("regen", f"{counts['written']} written, {counts['failed']} failed, "
-                     f"{counts['skipped.max_samples']} skipped of {total}; {counts['generated_tokens']} tokens generated")
+                     f"{counts['skipped.max_samples']} skipped of {counts['input']} samples; "
+                     f"{counts['generated_tokens']} tokens generated")
     return manifest
 
 
