@@ -1,6 +1,6 @@
 """Per-round cost of DDTree around the target forward, and of the verify forward itself, per budget.
 
-What runs is the decoder's own code (eval.decode round helpers, eval.cache target caches) on a random-init target
+What runs is the decoder's own code (eval.decode round helpers, eval.target_cache target caches) on a random-init target
 of the real shape (weights do not change the speed) with a random-init DFlash drafter:
 
   build+mask   tree build on the device (top-K, best-first selection) + verify positions + ancestor matrix
@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eval.cache import KVTargetCache, target_cache  # noqa: E402
+from eval.kv_cache import KVTargetCache  # noqa: E402
+from eval.target_cache import target_cache  # noqa: E402
 from eval.decode import _round_ops, decode  # noqa: E402
 from eval.tree import build_tree, build_tree_heap  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402

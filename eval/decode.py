@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 
 from eval import triton_kernels
-from eval.cache import TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
+from eval.target_cache import TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
 from eval.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
 from eval.verify import ancestor_table
 from eval.walk import Walk, target_choices, walk_tree
+from pipeline.cuda_graphs import CudaGraphFn
 
 METHODS = ("ar", "chain", "ddtree")
 BUILDERS = {"device": build_tree, "heap": build_tree_heap}
@@ -55,7 +56,7 @@ class DecodeResult:
     tree_sizes: list[int]  # drafted nodes verified per round (root excluded)
     timings: dict[str, float] = field(default_factory=dict)  # prefill, decode, draft, tree_build, verify, walk_commit
     stop_reason: str = "max_new_tokens"  # or "stop_token"
-    verify_path: str = ""  # eval.cache TargetCache.describe(): the verify forward these timings come from
+    verify_path: str = ""  # eval.target_cache TargetCache.describe(): the verify forward these timings come from
 
 
 class _Clock:
@@ -96,7 +97,7 @@ def decode(method: str, target, drafter, prompt_ids: Sequence[int] | Tensor, *, 
 
     target: HF causal LM (sdpa/eager attention for 'ddtree'). drafter: train.model.DFlashDrafter with the target
     head attached (unused for 'ar'). budget: DDTree node budget. tree_builder: 'device' (default) or 'heap' (the
-    CPU reference, identical trees). cache_impl: eval.cache.target_cache impl ('auto': CUDA graphs on GPU,
+    CPU reference, identical trees). cache_impl: eval.target_cache.target_cache impl ('auto': CUDA graphs on GPU,
     dynamic KV on CPU). phase_timing: synchronize at phase boundaries to fill the per-phase timings.
     """
     if method not in METHODS:
@@ -225,8 +226,6 @@ class _RoundOps:
         # static KV: the walk also compacts (all L+1 path rows, a fixed shape) and gathers the path's features, so
         # the round's device work after the verify is one graph
         self.compacts = getattr(cache, "static", False)
-        from eval.cache import CudaGraphFn
-
         # the walk's record also lands in pinned host memory inside its graph: the read is then a stream sync
         self._host = torch.empty(3 + 2 * (self.depth_limit + 1), dtype=torch.long, pin_memory=True) \
             if device.type == "cuda" else None

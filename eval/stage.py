@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from eval.cache import tree_unsupported_reason
+from eval.target_cache import tree_unsupported_reason
 from eval.metrics import PHASES, ResponseRecord, speedup, summarize
 from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, load_benchmark
 from eval.report import cell_label, json_ready, tau_table, write_report

@@ -21,7 +21,7 @@ the attention, o GEMM, fused merge/residual/norm kernels, gate/up GEMM, fused Si
 
 Only targets whose layer math is exactly that are accepted (`refusal`): model_type llama / qwen2 / qwen3,
 every layer full attention (no sliding window), SiLU MLP, RMSNorm, and HF's own `rotary_emb` module (so every
-RoPE scaling variant comes from HF). The cache (eval/cache.py) checks the first verify against HF's forward
+RoPE scaling variant comes from HF). The cache (eval/kv_cache.py) checks the first verify against HF's forward
 and falls back to it on any disagreement.
 
 Layer-id convention: features are the residual-stream outputs of layers `tap_ids` (extract/layers.py), the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.cache import tree_unsupported_reason
+from eval.target_cache import tree_unsupported_reason
 from eval.decode import decode
 from extract.layers import forward_taps
 from pipeline.config import TargetConfig
@@ -257,7 +257,7 @@ def test_drafter_loaded_from_the_zlab_layout_decodes_like_the_original(qwen3, tm
 def test_cuda_graph_rounds_equal_ar_greedy_stay_on_graphs_and_sync_once_per_round():
     import warnings
 
-    from eval.cache import target_cache
+    from eval.target_cache import target_cache
 
     target = tiny_target("qwen3", device="cuda")
     for i, prompt in enumerate(prompts(3, 11)):

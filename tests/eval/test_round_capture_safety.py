@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eval.cache import KV_BUCKET, target_cache
+from eval.kv_cache import KV_BUCKET
+from eval.target_cache import target_cache
 from eval.decode import _round_ops
 
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_unique", "_unique2",
@@ -91,7 +92,7 @@ def test_checker_catches_the_patterns_it_guards_against():
 def test_a_graphs_first_call_leaves_in_place_state_as_one_run_does():
     """The first call runs fn four times (two warm-ups, the replay, the eager check); a walk that compacts the KV
     rows and advances the length in place must still look like one run (its `state` is restored in between)."""
-    from eval.cache import CudaGraphFn
+    from pipeline.cuda_graphs import CudaGraphFn
 
     x = torch.zeros(4, device="cuda")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from eval.cache import tree_unsupported_reason
+from eval.target_cache import tree_unsupported_reason
 from eval.stage import Unit, check_drafter_fits_target, check_eval_config, drafter_dir, plan_units
 from pipeline.config import ConfigError, TargetConfig, load_config
 from pipeline.runner import StageError

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eval.cache import target_cache
+from eval.target_cache import target_cache
 from eval.decode import decode
 from eval.target_forward import _are_row_views, fuse_projections, refusal
 from eval.tree import build_tree
@@ -147,8 +147,8 @@ def test_compiled_fused_forward_equals_eager_with_one_graph_for_every_n_and_laye
 
 def test_verifies_of_one_tree_size_return_the_same_buffers_whatever_the_key_bucket():
     """So the walk's CUDA graph, captured on the first verify's outputs, never copies [N, V] logits when a longer
-    past brings a new verify graph (eval/cache.py KV_BUCKET); the values still equal HF's forward."""
-    from eval.cache import KV_BUCKET
+    past brings a new verify graph (eval/kv_cache.py KV_BUCKET); the values still equal HF's forward."""
+    from eval.kv_cache import KV_BUCKET
 
     target = tiny_target("qwen3")
     hf, fused = target_cache(target, TAPS, "static"), target_cache(target, TAPS, "fused")
