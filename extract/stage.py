@@ -237,13 +237,9 @@ def make_backend(cfg: RunConfig, ctx: ExtractContext, backend: str | None = None
     raise StageError(f"extract.backend: unknown backend {backend!r}")
 
 
-def check_disk_space(cfg: RunConfig, path: Path, remaining_tokens: int) -> int:
-    """Refuse to start without room for this rank's remaining shards. Returns the bytes needed.
-
-    Bytes per token come from `pipeline.plan.estimate` (the same number `drafter plan` prints)."""
-    from pipeline.plan import estimate
-
-    per_token = estimate(cfg)["feature_bytes_per_token"]
+def check_disk_space(path: Path, remaining_tokens: int, per_token: int) -> int:
+    """Refuse to start without room for this rank's remaining shards (``per_token`` bytes each, the formula
+    `store.bytes_per_token` that `drafter plan` prints too). Returns the bytes needed."""
     need = int(remaining_tokens * per_token * 1.01) + (64 << 20)  # + headers/index slack
     path.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(path).free
@@ -277,7 +273,8 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
     mine = units_for_rank(units, ranks)
     todo = [u for u in mine if stage.unit_done(u.name) is None]
     remaining = sum(u.tokens for u in todo)
-    need = check_disk_space(cfg, stage.path, remaining)
+    need = check_disk_space(stage.path, remaining,
+                            bytes_per_token(len(ctx.layer_ids), ctx.hidden_size, cfg.extract.storage_dtype))
     log.info("%d units (%d for rank %d/%d, %d to do: %s tokens, %s)", len(units), len(mine), ranks.rank,
              ranks.world_size, len(todo), f"{remaining:,}", human_bytes(need))
     if todo:

@@ -1,7 +1,7 @@
 """DeepSpeed setup for the drafter: process-group environment (torchrun / SLURM / single process),
 the DeepSpeed config built from `TrainConfig`, AdamW + cosine-with-warmup, and `deepspeed.initialize`.
 
-Launch modes, all through `drafter train` / `python -m pipeline.cli train`:
+Launch modes, all through `drafter train` / `python -m drafter.cli train`:
   * torchrun (one node):  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are set by torchrun;
   * srun (many nodes):    only SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODELIST are set; we derive
                           the torch variables from them (MASTER_ADDR = first host of the node list, MASTER_PORT

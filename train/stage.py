@@ -1,7 +1,7 @@
 """`drafter train`: train the DFlash drafter on extracted features (or online from the target), with DeepSpeed.
 
-    torchrun --nproc-per-node 8 -m pipeline.cli train --config configs/qwen3-8b.yaml      (one node)
-    srun python -m pipeline.cli train --config ...                                        (SLURM, many nodes)
+    torchrun --nproc-per-node 8 -m drafter.cli train --config configs/qwen3-8b.yaml      (one node)
+    srun python -m drafter.cli train --config ...                                        (SLURM, many nodes)
     drafter train --config configs/tiny.yaml                                              (one process)
 
 Top to bottom, `run_train` does: process group -> input + fingerprint check -> stage dir -> data plan ->

@@ -11,7 +11,7 @@ import pytest
 
 from eval.metrics import ResponseRecord, speedup, summarize
 from eval.report import compare_runs, write_report
-from pipeline.cli import main as drafter_main
+from drafter.cli import main as drafter_main
 
 B = 8
 

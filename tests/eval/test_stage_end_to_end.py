@@ -145,7 +145,7 @@ def test_kill_9_mid_eval_resumes_without_redoing_finished_units(tmp_path):
     cfg = make_config(tmp_path, ["eval.max_new_tokens=48"])
     export_random_drafter(cfg, cfg.run_dir / "train")
     shards = cfg.run_dir / "eval" / "shards"
-    cmd = [sys.executable, "-m", "pipeline.cli", "eval", "--config", "configs/tiny.yaml",
+    cmd = [sys.executable, "-m", "drafter.cli", "eval", "--config", "configs/tiny.yaml",
            f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, "eval.max_new_tokens=48"]
     env = {**os.environ, "DRAFTER_NO_PROGRESS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

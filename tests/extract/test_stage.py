@@ -16,7 +16,7 @@ import torch
 
 from extract.layers import forward_taps
 from extract.stage import check_disk_space, merge_ranks, run_extract
-from extract.store import FeatureReader, verify_checksums
+from extract.store import FeatureReader, bytes_per_token, verify_checksums
 from extract.verify import run_verify
 from pipeline.runner import FingerprintMismatch, RankInfo, StageError, read_json
 from pipeline.target import load_target, materialize_target
@@ -137,10 +137,10 @@ def test_disjoint_rank_slices_cover_every_sample_exactly_once_after_merge(tmp_pa
 
 
 def test_disk_space_check_names_the_numbers(tmp_path):
-    cfg = extract_config(tmp_path)
+    per_token = bytes_per_token(5, 4096, "bfloat16")
     with pytest.raises(StageError, match="not enough disk space.*storage_dtype=fp8"):
-        check_disk_space(cfg, tmp_path, remaining_tokens=10 ** 15)
-    assert check_disk_space(cfg, tmp_path, remaining_tokens=1000) > 0
+        check_disk_space(tmp_path, remaining_tokens=10 ** 15, per_token=per_token)
+    assert check_disk_space(tmp_path, remaining_tokens=1000, per_token=per_token) > 0
 
 
 def test_kill_9_then_rerun_resumes_with_nothing_lost_or_duplicated(tmp_path):
@@ -154,7 +154,7 @@ def test_kill_9_then_rerun_resumes_with_nothing_lost_or_duplicated(tmp_path):
     save_config(cfg, cfg_path)
     materialize_target(cfg.target, cfg.cache_dir)  # build the target here, not inside the timed child
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DRAFTER_NO_PROGRESS": "1"}
-    child = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "extract", "--config", str(cfg_path)],
+    child = subprocess.Popen([sys.executable, "-m", "drafter.cli", "extract", "--config", str(cfg_path)],
                              cwd=os.getcwd(), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     shards = cfg.run_dir / "extract" / "shards"
     deadline = time.time() + 120

@@ -43,7 +43,7 @@ def test_vllm_cpu_extraction_matches_hf_per_layer(tmp_path):
     save_config(cfg, path)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "OMP_NUM_THREADS": "1", "DRAFTER_NO_PROGRESS": "1"}
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "extract", "--config", str(path)], env=env,
+    run = subprocess.run([sys.executable, "-m", "drafter.cli", "extract", "--config", str(path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     reader = FeatureReader(cfg.run_dir / "extract")
@@ -56,7 +56,7 @@ def test_vllm_cpu_extraction_matches_hf_per_layer(tmp_path):
         for j in range(3):
             a, b = s["features"][:, j * D:(j + 1) * D], ref[:, j * D:(j + 1) * D]
             assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (i, j)
-    verify = subprocess.run([sys.executable, "-m", "pipeline.cli", "extract", "--verify", "--config", str(path)],
+    verify = subprocess.run([sys.executable, "-m", "drafter.cli", "extract", "--verify", "--config", str(path)],
                             env=env, capture_output=True, text=True, timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr[-2000:]
     assert "PASSED" in verify.stdout

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.cli import main as cli_main
+from drafter.cli import main as cli_main
 from pipeline.config import ConfigError, load_config
 from pipeline.curate.clean import CLEAN_REASONS
 from pipeline.curate.stage import run_curate

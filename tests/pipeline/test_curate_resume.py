@@ -40,7 +40,7 @@ def write_config(root: Path, name: str, sources: list, **curate) -> Path:
 
 def start_cli(config: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, DRAFTER_NO_PROGRESS="1")
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "curate", "--config", str(config), *extra],
+    return subprocess.Popen([sys.executable, "-m", "drafter.cli", "curate", "--config", str(config), *extra],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
 

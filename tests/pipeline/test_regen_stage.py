@@ -160,7 +160,7 @@ def test_kill_9_during_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
     overrides = ["regen.max_new_tokens=24", "regen.shard_size=2", "regen.max_samples=null", "regen.batch_size=2"]
     cfg = make_config(tmp_path, overrides=overrides)
     write_curated(cfg.run_dir, single_turn(24))
-    cmd = [sys.executable, "-m", "pipeline.cli", "regen", "--config", str(REPO / "configs/tiny.yaml"),
+    cmd = [sys.executable, "-m", "drafter.cli", "regen", "--config", str(REPO / "configs/tiny.yaml"),
            f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides]
     env = {**os.environ, "DRAFTER_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -22,7 +22,7 @@ def test_two_rank_zero2_run_ends_with_identical_weights_and_falling_loss(tmp_pat
                 "train.micro_batch_tokens=256", "train.lr=5e-3"]
     write_extract_stage(make_config(tmp_path, overrides=cfg_args[2:]), n=40)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "pipeline.cli", "train", "--config", "configs/tiny.yaml", *cfg_args]
+           "-m", "drafter.cli", "train", "--config", "configs/tiny.yaml", *cfg_args]
     done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 

@@ -29,7 +29,7 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_loss_curve(tmp_path)
 
     killed = make_config(tmp_path / "killed", overrides=COMMON)
     shutil.copytree(straight.run_dir / "extract", killed.run_dir / "extract")
-    command = [sys.executable, "-m", "pipeline.cli", "train", "--config", "configs/tiny.yaml",
+    command = [sys.executable, "-m", "drafter.cli", "train", "--config", "configs/tiny.yaml",
                f"runs_dir={tmp_path / 'killed' / 'runs'}", f"cache_dir={CACHE}", *COMMON]
     proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

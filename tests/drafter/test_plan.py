@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
-from pipeline.plan import estimate, feature_bytes_per_token, target_shape
+from drafter.plan import estimate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,17 +29,22 @@ def test_qwen3_8b_drafter_is_about_1_05b_params():
 
 
 def test_fp8_halves_the_feature_bytes():
-    cfg = load_config(REPO / "configs/qwen3-8b.yaml")
-    shape = target_shape(cfg)
-    bf16 = feature_bytes_per_token(cfg, shape)
-    cfg8 = load_config(REPO / "configs/qwen3-8b.yaml", ["extract.storage_dtype=fp8"])
-    fp8 = feature_bytes_per_token(cfg8, shape)
+    bf16 = estimate(load_config(REPO / "configs/qwen3-8b.yaml"))["feature_bytes_per_token"]
+    fp8 = estimate(load_config(REPO / "configs/qwen3-8b.yaml", ["extract.storage_dtype=fp8"]))["feature_bytes_per_token"]
     assert 0.49 < fp8 / bf16 < 0.52
+
+
+def test_plan_bytes_per_token_is_the_storage_formats_own():
+    from extract.store import bytes_per_token
+
+    for dtype in ("bfloat16", "float32", "fp8"):
+        est = estimate(load_config(REPO / "configs/qwen3-8b.yaml", [f"extract.storage_dtype={dtype}"]))
+        assert est["feature_bytes_per_token"] == bytes_per_token(est["taps"], est["hidden_size"], dtype)
 
 
 def test_plan_cli_prints_storage_in_tb():
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "plan", "--config", "configs/qwen3.6-27b.yaml"],
+        [sys.executable, "-m", "drafter.cli", "plan", "--config", "configs/qwen3.6-27b.yaml"],
         cwd=REPO, capture_output=True, text=True, check=True,
     ).stdout
     assert "5 taps x 5120 x bfloat16 = 51,205 bytes" in out

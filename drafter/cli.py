@@ -6,12 +6,13 @@
     drafter regen    --config ... --rank R --world-size W, then: drafter regen --merge --config ...
     drafter tokenize --config ...
     drafter extract  --config ... [--rank R --world-size W] | extract merge | extract verify
-    drafter train    --config ...          (torchrun --nproc-per-node 8 -m pipeline.cli train ... for many GPUs)
+    drafter train    --config ...          (torchrun --nproc-per-node 8 -m drafter.cli train ... for many GPUs)
     drafter eval     --config ...
     drafter report   runs/a/eval runs/b/eval --out runs/compare
     drafter run      --config ...          (every stage in order)
 
-Stage code is imported lazily so `plan` and `curate` start fast and never import torch/vLLM.
+This package sits above the stages: it is the only code that imports every one of them, and nothing imports it.
+Stage code is imported lazily so `curate` and `config-reference` start fast and never import torch/vLLM.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _dispatch(args) -> int:
     cfg = load_config(args.config, args.overrides)
     ranks = rank_from_env(args.rank, args.world_size)
     if args.command == "plan":
-        from pipeline.plan import estimate, format_plan
+        from drafter.plan import estimate, format_plan
 
         print(format_plan(cfg, estimate(cfg)))
         return 0

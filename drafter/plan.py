@@ -52,25 +52,28 @@ def target_shape(cfg: RunConfig) -> TargetShape:
     return TargetShape(L, d, inter, V, float(params))
 
 
-def feature_bytes_per_token(cfg: RunConfig, shape: TargetShape) -> int:
-    """Stored bytes per token: taps x hidden x dtype size (+ fp32 per-token scale per tap for fp8) + ids/mask."""
-    taps = len(cfg.extract.layer_ids) if cfg.extract.layer_ids else cfg.extract.num_taps
-    per = {"bfloat16": 2, "float32": 4, "fp8": 1}[cfg.extract.storage_dtype]
-    scale = 4 * taps if cfg.extract.storage_dtype == "fp8" else 0
-    return taps * shape.hidden_size * per + scale + 4 + 1  # + int32 input_id + uint8 loss_mask
+def num_taps(cfg: RunConfig, shape: TargetShape) -> int:
+    """How many layers extract taps: the explicit `extract.layer_ids` (checked against the target), else `num_taps`."""
+    from extract.layers import resolve_layer_ids
+
+    return len(resolve_layer_ids(cfg.extract.layer_ids, cfg.extract.num_taps, shape.num_layers))
 
 
 def drafter_params(cfg: RunConfig, shape: TargetShape) -> float:
     d = shape.hidden_size
     inter = cfg.drafter.intermediate_size or shape.intermediate_size
-    taps = len(cfg.extract.layer_ids) if cfg.extract.layer_ids else cfg.extract.num_taps
+    taps = num_taps(cfg, shape)
     q, kv = shape.q_dim or d, shape.kv_dim or d
     return cfg.drafter.num_layers * (2 * d * q + 2 * d * kv + 3 * d * inter) + taps * d * d
 
 
 def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_tokens: float | None = None) -> dict:
-    """Every number `plan` prints, as a dict (tests and the extract disk-space check use it)."""
+    """Every number `plan` prints, as a dict. Feature bytes per token are the storage format's own formula
+    (`extract.store.bytes_per_token`), the number the extract stage's disk-space check uses."""
+    from extract.store import bytes_per_token
+
     shape = target_shape(cfg)
+    taps = num_taps(cfg, shape)
     samples = cfg.curate.total or _curated_count(cfg) or 0
     if cfg.regen.max_samples is not None:
         samples = min(samples, cfg.regen.max_samples)
@@ -84,7 +87,7 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         samples, total_tokens = measured
         mean_tokens = total_tokens / max(samples, 1)
     total_tokens = samples * mean_tokens
-    bpt = feature_bytes_per_token(cfg, shape)
+    bpt = bytes_per_token(taps, shape.hidden_size, cfg.extract.storage_dtype)
     storage = total_tokens * bpt
 
     flops_fwd_per_token = 2 * shape.num_params
@@ -98,7 +101,7 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         "samples": int(samples),
         "mean_tokens_per_sample": round(mean_tokens, 1),
         "total_tokens": int(total_tokens),
-        "taps": len(cfg.extract.layer_ids) if cfg.extract.layer_ids else cfg.extract.num_taps,
+        "taps": taps,
         "hidden_size": shape.hidden_size,
         "feature_bytes_per_token": bpt,
         "storage_bytes": storage,
