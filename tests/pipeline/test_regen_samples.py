@@ -78,7 +78,7 @@ def test_kill_9_during_sampled_regen_then_rerun_loses_and_duplicates_nothing(tmp
     overrides = [*SAMPLED, "regen.shard_size=2", "regen.batch_size=3"]
     cfg = make_config(tmp_path, overrides=overrides)
     write_curated(cfg.run_dir, single_turn(16))
-    cmd = [sys.executable, "-m", "pipeline.cli", "regen", "--config", str(REPO / "configs/tiny.yaml"),
+    cmd = [sys.executable, "-m", "drafter.cli", "regen", "--config", str(REPO / "configs/tiny.yaml"),
            f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides]
     env = {**os.environ, "DRAFTER_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
