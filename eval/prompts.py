@@ -102,6 +102,27 @@ def format_alpaca(record: dict) -> tuple[str, ...]:
     return (f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction,)
 
 
+# The (prefix, suffix) each format wraps around a record's content; `format_content` takes them off again
+# (overlap checks compare content: every prompt of a benchmark shares its wrapper).
+FORMAT_AFFIXES = {
+    "gsm8k": ("", REASON_SUFFIX),
+    "math": ("", REASON_SUFFIX),
+    "humaneval": (HUMANEVAL_PREFIX + "```python\n", "\n```"),
+    "mt_bench": ("", ""),
+    "alpaca": ("", ""),
+}
+
+
+def format_content(name: str, turn: str) -> str:
+    """A formatted user turn of benchmark `name` without the format's wrapper."""
+    prefix, suffix = FORMAT_AFFIXES[name]
+    if prefix and turn.startswith(prefix):
+        turn = turn[len(prefix):]
+    if suffix and turn.endswith(suffix):
+        turn = turn[: -len(suffix)]
+    return turn
+
+
 FORMATS = {
     "gsm8k": format_gsm8k,
     "math": format_math,

@@ -3,13 +3,13 @@
 One target forward verifies every node of a `eval.tree.Tree`:
 
     input ids     [bonus, node_1 .. node_n]                     (1 + n rows, tree index order)
-    position ids  start + depth                                 siblings share a position (pitfall §6.1)
+    position ids  start + depth                                 siblings share a position (docs/tree.md, "Verify: positions and mask")
     mask          [1, 1, 1+n, kv_len] additive (0 = visible, finfo.min = hidden), in the target dtype:
                   key columns [0, past)           committed past: fully visible (every query is after it)
                   key columns [past, past+1+n)    this tree: row i sees column past+j iff j is i or an ancestor of i
                   key columns >= past+1+n         hidden (unused rows of a preallocated static cache)
                   sliding-attention layers additionally hide keys whose *real* position is >= window behind
-                  the query's (pitfall §6.4).
+                  the query's (docs/tree.md, "Verify: positions and mask").
 
 `past` is the committed cache length, which equals `start` (the bonus token's position).  It may be a host int
 (dynamic cache) or a 0-dim device tensor (static cache under CUDA graphs); nothing here reads it on the host.

@@ -10,7 +10,7 @@ Children carry distinct tokens, so the ok nodes form one root path: `accepted` =
 accepted), `path[d]` = its node at depth d (d <= accepted; later entries 0), `bonus` = choice at its last node.
 No host sync and no data-dependent control flow: ceil(log2 L) jumps over fixed-shape tensors.
 
-At T > 0 the same rule is lossless (§3.3): every committed token is a target sample given its exact prefix.
+At T > 0 the same rule is lossless (docs/tree.md, "Walk"): every committed token is a target sample given its exact prefix.
 `target_choices` consumes exactly one uniform per verify row, drawn by the caller for a fixed maximum number of
 rows per round, so the random stream does not depend on the tree's shape.
 """

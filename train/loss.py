@@ -19,7 +19,7 @@ from torch import Tensor
 from pipeline.config import ConfigError
 from train.blocks import BlockBatch
 
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper §A.1
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the DFlash paper, appendix A.1
 
 
 def default_gamma(block_size: int) -> float:

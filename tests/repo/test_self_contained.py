@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 OUTSIDE = re.compile(
     r"\.\./shared|\.parent\s*/\s*[\"']shared[\"']|/work/(?:main|shared|helpers|wt)\b"
     r"|\b(?:dflash|ddtree|pipelines|environment|slurm-local|architecture|style)\.md\s*§"
+    r"|(?:pitfall|notes)\s*§|\(§\d"
 )
 
 
@@ -46,7 +47,7 @@ def test_no_tracked_file_points_outside_the_repository():
 def test_the_outside_path_check_catches_what_it_should():
     shared = "sha" + "red"
     for line in [f'open("../{shared}/data/prompts/x.jsonl")', f'REPO.parent / "{shared}" / "data"',
-                 "# see dflash.md " + "§4.4", f"cat /work/{shared}/docs/ddtree.md"]:
+                 "# see dflash.md " + "§4.4", "(pitfall " + "§6.1)", "lossless (" + "§3.3)", f"cat /work/{shared}/docs/ddtree.md"]:
         assert OUTSIDE.search(line), line
     for line in ["docs/drafter.md, \"Layer ids\"", "data/prompts/gsm8k_train.parquet", "../x = y / z"]:
         assert not OUTSIDE.search(line), line
