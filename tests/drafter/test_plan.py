@@ -20,7 +20,7 @@ def test_qwen36_27b_features_are_5_taps_x_5120_x_2_bytes_and_tens_of_tb():
     assert est["feature_bytes_per_token"] == 5 * 5120 * 2 + 5
     assert est["storage_bytes"] == est["total_tokens"] * est["feature_bytes_per_token"]
     assert 10e12 < est["storage_bytes"] < 200e12
-    assert abs(est["drafter_params"] - 1.73e9) / 1.73e9 < 0.02  # docs/drafter.md, "Shapes": ~1.73B for Qwen3-8B
+    assert abs(est["drafter_params"] - 1.73e9) / 1.73e9 < 0.02  # docs/drafter.md, "Shapes": ~1.73B for the Qwen3.6-27B drafter
 
 
 def test_qwen3_8b_drafter_is_about_1_05b_params():
