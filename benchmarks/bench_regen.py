@@ -115,7 +115,7 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device):
     t0 = time.perf_counter()
     outs = gen.generate(prompts, limits)
     _sync(device)
-    graphs = bool(gen.static and gen.static.use_graphs)
+    graphs = bool(gen.static and gen.static.on_graphs())
     return outs, time.perf_counter() - t0, graphs
 
 

@@ -36,6 +36,7 @@ status=0
 if [ -n "$TESTS" ]; then
   "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/eval/test_triton_kernels.py tests/eval/test_tree_builder.py \
     tests/eval/test_target_forward.py tests/eval/test_decode_greedy.py tests/eval/test_round_capture_safety.py \
+    tests/pipeline/test_regen_hf.py \
     -k "cuda or builder or brute or heap or fused or graph" \
     > "$OUT/tests.log" 2>&1 || status=1
   grep -E "^E |passed|failed" "$OUT/tests.log" | tail -12

@@ -50,12 +50,6 @@ with enable_gqa over [H, N, hd] queries (no mask copy, no output transpose); 'tr
 attention (CUDA); 'auto' = sdpa_gqa on CUDA, sdpa elsewhere."""
 
 
-def max_error(dtype: torch.dtype) -> float:
-    """Largest relative L2 error of logits/taps against HF's forward that is still rounding: fp32 sums in another
-    order; bf16/fp16 round each fused kernel differently through every layer (a wrong graph gives ~1)."""
-    return 1e-4 if dtype == torch.float32 else 0.1
-
-
 def refusal(target) -> str | None:
     """Why `VerifyForward` cannot stand in for the HF forward of `target`, or None when it can."""
     cfg = getattr(target.config, "text_config", None) or target.config

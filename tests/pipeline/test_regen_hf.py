@@ -16,15 +16,16 @@ from tests.conftest import CACHE
 TEXTS = ["hello there", "What is 2+2? Explain in detail, step by step.", "x",
          "Write a short poem about the sea, the sky and the birds that fly between them.",
          "Summarize: the quick brown fox jumps over the lazy dog."]
+TINY_QWEN3 = TargetConfig(model="random:qwen3", device="cpu", dtype="float32",
+                          random_init=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                           intermediate_size=256, num_hidden_layers=4))
 
 
 @pytest.fixture(scope="module")
 def target():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # overhead-bound tiny model on a shared 2-core machine
-    tcfg = TargetConfig(model="random:qwen3", device="cpu", dtype="float32",
-                        random_init=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                         intermediate_size=256, num_hidden_layers=4))
+    tcfg = TINY_QWEN3
     location = materialize_target(tcfg, CACHE)
     tok = load_tokenizer(location, tcfg)
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}], enable_thinking=False) for t in TEXTS]
@@ -92,3 +93,18 @@ def test_thinking_flag_reaches_the_chat_template_and_reasoning_can_be_stripped()
     assert strip_reasoning("<think>\nplan\n</think>\n\nThe answer is 4.") == "The answer is 4."
     assert strip_reasoning("<think>cut off by max_new_tokens") == ""
     assert strip_reasoning("no reasoning") == "no reasoning"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_static_decode_on_cuda_replays_its_checked_graph_and_equals_generate(target):
+    """The static decode step runs as a pipeline.cuda_graphs.CudaGraphFn (captured, checked against eager on its
+    first replay, never disabled) and greedy output still equals model.generate token for token."""
+    _, tok, stop, prompts = target
+    cuda = load_target(materialize_target(TINY_QWEN3, CACHE), TINY_QWEN3, device="cuda")
+    limits = [40, 40, 12, 40, 33]
+    gens = {d: HFGenerator(cuda, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
+                           batch_size=5, decode=d) for d in ("generate", "static")}
+    reference = gens["generate"].generate(prompts, limits)
+    outs = gens["static"].generate(prompts, limits)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert gens["static"].static.on_graphs(), "the decode step fell back to eager (capture or self-check failed)"
