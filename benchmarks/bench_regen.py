@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from pipeline.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
-from pipeline.generate_hf import HFGenerator  # noqa: E402
-from pipeline.generation import Sampling  # noqa: E402
+from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
+from pipeline.regen.generator import Sampling  # noqa: E402
+from pipeline.regen.hf import HFGenerator  # noqa: E402
 
 DATA = REPO / "data" / "prompts"
 MODES = ("generate", "static", "static-nograph", "static-nofold", "vllm")
@@ -121,7 +121,7 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device):
 
 def run_vllm(args, location, tok, stop, prompts, limits):
     from pipeline.config import RegenConfig, TargetConfig
-    from pipeline.generate_vllm import VLLMGenerator
+    from pipeline.regen.vllm import VLLMGenerator
 
     tcfg = TargetConfig(model=location, dtype=args.dtype, device=args.device)
     rcfg = RegenConfig(backend="vllm", max_model_len=args.max_model_len,

@@ -30,7 +30,7 @@ def _stage_fn(name: str):
     if name == "curate":
         from pipeline.curate.stage import run_curate as fn
     elif name == "regen":
-        from pipeline.regen import run_regen as fn
+        from pipeline.regen.stage import run_regen as fn
     elif name == "tokenize":
         from pipeline.tokenize import run_tokenize as fn
     elif name == "extract":
@@ -125,15 +125,18 @@ def _dispatch(args) -> int:
         merge_ranks(cfg)
         return 0
     if args.command == "regen" and args.merge:
-        from pipeline.regen import merge_ranks
+        from pipeline.regen.stage import merge_ranks
 
-        merge_ranks(cfg)  # then tokenizes, like a single-rank regen
+        merge_ranks(cfg)
+        run_stage("tokenize", cfg)  # what a single-rank `drafter regen` does next
         return 0
     if args.command == "run":
         for name in STAGES:
             run_stage(name, cfg, force=args.force, ranks=ranks)
         return 0
     run_stage(args.command, cfg, force=args.force, ranks=ranks)
+    if args.command == "regen" and not ranks.is_split:
+        run_stage("tokenize", cfg, force=args.force, ranks=ranks)  # `drafter regen` yields tokenized data
     return 0
 
 

@@ -29,8 +29,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, section_hash
-from pipeline.conversation import encode_chat, end_of_turn_ids
 from pipeline.log import get_logger, progress, summary
+from pipeline.regen.conversation import encode_chat, end_of_turn_ids
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint,
                              input_ref, units_for_rank)
 from pipeline.target import (load_tokenizer, materialize_target, render_chat, target_fingerprint,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pipeline.config import TargetConfig
-from pipeline.conversation import end_of_turn_ids, prompt_ids, strip_reasoning
-from pipeline.generate_hf import HFGenerator
-from pipeline.generation import Sampling
+from pipeline.regen.conversation import end_of_turn_ids, prompt_ids, strip_reasoning
+from pipeline.regen.generator import Sampling
+from pipeline.regen.hf import HFGenerator
 from pipeline.target import build_byte_tokenizer, load_target, load_tokenizer, materialize_target
 from tests.conftest import CACHE
 

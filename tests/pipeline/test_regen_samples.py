@@ -13,8 +13,9 @@ import time
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.regen import run_regen
+from pipeline.regen.stage import run_regen
 from pipeline.runner import StageDir
+from pipeline.tokenize import run_tokenize
 from tests.conftest import CACHE, REPO, make_config
 from tests.pipeline.test_regen_stage import regen_rows, single_turn, write_curated
 
@@ -38,6 +39,7 @@ def test_each_conversation_gets_n_distinct_samples_with_their_own_ids(tmp_path):
         by_conv.setdefault(r["id"].rsplit("#", 1)[0], []).append(r["messages"][1]["content"])
     # three draws at T=1 from a random model over a vocabulary of hundreds: identical triples would mean one seed
     assert all(len(set(answers)) > 1 for answers in by_conv.values())
+    run_tokenize(cfg)
     assert StageDir(cfg.run_dir, "tokenize").manifest()["counts"]["input"] == 12
 
 
@@ -65,7 +67,7 @@ def test_samples_and_formats_are_validated(tmp_path):
 
 
 def test_changing_the_number_of_samples_changes_the_config_hash(tmp_path):
-    from pipeline.regen import regen_config_hash
+    from pipeline.regen.stage import regen_config_hash
 
     one = make_config(tmp_path, overrides=["regen.temperature=1.0"])
     three = make_config(tmp_path, overrides=["regen.temperature=1.0", "regen.samples_per_prompt=3"])

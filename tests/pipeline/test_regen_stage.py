@@ -1,5 +1,5 @@
 """The regen stage: turn-by-turn regeneration against the target's own turns, failure accounting,
-resume after kill -9, rank slicing, and `drafter regen` ending with tokenized data."""
+resume after kill -9, rank slicing, and `drafter regen` (and `drafter regen --merge`) ending with tokenized data."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.conversation import end_of_turn_ids, prompt_ids
-from pipeline.generate_hf import HFGenerator
-from pipeline.generation import Sampling
-from pipeline.regen import run_regen, write_conversations
+from pipeline.regen.conversation import end_of_turn_ids, prompt_ids
+from pipeline.regen.generator import Sampling
+from pipeline.regen.hf import HFGenerator
+from pipeline.regen.stage import run_regen, write_conversations
 from pipeline.runner import RankInfo, StageDir, StageError
 from pipeline.target import load_target, load_tokenizer, materialize_target
 from tests.conftest import CACHE, REPO, make_config
@@ -87,9 +87,6 @@ def test_multi_turn_is_regenerated_turn_by_turn_against_the_targets_own_answers(
         body = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
         assert tok.decode(body, skip_special_tokens=False) == first[i]["content"], f"turn {k}"
         assert meta["regen"]["finish_reasons"][k] == out.finish_reason
-
-    # run_regen ran tokenize too: one tokenized sample per regenerated conversation that has enough loss tokens
-    assert StageDir(cfg.run_dir, "tokenize").is_complete()
 
 
 def test_failures_are_recorded_with_reasons_and_every_input_is_accounted_for(tmp_path):
@@ -190,8 +187,8 @@ def test_kill_9_during_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
 
 
 def test_a_request_the_model_cannot_run_fails_alone_with_its_reason(tmp_path):
-    from pipeline.conversation import skeleton
-    from pipeline.regen import regenerate
+    from pipeline.regen.conversation import skeleton
+    from pipeline.regen.stage import regenerate
 
     cfg = make_config(tmp_path, overrides=["regen.max_new_tokens=8"])
     location = materialize_target(cfg.target, cfg.cache_dir)
@@ -209,10 +206,12 @@ def test_a_request_the_model_cannot_run_fails_alone_with_its_reason(tmp_path):
     assert failures["bad"][0] == "generation_error" and "IndexError" in failures["bad"][1]
 
 
-def test_merge_refuses_missing_rank_work_then_writes_the_manifest_and_tokenizes(tmp_path):
-    from pipeline.regen import merge_ranks
+def test_merge_refuses_missing_rank_work_then_writes_the_manifest_and_drafter_regen_merge_tokenizes(tmp_path):
+    from drafter.cli import main as drafter_main
+    from pipeline.regen.stage import merge_ranks
 
-    cfg = make_config(tmp_path, overrides=["regen.backend=none", "regen.shard_size=2", "regen.max_samples=null"])
+    overrides = ["regen.backend=none", "regen.shard_size=2", "regen.max_samples=null"]
+    cfg = make_config(tmp_path, overrides=overrides)
     convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} " * 20}]
              for i in range(5)]
     write_curated(cfg.run_dir, convs)
@@ -222,4 +221,20 @@ def test_merge_refuses_missing_rank_work_then_writes_the_manifest_and_tokenizes(
     run_regen(cfg, ranks=RankInfo(1, 2))
     merge_ranks(cfg)
     assert StageDir(cfg.run_dir, "regen").is_complete()
+    assert not StageDir(cfg.run_dir, "tokenize").is_complete()  # run_regen / merge_ranks are the regen stage only
+    assert drafter_main(["regen", "--merge", "--config", str(REPO / "configs/tiny.yaml"),
+                         f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides]) == 0
     assert StageDir(cfg.run_dir, "tokenize").manifest()["counts"]["input"] == 5
+
+
+def test_drafter_regen_runs_tokenize_after_a_single_rank_regen(tmp_path):
+    from drafter.cli import main as drafter_main
+
+    overrides = ["regen.backend=none", "regen.max_samples=null"]
+    cfg = make_config(tmp_path, overrides=overrides)
+    write_curated(cfg.run_dir, [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} " * 20}]
+                                for i in range(3)])
+    assert drafter_main(["regen", "--config", str(REPO / "configs/tiny.yaml"), f"runs_dir={tmp_path / 'runs'}",
+                         f"cache_dir={CACHE}", *overrides]) == 0
+    assert StageDir(cfg.run_dir, "regen").is_complete()
+    assert StageDir(cfg.run_dir, "tokenize").manifest()["counts"]["input"] == 3

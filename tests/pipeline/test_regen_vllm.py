@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pipeline.conversation import end_of_turn_ids, prompt_ids, skeleton  # noqa: E402
-from pipeline.generate_hf import HFGenerator  # noqa: E402
-from pipeline.generate_vllm import VLLMGenerator  # noqa: E402
-from pipeline.generation import Sampling, build_generator  # noqa: E402
-from pipeline.regen import regenerate  # noqa: E402
+from pipeline.regen.conversation import end_of_turn_ids, prompt_ids, skeleton  # noqa: E402
+from pipeline.regen.generator import Sampling  # noqa: E402
+from pipeline.regen.hf import HFGenerator  # noqa: E402
+from pipeline.regen.stage import build_generator, regenerate  # noqa: E402
+from pipeline.regen.vllm import VLLMGenerator  # noqa: E402
 from pipeline.target import load_target, load_tokenizer, materialize_target  # noqa: E402
 from tests.conftest import REPO, make_config  # noqa: E402
 

@@ -9,8 +9,8 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.conversation import encode_chat
-from pipeline.regen import run_regen, write_conversations
+from pipeline.regen.conversation import encode_chat
+from pipeline.regen.stage import run_regen, write_conversations
 from pipeline.runner import FingerprintMismatch, StageDir
 from pipeline.target import build_byte_tokenizer, load_tokenizer, materialize_target, render_chat
 from pipeline.tokenize import Dropped, assistant_loss_mask, run_tokenize, shard_fingerprint
@@ -89,6 +89,7 @@ def _curate_and_regen_dataset_answers(cfg, answers: list[str]) -> None:
     write_conversations(stage.shards / "train-00000.parquet", rows)
     stage.write_manifest(config_hash="curated-for-tests", fingerprint={}, started=time.time())
     run_regen(cfg)
+    run_tokenize(cfg)
 
 
 def test_samples_under_two_blocks_of_loss_tokens_are_dropped_and_long_ones_truncated(tmp_path):

@@ -10,8 +10,9 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.regen import run_regen, write_conversations
+from pipeline.regen.stage import run_regen, write_conversations
 from pipeline.runner import StageDir
+from pipeline.tokenize import run_tokenize
 from tests.conftest import REPO, make_config
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,8 @@ def test_smollm2_loss_mask_decodes_to_exactly_the_generated_assistant_text(tmp_p
     write_conversations(curate.shards / "train-00000.parquet", rows)
     curate.write_manifest(config_hash="curated-for-tests", fingerprint={}, started=time.time())
     try:
-        run_regen(cfg)  # regenerates, then tokenizes
+        run_regen(cfg)
+        run_tokenize(cfg)
     finally:
         torch.set_num_threads(threads)
 

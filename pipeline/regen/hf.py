@@ -1,8 +1,8 @@
 """The embedded regeneration backend: HF transformers, batched, left-padded, length-sorted batches.
 
-Two decode loops with the same semantics (see pipeline.generation for the invariants):
+Two decode loops with the same semantics (see pipeline.regen.generator for the invariants):
   'generate' — `model.generate` (the simple reference, used on CPU);
-  'static'   — pipeline.static_decode.StaticDecoder: static KV cache + CUDA-graphed step (the GPU fast path).
+  'static'   — pipeline.regen.static_decode.StaticDecoder: static KV cache + CUDA-graphed step (the GPU fast path).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Sequence
 import torch
 
 from pipeline.config import RegenConfig, TargetConfig
-from pipeline.generation import Generation, Sampling, cut_at_stop, mask_padded_vocab
 from pipeline.log import get_logger
-from pipeline.static_decode import StaticDecoder, supports_static_decode
+from pipeline.regen.generator import Generation, Sampling, cut_at_stop, mask_padded_vocab
+from pipeline.regen.static_decode import StaticDecoder, supports_static_decode
 from pipeline.target import load_target
 
 log = get_logger("regen.hf")

@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
-from pipeline.generation import Sampling, mask_padded_vocab, sample_next
 from pipeline.log import get_logger
+from pipeline.regen.generator import Sampling, mask_padded_vocab, sample_next
 
 log = get_logger("regen.static")
 

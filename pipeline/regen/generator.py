@@ -1,6 +1,8 @@
-"""The one interface every regeneration backend implements, and the sampling rules they share.
+"""The one interface every regeneration backend implements (`Generator`: `hf.HFGenerator`,
+`vllm.VLLMGenerator`), and the sampling rules they share. The stage picks the backend
+(`pipeline.regen.stage.build_generator`); backends import only this module, never the stage.
 
-    gen = build_generator(cfg, location, tokenizer, stop_ids)
+    gen = build_generator(cfg, location, tokenizer, stop_ids)      # = <Backend>.load(...)
     outs = gen.generate(prompts, max_new_tokens, seeds)   # prompts: list[list[int]] token ids
     outs[i].token_ids   # generated ids, ending with the stop id iff finish_reason == "stop"
     outs[i].finish_reason in {"stop", "length"}
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol, Sequence
+
+from pipeline.config import RegenConfig, TargetConfig
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,12 @@ class Generation:
 
 
 class Generator(Protocol):
+    @classmethod
+    def load(cls, location: str, tcfg: TargetConfig, rcfg: RegenConfig, *, tokenizer, stop_ids: Sequence[int],
+             sampling: Sampling) -> "Generator":
+        """The backend with the target at `location` loaded, ready to generate."""
+        ...
+
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int],
                  seeds: Sequence[int] | None = None) -> list[Generation]: ...
 
@@ -74,19 +84,3 @@ def sample_next(logits, sampling: Sampling, generator=None):
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def build_generator(cfg, location: str, tokenizer, stop_ids: Sequence[int]) -> Generator:
-    """The backend `cfg.regen.backend` names, loaded and ready ('none' has no generator)."""
-    sampling = Sampling(cfg.regen.temperature, cfg.regen.top_p, cfg.regen.top_k)
-    if cfg.regen.backend == "hf":
-        from pipeline.generate_hf import HFGenerator
-
-        return HFGenerator.load(location, cfg.target, cfg.regen, tokenizer=tokenizer, stop_ids=stop_ids,
-                                sampling=sampling)
-    if cfg.regen.backend == "vllm":
-        from pipeline.generate_vllm import VLLMGenerator
-
-        return VLLMGenerator.load(location, cfg.target, cfg.regen, tokenizer=tokenizer, stop_ids=stop_ids,
-                                  sampling=sampling)
-    raise ValueError(f"regen.backend {cfg.regen.backend!r} has no generator")

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from pipeline.config import RegenConfig, TargetConfig
-from pipeline.generation import Generation, Sampling, cut_at_stop
+from pipeline.regen.generator import Generation, Sampling, cut_at_stop
 from pipeline.target import build_vllm_engine
 
 try:

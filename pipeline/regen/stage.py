@@ -7,7 +7,7 @@ order, the first `regen.max_samples`); a unit's parquet holds the conversations 
 sidecar the counts and every failure with its reason. Multi-turn conversations are answered turn by turn
 against the target's own previous turns: dataset assistant turns are dropped, system/user turns kept, and
 round r generates assistant turn r for every conversation that has a user turn r. Prompts are rendered
-with pipeline.target.render_chat (thinking flag included) and encoded once (pipeline.conversation), so the
+with pipeline.target.render_chat (thinking flag included) and encoded once (pipeline.regen.conversation), so the
 hf and vllm backends see identical prompt ids.
 
 `regen.backend: none` keeps the dataset's answers (off-policy: the drafter then learns the dataset, not the
@@ -21,7 +21,7 @@ conversation's source, so the training data shows the prompt formats a user serv
 
 Accounting (in samples = conversations x n): input = written + failed.<reason> + skipped.max_samples, over all
 curated train conversations.
-With one rank, run_regen ends by running tokenize (so `drafter regen` yields tokenized data).
+Tokenize is the next stage; `drafter regen` runs it after regen (so the command yields tokenized data).
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, section_hash
 from pipeline.curate.schema import CONVERSATION_SCHEMA  # regen writes the curate schema back, answers replaced
-from pipeline.conversation import (MalformedConversation, Skeleton, end_of_turn_ids, prompt_ids, skeleton,
-                                   strip_reasoning)
 from pipeline.log import get_logger, progress, summary
+from pipeline.regen.conversation import (MalformedConversation, Skeleton, end_of_turn_ids, prompt_ids, skeleton,
+                                         strip_reasoning)
+from pipeline.regen.generator import Generator, Sampling
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, input_ref,
                              units_for_rank)
 from pipeline.target import (load_tokenizer, materialize_target, target_fingerprint,
@@ -352,9 +354,21 @@ def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total:
     return manifest
 
 
+def build_generator(cfg: RunConfig, location: str, tokenizer, stop_ids: Sequence[int]) -> Generator:
+    """The backend `regen.backend` names (`hf` or `vllm`), loaded and ready ('none' has no generator)."""
+    sampling = Sampling(cfg.regen.temperature, cfg.regen.top_p, cfg.regen.top_k)
+    if cfg.regen.backend == "hf":
+        from pipeline.regen.hf import HFGenerator as backend
+    elif cfg.regen.backend == "vllm":
+        from pipeline.regen.vllm import VLLMGenerator as backend
+    else:
+        raise ValueError(f"regen.backend {cfg.regen.backend!r} has no generator")
+    return backend.load(location, cfg.target, cfg.regen, tokenizer=tokenizer, stop_ids=stop_ids, sampling=sampling)
+
+
 def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
     """Regenerate this rank's units; the rank that completes the last unit writes the manifest.
-    With a single rank, tokenize runs afterwards. Returns the manifest (or this rank's summary)."""
+    Returns the manifest (or this rank's summary). Tokenize is the next stage (`drafter regen` runs it after)."""
     started = time.time()
     curate = StageDir(cfg.run_dir, "curate")
     curate_manifest = curate.manifest()
@@ -374,8 +388,6 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
                  len(units), len(mine), ranks.rank, ranks.world_size, len(todo), cfg.regen.backend)
         generator = None
         if todo and cfg.regen.backend != "none":
-            from pipeline.generation import build_generator
-
             generator = build_generator(cfg, location, tokenizer, end_of_turn_ids(tokenizer, location))
         bar = progress(total=len(todo), desc=f"regen rank {ranks.rank}", unit="shard")
         for unit in todo:
@@ -395,16 +407,12 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
             return {"stage": "regen", "complete": False, "rank": ranks.rank, "world_size": ranks.world_size}
     else:
         manifest = stage.manifest()
-    if not ranks.is_split:
-        from pipeline.tokenize import run_tokenize
-
-        run_tokenize(cfg, force=force, ranks=ranks)
     return manifest
 
 
 def merge_ranks(cfg: RunConfig) -> dict:
     """After a split run (e.g. a SLURM array): refuse if any unit is missing, else write the manifest (if the
-    last rank has not) and tokenize — exactly what a single-rank `run_regen` does when no unit is left to do."""
+    last rank has not) — exactly what a single-rank `run_regen` does when no unit is left to do."""
     stage = StageDir(cfg.run_dir, "regen")
     if not stage.is_complete():
         units, _ = plan_units(curate_train_files(StageDir(cfg.run_dir, "curate")), cfg.regen.shard_size,
