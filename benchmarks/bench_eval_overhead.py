@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.kv_cache import KVTargetCache  # noqa: E402
 from eval.target_cache import target_cache  # noqa: E402
-from eval.decode import _round_ops, decode  # noqa: E402
+from eval.decode import decode, round_ops  # noqa: E402
 from eval.tree import build_tree, build_tree_heap  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402
 from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
@@ -127,7 +127,7 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
     past = prompt.numel()
     L = drafter.args.block_size - 1
     vocab = target.get_output_embeddings().weight.shape[0]
-    ops = _round_ops("ddtree", budget, "device", cache, 0.0, L, vocab, device)
+    ops = round_ops("ddtree", budget, "device", cache, 0.0, L, vocab, device)
     rewind(cache, past)  # an end-to-end decode may have run on this cache (same prompt rows, longer length)
     draft_cache = drafter.new_cache()
     draft_logits = drafter.draft_logits(draft_cache, _FEATURES["ctx"], 7, past)
@@ -148,7 +148,7 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
         t0 = time.perf_counter()
         tree, vin, anc = ops.build(draft_logits, bonus)
         walk, record, ctx = ops.walk(tree, anc, out.logits, None, out.features)
-        accepted = ops.read(record)[0]
+        accepted = ops.read(record).accepted
         if ops.compacts:  # done inside the walk (every path row, whatever the path)
             cache.commit_compacted(accepted + 1)
         else:
@@ -202,7 +202,7 @@ def one_sync_round(ops, cache, draft_logits, bonus, path_t, n, past) -> bool:
         out = cache.verify(tree, vin)
         walk, record, _ = ops.walk(tree, anc, out.logits, None, out.features)
         torch.cuda.set_sync_debug_mode(0)
-        accepted = ops.read(record)[0]  # the read
+        accepted = ops.read(record).accepted  # the read
         torch.cuda.set_sync_debug_mode("error")
         if ops.compacts:
             cache.commit_compacted(accepted + 1)
@@ -240,7 +240,7 @@ def verify_only(cache, target, drafter, prompt, budget, iters, device) -> float:
     """Median seconds of the verify forward alone on `cache` (eager static or dynamic reference)."""
     L = drafter.args.block_size - 1
     vocab = target.get_output_embeddings().weight.shape[0]
-    ops = _round_ops("ddtree", budget, "device", cache, 0.0, L, vocab, device)
+    ops = round_ops("ddtree", budget, "device", cache, 0.0, L, vocab, device)
     rewind(cache, prompt.numel())
     draft_logits = drafter.draft_logits(drafter.new_cache(), _FEATURES["ctx"], 7, prompt.numel())
     tree, vin, _ = ops.build(draft_logits, torch.tensor([7], device=device))

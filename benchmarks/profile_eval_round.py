@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_eval_overhead import SHAPES, build_drafter, build_target  # noqa: E402
 from eval.kv_cache import KVTargetCache  # noqa: E402
 from eval.target_cache import target_cache  # noqa: E402
-from eval.decode import _round_ops  # noqa: E402
+from eval.decode import round_ops  # noqa: E402
 from eval.target_forward import VerifyForward  # noqa: E402
 from eval.tree import build_tree, build_tree_heap, top_log_probs  # noqa: E402
 
@@ -166,7 +166,7 @@ def main() -> None:
         for budget in [int(b) for b in args.budgets.split(",")]:
             row = []
             for name, c in caches.items():
-                ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
+                ops = round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
                 tree, vin, _ = ops.build(draft_logits, bonus)
                 c.verify(tree, vin)  # capture / compile / check outside the timing
                 row.append(gpu_ms(lambda: c.verify(tree, vin)))
@@ -198,20 +198,20 @@ def main() -> None:
         budget = args.profile_budget
         compiled = VerifyForward(target, taps, compile=True)
         c = caches["fused eager"]
-        ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
+        ops = round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
         tree, vin, anc = ops.build(draft_logits, bonus)
         c.fused, eager_fused = compiled, c.fused
         kernel_table(f"verify, fused compiled (no graph), budget {budget}", lambda: c.verify(tree, vin), rows=25,
                      copies=True)
         c.fused = eager_fused
         c = caches["hf eager"]
-        ops = _round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
+        ops = round_ops("ddtree", budget, "device", c, 0.0, L, vocab, device)
         tree, vin, anc = ops.build(draft_logits, bonus)
         out = c.verify(tree, vin)
         kernel_table(f"tree build + mask, budget {budget}", lambda: ops.build(draft_logits, bonus), rows=25)
         kernel_table(f"walk, budget {budget}", lambda: ops.walk(tree, anc, out.logits, None, out.features))
         g = caches["fused graph"]
-        gops = _round_ops("ddtree", budget, "device", g, 0.0, L, vocab, device)
+        gops = round_ops("ddtree", budget, "device", g, 0.0, L, vocab, device)
         print(f"\nbuild graph replay {gpu_ms(lambda: gops.build(draft_logits, bonus)):.3f} ms GPU; "
               f"walk graph {gpu_ms(lambda: gops.walk(tree, anc, out.logits, None, out.features)):.3f} ms GPU")
         print(f"selection configs at budget {budget} (candidates per program, keys per step, warps): GPU ms of "

@@ -21,6 +21,7 @@ The prefill is timed separately and excluded from `timings["decode"]`.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from eval import triton_kernels
 from eval.target_cache import TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
+from eval.round_record import RoundRecord, parse_record, record_size
 from eval.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
 from eval.verify import ancestor_table
 from eval.walk import Walk, target_choices, walk_tree
@@ -161,7 +163,7 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         return False
 
     done = emit([bonus])
-    ops = _round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device)
+    ops = round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device)
     while not done:
         clock.start()
         draft_logits = None
@@ -174,23 +176,21 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         clock.lap("verify")
         walk, record, path_features = ops.walk(tree, ancestors, out.logits, uniforms(), out.features)
         record = ops.read(record)  # the round's one host sync
-        accepted, bonus, depth = record[0], record[1], record[2]
-        path = record[3: 3 + tree.depth_limit + 1][: accepted + 1]
-        path_tokens = record[3 + tree.depth_limit + 1:][1: accepted + 1]
+        accepted, bonus = record.accepted, record.bonus
         if ops.compacts:  # the walk already moved the path's K/V rows to the front, advanced the device length
             cache.commit_compacted(accepted + 1)  # and gathered the path's features
             if path_features is not None:
                 context = path_features[: accepted + 1]
         else:
-            cache.commit(walk.path, accepted + 1, contiguous=path == list(range(accepted + 1)))
+            cache.commit(walk.path, accepted + 1, contiguous=record.contiguous)
             if out.features is not None:
                 context = out.features.index_select(0, walk.path[: accepted + 1])
         bonus_dev = walk.bonus
         result.accept_lengths.append(accepted + 1)
         result.accepted_drafts.append(accepted)
-        result.draft_depths.append(depth)
+        result.draft_depths.append(record.depth)
         result.tree_sizes.append(tree.num_nodes)
-        done = emit(path_tokens + [bonus])
+        done = emit(record.accepted_tokens + [bonus])
         clock.lap("walk_commit")
     t2 = clock.now()
 
@@ -206,9 +206,9 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
 # ----------------------------------------------------------------------------------------------
 
 
-class _RoundOps:
+class RoundOps:
     """build(draft logits, bonus) -> (tree, verify inputs), walk(tree, logits, uniforms) -> (walk, record) and
-    read(record) -> the record as host ints.
+    read(record) -> the record on the host (eval/round_record.py).
 
     With a graph-enabled static cache both run as CUDA graphs keyed by the round's static shape (so a round
     launches: drafter, build graph, verify graph, walk graph (which also copies the record into pinned host
@@ -222,12 +222,12 @@ class _RoundOps:
         self.num_nodes = {"ar": 0, "chain": L, "ddtree": tree_size(budget or 0, L, vocab)}[method]
         self.depth_limit = 0 if method == "ar" else L
         self.kind = {"ar": "root", "chain": "chain", "ddtree": "tree"}[method]
-        graphs = getattr(cache, "graphs", False)
-        # static KV: the walk also compacts (all L+1 path rows, a fixed shape) and gathers the path's features, so
-        # the round's device work after the verify is one graph
-        self.compacts = getattr(cache, "static", False)
+        graphs = cache.graphs
+        # a cache that commits on the device: the walk also compacts (all L+1 path rows, a fixed shape) and gathers
+        # the path's features, so the round's device work after the verify is one graph
+        self.compacts = cache.device_commit
         # the walk's record also lands in pinned host memory inside its graph: the read is then a stream sync
-        self._host = torch.empty(3 + 2 * (self.depth_limit + 1), dtype=torch.long, pin_memory=True) \
+        self._host = torch.empty(record_size(self.depth_limit), dtype=torch.long, pin_memory=True) \
             if device.type == "cuda" else None
         capturable_build = not (method == "ddtree" and builder is build_tree_heap)  # the heap reads the host
         self._build = CudaGraphFn(self._build_eager, f"{method} tree build") if graphs and capturable_build \
@@ -276,25 +276,32 @@ class _RoundOps:
         return (accepted, path, bonus, last), record, path_features
 
     def walk(self, tree, ancestors, logits, uniforms, features=None):
-        """-> (walk, host record [3 + 2(L+1)], features of the L+1 path rows or None). With `compacts` the K/V
+        """-> (walk, the round record on the device, features of the L+1 path rows or None). With `compacts` the K/V
         rows of the path are also moved to the front and the cache's device length advanced (the caller then
         calls `commit_compacted`)."""
         (accepted, path, bonus, last), record, path_features = self._walk(
             tree.tokens, tree.parents, tree.depths, ancestors, logits, uniforms, features)
         return Walk(accepted, path, bonus, last), record, path_features
 
-    def read(self, record: Tensor) -> list[int]:
-        """The round's one host sync: the walk's record (from `walk`) as a list of ints."""
+    def read(self, record: Tensor) -> RoundRecord:
+        """The round's one host sync: the walk's record (from `walk`) on the host."""
         if self._host is None:
-            return record.tolist()
+            return parse_record(record.tolist(), self.depth_limit)
         torch.cuda.current_stream(self.device).synchronize()
-        return self._host.tolist()
+        return parse_record(self._host.tolist(), self.depth_limit)
 
 
-def _round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device) -> _RoundOps:
-    """One _RoundOps (and its CUDA graphs) per cache object and static round configuration, reused across calls."""
-    store = cache.round_ops  # the cache clears it when its buffers (and so the graphs' shapes) change
+_ROUND_OPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # cache -> (its generation, {config: ops})
+
+
+def round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device) -> RoundOps:
+    """One RoundOps (and its CUDA graphs) per cache object and static round configuration, reused across calls;
+    rebuilt when the cache reallocates its buffers (`TargetCache.generation`), which the graphs captured."""
+    generation, store = _ROUND_OPS.get(cache, (None, None))
+    if generation != cache.generation:
+        store = {}
+        _ROUND_OPS[cache] = (cache.generation, store)
     key = (method, budget, tree_builder, temperature, L, vocab)  # temperature is a constant inside the graphs
     if key not in store:
-        store[key] = _RoundOps(method, budget, BUILDERS[tree_builder], cache, temperature, L, vocab, device)
+        store[key] = RoundOps(method, budget, BUILDERS[tree_builder], cache, temperature, L, vocab, device)
     return store[key]

@@ -80,7 +80,7 @@ class KVTargetCache(TargetCache):
         if recurrent_layer_types(target.config):
             raise TreeUnsupportedError(tree_unsupported_reason(target.config))
         self.forward = HFForward(target, tap_ids)
-        self.static = static
+        self.static = self.device_commit = static
         self.graphs = graphs and static and self.forward.device.type == "cuda"
         self.fused = self._fused_forward(target, tap_ids) if fused and static else None
         self._fused_checked = False
@@ -89,7 +89,7 @@ class KVTargetCache(TargetCache):
         self.length = 0
         self.past = torch.zeros((), dtype=torch.long, device=self.forward.device)  # device copy of `length`
         self._verify_fns: dict[tuple[int, int], object] = {}  # (N, kv_len) -> verify fn / CUDA graph
-        self.round_ops: dict = {}
+        self.generation = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -105,7 +105,7 @@ class KVTargetCache(TargetCache):
             capacity = -(-capacity // 2048) * 2048  # buckets: graphs (keyed by capacity) survive across prompts
             self.kv = None
             self._verify_fns.clear()
-            self.round_ops.clear()
+            self.generation += 1
             self.kv = StaticKV(cfg.num_hidden_layers, heads, head_dim, capacity, self.forward.dtype, self.forward.device)
 
     def describe(self) -> str:

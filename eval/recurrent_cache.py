@@ -43,7 +43,6 @@ class RecurrentTargetCache(TargetCache):
         self.config = target.config
         self.cache: DynamicCache | None = None
         self.length = 0
-        self.round_ops: dict = {}
         self._saved: list[tuple[Tensor, Tensor]] | None = None
         self._tokens: Tensor | None = None
         self._tree = False  # the pending verify was path-batched (the committed state is untouched)

@@ -113,7 +113,9 @@ class TargetCache:
     """The interface (see module docstring). `length` = committed rows = the bonus token's position."""
 
     length: int = 0
-    round_ops: dict  # the decoder's per-configuration round helpers (CUDA graphs); cleared with the buffers
+    graphs: bool = False  # the verify replays CUDA graphs: the decoder captures its round steps too
+    device_commit: bool = False  # rows at fixed addresses + a device length: compact_path/commit_compacted exist
+    generation: int = 0  # bumped when the buffers are reallocated: CUDA graphs captured on the old ones are stale
 
     def describe(self) -> str:
         """How the verify forward ran, for reports (the speedups were measured on this path)."""
@@ -132,6 +134,21 @@ class TargetCache:
         raise NotImplementedError
 
     def commit(self, path: Tensor, n: int, contiguous: bool) -> None:
+        raise NotImplementedError
+
+    # -- device commit (only where `device_commit`) --------------------------------------------
+
+    def compact_path(self, path: Tensor, accepted: Tensor) -> None:
+        """Keep rows length + path[j] as rows length + j for every j in 0..L and advance the device length by
+        accepted + 1 (path [L+1], accepted 0-dim: fixed shapes, no host value)."""
+        raise NotImplementedError
+
+    def compaction_state(self, rows: int) -> list[Tensor]:
+        """The tensors `compact_path` changes in place (a CUDA graph's first call restores them between runs)."""
+        raise NotImplementedError
+
+    def commit_compacted(self, n: int) -> None:
+        """After `compact_path`: the host length += n."""
         raise NotImplementedError
 
 

@@ -35,6 +35,8 @@ import math
 import torch
 from torch import Tensor
 
+from eval import round_record
+
 try:
     import triton
     import triton.language as tl
@@ -434,7 +436,7 @@ if triton is not None:
     @triton.jit
     def _walk_kernel(tokens, parents, depths, ancestors, W, N, L, choices, match_buf,
                      path, accepted_out, bonus_out, last_out, record,
-                     NP: tl.constexpr, WP: tl.constexpr, LP: tl.constexpr):
+                     NP: tl.constexpr, WP: tl.constexpr, LP: tl.constexpr, HEAD: tl.constexpr):
         i = tl.arange(0, NP)
         node = i < N
         lp = tl.arange(0, LP)
@@ -463,8 +465,8 @@ if triton is not None:
         tl.store(record + 1, bonus)
         tl.store(record + 2, tl.max(tl.where(node, depth, 0), axis=0).to(tl.int64))
         steps = tl.load(path + lp, mask=lp <= L, other=0, volatile=True)
-        tl.store(record + 3 + lp, steps, mask=lp <= L)
-        tl.store(record + 4 + L + lp, tl.load(tokens + steps, mask=lp <= L, other=0), mask=lp <= L)
+        tl.store(record + HEAD + lp, steps, mask=lp <= L)
+        tl.store(record + HEAD + 1 + L + lp, tl.load(tokens + steps, mask=lp <= L, other=0), mask=lp <= L)
 
 
 def greedy_choices(logits: Tensor) -> Tensor:
@@ -482,8 +484,9 @@ def greedy_choices(logits: Tensor) -> Tensor:
 
 def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tensor, logits: Tensor,
                 depth_limit: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """eval/walk.py at T = 0 in three launches: (accepted, path [L+1], bonus, last, host record [3 + 2(L+1)]);
-    accepted/bonus/last are 0-dim int64. ancestors: eval/verify.py `ancestor_table` [N, W]."""
+    """eval/walk.py at T = 0 in three launches: (accepted, path [L+1], bonus, last, the round record of
+    eval/round_record.py, packed by the walk kernel at its offsets); accepted/bonus/last are 0-dim int64.
+    ancestors: eval/verify.py `ancestor_table` [N, W]."""
     N = tokens.shape[0]
     L = depth_limit
     choices = greedy_choices(logits)
@@ -491,10 +494,10 @@ def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tens
     match = torch.empty(N, dtype=torch.int8, device=device)
     path = torch.empty(L + 1, dtype=torch.long, device=device)
     accepted, bonus, last = (torch.empty((), dtype=torch.long, device=device) for _ in range(3))
-    record = torch.empty(3 + 2 * (L + 1), dtype=torch.long, device=device)
+    record = torch.empty(round_record.record_size(L), dtype=torch.long, device=device)
     W = ancestors.shape[1]
     _walk_kernel[(1,)](tokens, parents, depths, ancestors.contiguous(), W, N, L, choices, match, path, accepted,
-                       bonus, last, record, NP=_pow2(N), WP=_pow2(W), LP=_pow2(L + 1),
+                       bonus, last, record, NP=_pow2(N), WP=_pow2(W), LP=_pow2(L + 1), HEAD=round_record.HEAD,
                        num_warps=4 if N <= 256 else 8)
     return accepted, path, bonus, last, record
 

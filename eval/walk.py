@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from eval import triton_kernels
+from eval.round_record import pack_record
 from eval.tree import Tree
 
 
@@ -54,10 +55,8 @@ class Walk:
     last: Tensor  # index of the last accepted node
 
     def host_record(self, tree: Tree) -> Tensor:
-        """One small int64 tensor to read back in the round's single D2H copy:
-        [accepted, bonus, tree max depth, path (L+1), tokens along the path (L+1)]."""
-        head = torch.stack([self.accepted, self.bonus, tree.depths.max()])
-        return torch.cat([head, self.path, tree.tokens[self.path]])
+        """The round's record (eval/round_record.py), the one small tensor the round reads back."""
+        return pack_record(self.accepted, self.bonus, tree.depths.max(), self.path, tree.tokens)
 
 
 def jump_rounds(depth_limit: int) -> int:

@@ -8,6 +8,8 @@ graph is never silently wrong.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
@@ -28,6 +30,17 @@ def relative_error(got: Tensor, ref: Tensor) -> float:
     """||got - ref|| / ||ref|| in fp32 (0 when equal; ~1 for unrelated tensors, e.g. a graph that replays stale
     inputs)."""
     return float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+@dataclass
+class GraphLog:
+    """What this process's CUDA graphs did, for benchmarks, tests and the eval stage's warm-up check."""
+
+    captured: int = 0  # first calls that captured a graph and passed its check
+    fallbacks: list[str] = field(default_factory=list)  # names of graphs that run eagerly (capture or check failed)
+
+
+GRAPH_LOG = GraphLog()
 
 
 def _same_buffer(a: Tensor, b: Tensor) -> bool:
@@ -80,6 +93,7 @@ class CudaGraphFn:
         except Exception as exc:  # e.g. a host sync inside fn
             log.warning("CUDA-graph capture of %s failed (%s): running eagerly", self.name, exc)
             self.disabled = True
+            GRAPH_LOG.fallbacks.append(self.name)
             restore()
             return self.fn(*args)
         restore()
@@ -90,7 +104,9 @@ class CudaGraphFn:
         if not self.check(replayed, eager):
             log.warning("CUDA-graph %s differs from eager: running eagerly from now on", self.name)
             self.disabled = True
+            GRAPH_LOG.fallbacks.append(self.name)
             return eager
+        GRAPH_LOG.captured += 1
         return self.out
 
     def _capture(self, args, restore) -> None:

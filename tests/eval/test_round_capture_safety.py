@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from eval.kv_cache import KV_BUCKET
 from eval.target_cache import target_cache
-from eval.decode import _round_ops
+from eval.decode import round_ops
+from eval.round_record import record_size
 
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_unique", "_unique2",
               "unique_consecutive", "equal", "is_nonzero", "lift_fresh", "lift_fresh_copy"}
@@ -60,7 +61,7 @@ def meta_cache():
 @pytest.mark.parametrize("method,budget", [("ddtree", 64), ("ddtree", 1), ("chain", None), ("ar", None)])
 def test_round_ops_have_no_host_read_and_no_host_to_device_copy(meta_cache, method, budget):
     cache, L, V, dev = meta_cache, 7, 320, torch.device("meta")
-    ops = _round_ops(method, budget, "device", cache, 0.0, L, V, dev)
+    ops = round_ops(method, budget, "device", cache, 0.0, L, V, dev)
     logits = torch.empty(L, V, device=dev)
     bonus = torch.empty(1, dtype=torch.long, device=dev)
     cache._set_length(700)
@@ -72,7 +73,7 @@ def test_round_ops_have_no_host_read_and_no_host_to_device_copy(meta_cache, meth
         cache.commit(walk.path, 3 if method != "ar" else 1, contiguous=False)  # the dynamic cache's compaction
         out.features.index_select(0, walk.path[:1])
     assert checker.ops > 100 and not checker.bad, checker.bad[:10]
-    assert record.shape == (3 + 2 * (ops.depth_limit + 1),)
+    assert record.shape == (record_size(ops.depth_limit),)
     # the verify attended to a key bucket near past + N, not to the whole capacity
     assert cache.kv.kv_len == -(-(700 + tree.size) // KV_BUCKET) * KV_BUCKET < cache.kv.capacity
 

@@ -213,7 +213,7 @@ COMPILED = [
     ("_argmax_final_kernel", dict(best=P, where=I64, CH=I, choices=I64), dict(CHP=64)),
     ("_walk_kernel", dict(tokens=I64, parents=I64, depths=I64, ancestors=I64, W=I, N=I, L=I, choices=I64,
                           match_buf="*i8", path=I64, accepted_out=I64, bonus_out=I64, last_out=I64, record=I64),
-     dict(NP=512, WP=16, LP=16)),
+     dict(NP=512, WP=16, LP=16, HEAD=3)),
     ("_compact_path_kernel", dict(x="*bf16", R=I, C=I, past_ptr=I64, path=I64, LP1=I), dict(LP=16, BLOCK_C=128)),
     ("_tree_attention_kernel", dict(q="*bf16", k="*bf16", v="*bf16", vis="*u8", past_ptr=I64, out="*bf16", lse=P,
                                     N=I, GN=I, stride_kh=I, stride_kt=I, kv_chunk=I, scale=F), dict(HD=128, BM=64, BN=64)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from eval.round_record import parse_record
 from eval.tree import Tree, build_tree
 from eval.verify import ancestor_table
 from eval.walk import compact_rows, target_choices, walk_tree, walk_tree_reference
@@ -56,8 +57,10 @@ def test_device_walk_equals_sequential_walk_on_thousands_of_random_trees():
         assert a == len(path) - 1
         assert walk.path[: a + 1].tolist() == path and walk.path[a + 1:].eq(0).all()
         assert int(walk.bonus) == bonus and int(walk.last) == path[-1]
-        record = walk.host_record(tree).tolist()
-        assert record[:3] == [a, bonus, max(tree.depths.tolist())]
+        record = parse_record(walk.host_record(tree).tolist(), L)  # the record the round reads back
+        assert (record.accepted, record.bonus, record.depth) == (a, bonus, max(tree.depths.tolist()))
+        assert record.path == path and record.accepted_tokens == [tokens[i] for i in path[1:]]
+        assert record.contiguous == (path == list(range(a + 1)))
         deep += a >= 3
     assert deep > 300  # the test exercised deep acceptances
 
