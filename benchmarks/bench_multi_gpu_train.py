@@ -5,7 +5,7 @@
         --json out/train.jsonl
     python benchmarks/bench_multi_gpu_train.py --summarize out/train.jsonl      (table + scaling efficiency)
 
-Every rank runs what `drafter train` runs per optimizer step: `train.engine.init_distributed` (the same
+Every rank runs what `drafter train` runs per optimizer step: `train.distributed.init_distributed` (the same
 torchrun / SLURM environment handling a multi-node `srun` job uses), `build_engine` (DeepSpeed ZeRO-`stage`,
 bf16 + fp32 master weights on GPU) and `train_step` (global loss normalisation, one all-reduce of the
 statistics). Shapes, synthetic batches, features and the useful-FLOPs count come from benchmarks/bench_train.py
@@ -44,10 +44,12 @@ def run(a) -> dict | None:
     """Build the engine, time `a.steps` optimizer steps after `a.warmup`, check replicas. The row (rank 0) or None."""
     from pipeline.config import TrainConfig
     from pipeline.runner import StageError
-    from train.engine import TrainForward, barrier, build_engine, compile_layers, init_distributed, train_step
+    from train.distributed import barrier, init_distributed
+    from train.engine import TrainForward, build_engine, compile_layers
     from train.loss import default_gamma
     from train.metrics import peak_flops
-    from train.stage import _replica_digests
+    from train.step import train_step
+    from train.trainer import replica_digests
 
     dist, device = init_distributed()
     world = dist.world_size
@@ -60,12 +62,12 @@ def run(a) -> dict | None:
     args = make_args(shape)
     mbs = make_micro_batches(shape, seqs, per_row, seed=dist.rank)  # each rank its own data
     features_of = features_fn(args, device, dtype)
-    tcfg = TrainConfig(zero_stage=a.zero_stage, precision="bf16" if gpu else "fp32", grad_accum=len(mbs),
+    train_cfg = TrainConfig(zero_stage=a.zero_stage, precision="bf16" if gpu else "fp32", grad_accum=len(mbs),
                        ce_chunk_tokens=a.ce_chunk, lr=6e-4)
     drafter = make_drafter(args, device, dtype)
     if a.compile:
         compile_layers(drafter)
-    engine, _, _ = build_engine(TrainForward(drafter), tcfg, total_steps=a.steps + a.warmup, world_size=world,
+    engine, _, _ = build_engine(TrainForward(drafter), train_cfg, total_steps=a.steps + a.warmup, world_size=world,
                                 device=device)
     gamma = default_gamma(args.block_size)
 
@@ -97,7 +99,7 @@ def run(a) -> dict | None:
         torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MAX)
     with tempfile.TemporaryDirectory() as scratch:  # the stage writes per-rank digest files; not kept here
         try:
-            digests = _replica_digests(engine, Path(scratch), dist.rank, world, a.zero_stage)
+            digests = replica_digests(drafter, Path(scratch), dist.rank, world, a.zero_stage)
             identical = True
         except StageError as e:
             digests, identical = [str(e)], False

@@ -8,7 +8,7 @@ Shape qwen3-8b: the Qwen3-8B drafter (5 layers, D=4096, 32/8 heads, head_dim 128
 per sequence, 16 sequences per optimizer step, synthetic bf16 features. Nothing is downloaded.
 
 Paths:
-  trainer  train.engine.train_step: the real DeepSpeed engine (ZeRO stage --zero-stage, bf16 + fp32 master
+  trainer  train.step.train_step: the real DeepSpeed engine (ZeRO stage --zero-stage, bf16 + fp32 master
            weights, grad clip 1.0, AdamW), exactly what `drafter train` runs per optimizer step;
   bare     plain PyTorch: bf16 parameters, forward_train + dflash_loss + backward + clip + fused AdamW.
 Attention: flex packs all sequences of a step into one row (one BlockMask) unless -row<n> says otherwise; dense
@@ -165,7 +165,7 @@ def features_fn(args, device, dtype):
 
 
 def step_flops(args, micro_batches) -> float:
-    from train.engine import micro_batch_flops
+    from train.step import micro_batch_flops
     from train.metrics import DrafterShape
 
     shape = DrafterShape.from_args(args)
@@ -180,7 +180,9 @@ def step_flops(args, micro_batches) -> float:
 def run_variant(name: str, shape: dict, seqs: int, device: torch.device, steps: int, warmup: int, zero_stage: int,
                 peak: float | None) -> Result:
     from pipeline.config import TrainConfig
-    from train.engine import TrainForward, build_engine, compile_layers, init_distributed, train_step
+    from train.distributed import init_distributed
+    from train.engine import TrainForward, build_engine, compile_layers
+    from train.step import train_step
     from train.loss import dflash_loss, label_weights
 
     spec = Variant.parse(name)
@@ -196,13 +198,13 @@ def run_variant(name: str, shape: dict, seqs: int, device: torch.device, steps: 
 
     if path == "trainer":
         init_distributed()
-        tcfg = TrainConfig(zero_stage=zero_stage, precision="bf16" if dtype == torch.bfloat16 else "fp32",
+        train_cfg = TrainConfig(zero_stage=zero_stage, precision="bf16" if dtype == torch.bfloat16 else "fp32",
                            grad_accum=len(mbs), ce_chunk_tokens=chunk, activation_checkpointing=ac, lr=6e-4)
         drafter = make_drafter(args, device, dtype)
         drafter.gradient_checkpointing = ac
         if compiled:
             compile_layers(drafter)
-        engine, _, _ = build_engine(TrainForward(drafter), tcfg, total_steps=steps + warmup, world_size=1,
+        engine, _, _ = build_engine(TrainForward(drafter), train_cfg, total_steps=steps + warmup, world_size=1,
                                     device=device)
 
         def step() -> float:

@@ -72,6 +72,17 @@ def resolve_layer_ids(layer_ids: Sequence[int] | None, num_taps: int, num_layers
     return default_layer_ids(num_layers, num_taps)
 
 
+def configured_layer_ids(extract_cfg, num_layers: int) -> list[int]:
+    """The taps a run config asks for (`extract.layer_ids`, else `extract.num_taps` spread by `default_layer_ids`)
+    on a target with ``num_layers`` decoder layers; a bad value is a ConfigError naming ``extract.layer_ids``."""
+    from pipeline.config import ConfigError
+
+    try:
+        return resolve_layer_ids(extract_cfg.layer_ids, extract_cfg.num_taps, num_layers)
+    except ValueError as e:
+        raise ConfigError(f"extract.layer_ids: {e}") from e
+
+
 def hf_hidden_state_index(layer_id: int, num_layers: int) -> int:
     """Index into HF ``output_hidden_states`` holding tap ``layer_id``: ``layer_id + 1``.
 

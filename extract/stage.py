@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.layers import LAYER_CONVENTION, resolve_layer_ids
+from extract.layers import LAYER_CONVENTION, configured_layer_ids
 from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, finalize_store
 from pipeline.config import RunConfig, section_hash
 from pipeline.log import get_logger, progress, summary
@@ -202,12 +202,7 @@ def extract_context(cfg: RunConfig) -> ExtractContext:
     hf_cfg = AutoConfig.from_pretrained(location, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
     text = getattr(hf_cfg, "text_config", None) or hf_cfg
     e = cfg.extract
-    try:
-        layer_ids = resolve_layer_ids(e.layer_ids, e.num_taps, text.num_hidden_layers)
-    except ValueError as err:
-        from pipeline.config import ConfigError
-
-        raise ConfigError(f"extract.layer_ids: {err}") from err
+    layer_ids = configured_layer_ids(e, text.num_hidden_layers)
     fingerprint = {
         "target": target_fp,
         "tokenizer": tok_fp,

@@ -25,9 +25,9 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 MANIFEST = "manifest.json"
 
@@ -142,34 +142,37 @@ def read_json(path: Path) -> Any:
 class RankInfo:
     rank: int = 0
     world_size: int = 1
+    source: str = field(default="single", compare=False)  # "flags" | "torchrun" | "slurm-array" | "slurm" | "single"
 
     @property
     def is_split(self) -> bool:
         return self.world_size > 1
 
 
-def rank_from_env(rank: int | None = None, world_size: int | None = None) -> RankInfo:
+def rank_from_env(rank: int | None = None, world_size: int | None = None, environ: Mapping[str, str] | None = None
+                  ) -> RankInfo:
     """Who am I among the workers of a split job?
 
     Order: explicit `--rank/--world-size`; torchrun (`RANK`/`WORLD_SIZE`); a SLURM array
     (`SLURM_ARRAY_TASK_ID` - `SLURM_ARRAY_TASK_MIN` over `SLURM_ARRAY_TASK_COUNT`); SLURM tasks
-    (`SLURM_PROCID`/`SLURM_NTASKS`); else a single worker.
+    (`SLURM_PROCID`/`SLURM_NTASKS`); else a single worker. `environ` defaults to `os.environ`; the answer
+    names which of these it came from (`source`).
     """
-    env = os.environ
+    env = os.environ if environ is None else environ
     if rank is not None or world_size is not None:
-        r, w = rank or 0, world_size or 1
+        r, w, source = rank or 0, world_size or 1, "flags"
     elif "WORLD_SIZE" in env and "RANK" in env:
-        r, w = int(env["RANK"]), int(env["WORLD_SIZE"])
+        r, w, source = int(env["RANK"]), int(env["WORLD_SIZE"]), "torchrun"
     elif "SLURM_ARRAY_TASK_COUNT" in env and "SLURM_ARRAY_TASK_ID" in env:
         lo = int(env.get("SLURM_ARRAY_TASK_MIN", 0))
-        r, w = int(env["SLURM_ARRAY_TASK_ID"]) - lo, int(env["SLURM_ARRAY_TASK_COUNT"])
+        r, w, source = int(env["SLURM_ARRAY_TASK_ID"]) - lo, int(env["SLURM_ARRAY_TASK_COUNT"]), "slurm-array"
     elif "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
-        r, w = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        r, w, source = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), "slurm"
     else:
-        r, w = 0, 1
+        r, w, source = 0, 1, "single"
     if not 0 <= r < w:
         raise StageError(f"rank {r} is outside world size {w}")
-    return RankInfo(r, w)
+    return RankInfo(r, w, source)
 
 
 def units_for_rank(units: Sequence[Any], ranks: RankInfo) -> list[Any]:

@@ -138,7 +138,7 @@ def save(engine, ckpt_dir: Path, state: dict, *, rank: int, device: torch.device
     Order: DeepSpeed tag (all ranks) -> per-rank RNG -> barrier -> rank 0 writes trainer_state.json and then
     COMPLETE -> barrier. A kill anywhere before COMPLETE leaves a tag that resume ignores and deletes.
     """
-    from train.engine import barrier
+    from train.distributed import barrier
 
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(int(state["global_step"]))

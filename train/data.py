@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -175,6 +175,58 @@ def total_steps(plan_len: Callable[[int], int], epochs: float, max_steps: int | 
 def rank_micro_batches(plan: list[Step], rank: int, start_step: int = 0) -> list[MicroBatch]:
     """This rank's micro-batches from `start_step` on, flattened (step-major, accumulation-minor)."""
     return [mb for step in plan[start_step:] for mb in step[rank]]
+
+
+@dataclass
+class RunPlan:
+    """The data side of one training run, computed identically on every rank from the sample ids and lengths:
+    which samples train and which are held out, every epoch's steps, the total step count and the held-out steps.
+
+    Samples no longer than one block (`<= block_size` tokens: no anchor fits) are dropped from both sides and
+    counted in `too_short`. `state()` holds the fields a checkpoint must match to resume exactly
+    (train/checkpoint.py PLAN_FIELDS)."""
+
+    lengths: np.ndarray  # int64 [num samples] tokens per sample
+    train_idx: np.ndarray  # source indices trained on
+    eval_idx: np.ndarray  # held-out source indices (never trained on)
+    too_short: int
+    budget: int
+    world_size: int
+    grad_accum: int
+    seed: int
+    total_steps: int = 0
+    eval_steps: list = field(default_factory=list)
+    _epochs: dict = field(default_factory=dict, repr=False)  # the last two epochs' plans
+
+    @classmethod
+    def build(cls, ids: Sequence[str], lengths: np.ndarray, *, block_size: int, budget: int, world_size: int,
+              grad_accum: int, seed: int, epochs: float, max_steps: int | None, eval_fraction: float,
+              eval_max_samples: int | None) -> "RunPlan":
+        lengths = np.asarray(lengths, dtype=np.int64)
+        train_idx, eval_idx = heldout_split(ids, eval_fraction)
+        short = lengths[train_idx] <= block_size
+        train_idx = train_idx[~short]
+        eval_idx = eval_idx[lengths[eval_idx] > block_size][:eval_max_samples]  # never trained on, either way
+        if len(train_idx) == 0:
+            raise ValueError(f"no training sample is longer than block_size={block_size} tokens")
+        plan = cls(lengths, train_idx, eval_idx, int(short.sum()), budget, world_size, grad_accum, seed)
+        plan.total_steps = total_steps(lambda e: len(plan.epoch(e)), epochs, max_steps)
+        if len(eval_idx):
+            plan.eval_steps = plan_eval(lengths, eval_idx, budget=budget, world_size=world_size)
+        return plan
+
+    def epoch(self, e: int) -> list[Step]:
+        """The optimizer steps of epoch `e` (the last two epochs asked for are kept)."""
+        if e not in self._epochs:
+            if len(self._epochs) >= 2:
+                self._epochs.pop(next(iter(self._epochs)))
+            self._epochs[e] = plan_epoch(self.lengths, self.train_idx, budget=self.budget, world_size=self.world_size,
+                                         grad_accum=self.grad_accum, seed=self.seed, epoch=e)
+        return self._epochs[e]
+
+    def state(self) -> dict:
+        return {"world_size": self.world_size, "micro_batch_tokens": self.budget, "grad_accum": self.grad_accum,
+                "seed": self.seed, "num_train_samples": int(len(self.train_idx))}
 
 
 # ----------------------------------------------------------------------------------------------

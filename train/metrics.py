@@ -1,6 +1,6 @@
 """Training metrics: the JSONL log (every metric, every logged step), W&B (offline by default), and the
 useful-FLOPs model behind MFU (also used by benchmarks/bench_train.py). Loss/accuracy/tau_hat statistics come
-from train/loss.py (`dflash_loss` stats, `tau_hat`) and are reduced in train/engine.py.
+from train/loss.py (`dflash_loss` stats, `tau_hat`) and are reduced in train/step.py.
 
 Only rank 0 constructs a `MetricsLogger`; other ranks pass `None` around.
 """

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from extract.layers import resolve_layer_ids
 from pipeline.config import ConfigError
 from train.blocks import FULL, SLIDING, BlockBatch, dense_block_mask, flex_block_mask
 
@@ -76,10 +75,11 @@ class DrafterArgs:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_run_config(cls, cfg, target_config, tokenizer_len: int) -> "DrafterArgs":
+    def from_run_config(cls, cfg, target_config, tokenizer_len: int, *, layer_ids: list[int]) -> "DrafterArgs":
         """Fill the drafter architecture from `cfg.drafter`, taking every None field from the target HF config.
 
-        target_layer_ids: `extract.layers.resolve_layer_ids` (explicit `cfg.extract.layer_ids`, else the default spread).
+        layer_ids: the tapped target layers (extract/layers.py convention), as the feature manifest fixed them
+        (or `extract.layers.configured_layer_ids` when features are computed online).
         mask_token_id: `cfg.drafter.mask_token_id`, else the first id past the tokenizer if the target embedding
         has such a (padded, unused) row; otherwise a ConfigError (no silent fallback to pad/eos).
         """
@@ -88,10 +88,6 @@ class DrafterArgs:
         heads = d.num_attention_heads or text.num_attention_heads
         head_dim = d.head_dim or getattr(text, "head_dim", None) or text.hidden_size // heads
         num_target_layers = text.num_hidden_layers
-        try:
-            layer_ids = resolve_layer_ids(cfg.extract.layer_ids, cfg.extract.num_taps, num_target_layers)
-        except ValueError as e:
-            raise ConfigError(f"extract.layer_ids: {e}") from e
         if d.mask_token_id is not None:
             mask_token_id = d.mask_token_id
         elif tokenizer_len < text.vocab_size:
@@ -114,7 +110,7 @@ class DrafterArgs:
             vocab_size=text.vocab_size,
             block_size=d.block_size,
             mask_token_id=mask_token_id,
-            target_layer_ids=layer_ids,
+            target_layer_ids=list(layer_ids),
             num_target_layers=num_target_layers,
             layer_types=list(d.layer_types) if d.layer_types else [FULL] * d.num_layers,
             sliding_window=d.sliding_window,

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from extract.layers import configured_layer_ids
 from eval.decode import decode
 from eval.stage import run_conversation, run_eval
 from eval.prompts import EvalPrompt, chat_prompt_ids
@@ -44,7 +45,9 @@ def export_random_drafter(cfg, out: Path, *, seed=0, tokenizer_fp: dict | None =
     """A random-init drafter for cfg's target in the z-lab layout, plus the train manifest a train run writes."""
     location = materialize_target(cfg.target, cfg.cache_dir)
     tok = load_tokenizer(location, cfg.target)
-    args = DrafterArgs.from_run_config(cfg, AutoConfig.from_pretrained(location), len(tok))
+    target_config = AutoConfig.from_pretrained(location)
+    args = DrafterArgs.from_run_config(cfg, target_config, len(tok),
+                                       layer_ids=configured_layer_ids(cfg.extract, target_config.num_hidden_layers))
     for k, v in arg_overrides.items():
         setattr(args, k, v)
     torch.manual_seed(seed)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import CACHE, REPO, make_config
 from tests.train.test_stage_train import _dist_env, rows, subprocess_env, write_extract_stage  # noqa: F401
-from train.engine import free_port
+from train.distributed import free_port
 
 
 @pytest.mark.slow

@@ -1,5 +1,4 @@
-"""DeepSpeed setup: rendezvous variables from torchrun / SLURM / nothing, the LR schedule, the DeepSpeed config,
-fp32 master weights under bf16, and the globally normalised loss under gradient accumulation (real DeepSpeed
+"""DeepSpeed setup: the LR schedule, the DeepSpeed config, fp32 master weights under bf16, and the globally normalised loss under gradient accumulation (real DeepSpeed
 engines on CPU, one process)."""
 
 from __future__ import annotations
@@ -11,35 +10,9 @@ import torch
 
 from pipeline.config import TrainConfig
 from tests.train.test_stage_train import _dist_env  # noqa: F401  (autouse: rendezvous vars + 1 thread)
-from train.engine import (build_engine, cosine_with_warmup, deepspeed_config, first_slurm_host, init_distributed,
-                          resolve_dist_env, train_step, warmup_steps, TrainForward)
-
-
-def test_slurm_task_variables_become_torch_rendezvous_variables():
-    env = {"SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "SLURM_JOB_ID": "424242",
-           "SLURM_JOB_NODELIST": "gpu-[007-008]"}
-    d = resolve_dist_env(env)
-    assert (d.rank, d.world_size, d.local_rank, d.source) == (13, 16, 5, "slurm")
-    assert d.master_addr == "gpu-007"
-    assert d.master_port == 20000 + 424242 % 20000  # the same on every task without talking
-    assert resolve_dist_env({**env, "MASTER_ADDR": "head", "MASTER_PORT": "1234"}).master_addr == "head"
-
-
-def test_torchrun_variables_win_over_slurm_and_nothing_means_one_local_process():
-    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
-           "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
-    d = resolve_dist_env(env)
-    assert (d.rank, d.world_size, d.local_rank, d.master_addr, d.master_port, d.source) == (3, 8, 3, "10.0.0.1", 29500,
-                                                                                           "torchrun")
-    single = resolve_dist_env({})
-    assert (single.rank, single.world_size, single.source, single.master_addr) == (0, 1, "single", "127.0.0.1")
-    assert 0 < single.master_port < 65536
-
-
-@pytest.mark.parametrize("nodelist,first", [("node01", "node01"), ("gpu[003-005,010],cpu1", "gpu003"),
-                                            ("a[7],b[1-2]", "a7"), ("rack1-n[12-14]-ib", "rack1-n12-ib")])
-def test_first_host_of_a_slurm_node_list(nodelist, first):
-    assert first_slurm_host(nodelist) == first
+from train.distributed import init_distributed
+from train.engine import TrainForward, build_engine, cosine_with_warmup, deepspeed_config, warmup_steps
+from train.step import train_step
 
 
 def test_lr_warms_up_linearly_then_decays_to_zero_on_a_cosine():
@@ -121,8 +94,8 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_globally_normalised_
     expected = _reference_grad_norm(two)
     weights = {}
     for name, mbs in (("accumulated", two), ("packed", one)):
-        tcfg = TrainConfig(zero_stage=zero_stage, precision="fp32", grad_accum=len(mbs), grad_clip=1e9, lr=1e-2)
-        engine, _, _ = build_engine(TrainForward(_drafter()), tcfg, total_steps=10, world_size=1,
+        train_cfg = TrainConfig(zero_stage=zero_stage, precision="fp32", grad_accum=len(mbs), grad_clip=1e9, lr=1e-2)
+        engine, _, _ = build_engine(TrainForward(_drafter()), train_cfg, total_steps=10, world_size=1,
                                     device=torch.device("cpu"))
         stats, grad_norm = train_step(engine, mbs, _features_of, gamma=None, chunk_rows=16, attention="dense",
                                       world_size=1, device=torch.device("cpu"))
@@ -139,8 +112,8 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_globally_normalised_
 def test_bf16_training_keeps_fp32_master_weights_and_optimizer_state(zero_stage):
     init_distributed()
     _, one = _micro_batches()
-    tcfg = TrainConfig(zero_stage=zero_stage, precision="bf16", grad_accum=1)
-    engine, _, _ = build_engine(TrainForward(_drafter()), tcfg, total_steps=10, world_size=1,
+    train_cfg = TrainConfig(zero_stage=zero_stage, precision="bf16", grad_accum=1)
+    engine, _, _ = build_engine(TrainForward(_drafter()), train_cfg, total_steps=10, world_size=1,
                                 device=torch.device("cpu"))
     assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
     assert engine.module.drafter.lm_head_weight.dtype == torch.bfloat16

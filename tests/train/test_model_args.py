@@ -1,5 +1,5 @@
-"""DrafterArgs.from_run_config: fields from the target where the config leaves them None, taps from the
-extract/layers.py convention, and an explicit, reserved MASK row (never a silent fallback)."""
+"""DrafterArgs.from_run_config: fields from the target where the config leaves them None, the taps it is given
+(extract/layers.py resolves a config's), and an explicit, reserved MASK row (never a silent fallback)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, Qwen3Config
 
-from extract.layers import default_layer_ids
+from extract.layers import configured_layer_ids, default_layer_ids
 from pipeline.config import ConfigError
 from pipeline.target import load_tokenizer, materialize_target
 from tests.conftest import CACHE, make_config
@@ -19,7 +19,8 @@ def test_args_from_the_tiny_run_config_and_its_real_target(tmp_path):
     location = materialize_target(cfg.target, CACHE)
     target_cfg = AutoConfig.from_pretrained(location)
     tok = load_tokenizer(location, cfg.target)
-    args = DrafterArgs.from_run_config(cfg, target_cfg, len(tok))
+    layer_ids = configured_layer_ids(cfg.extract, target_cfg.num_hidden_layers)
+    args = DrafterArgs.from_run_config(cfg, target_cfg, len(tok), layer_ids=layer_ids)
     assert args.hidden_size == target_cfg.hidden_size and args.head_dim == target_cfg.head_dim
     assert args.num_attention_heads == target_cfg.num_attention_heads
     assert args.num_key_value_heads == target_cfg.num_key_value_heads
@@ -41,7 +42,7 @@ def test_explicit_drafter_fields_and_layer_ids_override_the_target(tmp_path):
     ])
     target_cfg = Qwen3Config(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, intermediate_size=128, vocab_size=320)
-    args = DrafterArgs.from_run_config(cfg, target_cfg, 259)
+    args = DrafterArgs.from_run_config(cfg, target_cfg, 259, layer_ids=configured_layer_ids(cfg.extract, 8))
     assert (args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.intermediate_size) == (2, 1, 32, 96)
     assert args.mask_token_id == 300 and args.target_layer_ids == [0, 3, 5]
     assert args.layer_types == ["sliding_attention", "full_attention"] and args.sliding_window == 64
@@ -52,10 +53,10 @@ def test_no_unused_vocab_row_is_a_clear_config_error(tmp_path):
     target_cfg = Qwen3Config(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, intermediate_size=128, vocab_size=259)
     with pytest.raises(ConfigError, match="drafter.mask_token_id"):
-        DrafterArgs.from_run_config(cfg, target_cfg, 259)
+        DrafterArgs.from_run_config(cfg, target_cfg, 259, layer_ids=[1, 3, 5])
     bad = make_config(tmp_path, overrides=["extract.layer_ids=[3,1]"])
     with pytest.raises(ConfigError, match="extract.layer_ids"):
-        DrafterArgs.from_run_config(bad, target_cfg, 200)
+        configured_layer_ids(bad.extract, target_cfg.num_hidden_layers)
 
 
 def test_target_head_is_frozen_unsaved_and_outside_the_parameters(tmp_path):

@@ -25,7 +25,7 @@ def _dist_env(monkeypatch):
     """In-process runs export the torch rendezvous variables: give them back after each test. One intra-op
     thread, like the subprocesses (OMP_NUM_THREADS=1): identical float reductions, and no thread thrashing on a
     shared 2-core machine (a tiny linear is ~50x slower with 2 threads when the cores are busy)."""
-    from train.engine import free_port
+    from train.distributed import free_port
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())}.items():
@@ -57,7 +57,7 @@ def write_extract_stage(cfg, n: int = 32, seed: int = 0, storage: str = "float32
     from extract.layers import forward_taps
     from extract.store import write_feature_store
     from pipeline.target import load_target, load_tokenizer, materialize_target
-    from train.stage import expected_feature_fingerprint
+    from train.inputs import expected_feature_fingerprint
 
     loc = materialize_target(cfg.target, cfg.cache_dir)
     fp = expected_feature_fingerprint(cfg, loc, load_tokenizer(loc, cfg.target), AutoConfig.from_pretrained(loc))
@@ -174,12 +174,12 @@ def subprocess_env() -> dict:
 def test_frozen_embedding_and_lm_head_are_read_from_the_target_safetensors(tied):
     from pipeline.config import TargetConfig
     from pipeline.target import load_target, materialize_target
-    from train.stage import target_head_weights
+    from train.inputs import target_head_weights
 
-    tcfg = TargetConfig(model="random:llama", random_init={"tie_word_embeddings": tied}, device="cpu", dtype="float32")
-    location = materialize_target(tcfg, CACHE)
-    emb, head = target_head_weights(location, tcfg)
-    model = load_target(location, tcfg)
+    target_cfg = TargetConfig(model="random:llama", random_init={"tie_word_embeddings": tied}, device="cpu", dtype="float32")
+    location = materialize_target(target_cfg, CACHE)
+    emb, head = target_head_weights(location, target_cfg)
+    model = load_target(location, target_cfg)
     assert torch.equal(emb, model.get_input_embeddings().weight)
     assert torch.equal(head, model.get_output_embeddings().weight)
     assert (emb is head) == tied

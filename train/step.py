@@ -1,0 +1,129 @@
+"""One optimizer step and one held-out evaluation over collated micro-batches (train/data.py::collate).
+
+The invariant this module protects: the loss of a step is normalised GLOBALLY -- the sum over every rank and
+accumulated micro-batch of w*CE divided by the sum of w over all of them -- so a micro-batch counts by its label
+weight, not by its count, and accumulating k micro-batches gives the gradient of one batch holding them all.
+Statistics (loss sums, per-position hits, tokens, FLOPs) are summed on the device and reduced over ranks with one
+all-reduce and one host sync per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from train.distributed import all_reduce_sum
+from train.loss import dflash_loss, label_weights, tau_hat
+from train.metrics import train_flops
+
+# Summable statistics of train/loss.py::dflash_loss that are reduced over micro-batches and ranks.
+SCALAR_STATS = ("weighted_ce_sum", "weight_sum", "ce_sum", "num_labels", "accept_len_sum", "num_blocks")
+
+
+@dataclass
+class StepStats:
+    """Statistics of one optimizer step (or one evaluation), summed over micro-batches and ALL ranks."""
+
+    sums: dict  # name -> float, SCALAR_STATS + "tokens" + "flops"
+    correct_per_pos: torch.Tensor  # [B-1]
+    count_per_pos: torch.Tensor  # [B-1]
+
+    @property
+    def loss(self) -> float:
+        return self.sums["weighted_ce_sum"] / max(self.sums["weight_sum"], 1e-12)
+
+    @property
+    def acc_per_pos(self) -> list[float]:
+        return (self.correct_per_pos / self.count_per_pos.clamp_min(1)).tolist()
+
+    def metrics(self) -> dict:
+        """Loss, mean unweighted CE, per-position accuracy, tau_hat (formula) and block acceptance (simulated)."""
+        out = {"loss": self.loss, "ce": self.sums["ce_sum"] / max(self.sums["num_labels"], 1.0),
+               "acc": float(self.correct_per_pos.sum() / self.count_per_pos.sum().clamp_min(1)),
+               "tau_hat": tau_hat(self.correct_per_pos, self.count_per_pos),
+               "accept_len": self.sums["accept_len_sum"] / max(self.sums["num_blocks"], 1.0),
+               "labels": self.sums["num_labels"], "tokens": self.sums["tokens"]}
+        out.update({f"acc_{k + 1}": a for k, a in enumerate(self.acc_per_pos)})
+        return out
+
+
+def _reduce(per_mb: list[tuple[dict, int, float]], block_size: int, device: torch.device) -> StepStats:
+    """Sum (stats, tokens, flops) of this rank's micro-batches on the device, then over ranks: one all-reduce
+    and one host sync per step."""
+    rows = []
+    for stats, tokens, flops in per_mb:
+        scalars = torch.stack([torch.as_tensor(stats[k], device=device).double() for k in SCALAR_STATS])
+        host = torch.tensor([tokens, flops], dtype=torch.float64, device=device)
+        rows.append(torch.cat([scalars, host, stats["correct_per_pos"].double().to(device),
+                               stats["count_per_pos"].double().to(device)]))
+    vec = torch.stack(rows).sum(0)
+    all_reduce_sum(vec)
+    vec = vec.cpu()
+    n = len(SCALAR_STATS)
+    sums = {k: float(vec[i]) for i, k in enumerate(SCALAR_STATS)}
+    sums["tokens"], sums["flops"] = float(vec[n]), float(vec[n + 1])
+    return StepStats(sums, vec[n + 2 : n + 1 + block_size].clone(), vec[n + 1 + block_size :].clone())
+
+
+def micro_batch_flops(shape, batch) -> float:
+    """Useful FLOPs (train/metrics.py::train_flops) of one micro-batch's BlockBatch (pass the host copy: no sync)."""
+    valid = batch.block_valid
+    offsets = (batch.anchors - batch.doc_start)[valid].cpu()
+    return train_flops(shape, context_rows=batch.seq_len if bool(valid.any()) else 0, anchor_offsets=offsets,
+                       label_rows=int(batch.label_mask.sum()))
+
+
+def train_step(engine, micro_batches: list[dict], features_of: Callable, *, gamma: float | None, chunk_rows: int,
+               attention: str, world_size: int, device: torch.device, flops_shape=None) -> tuple[StepStats, float]:
+    """One optimizer step over this rank's `grad_accum` collated micro-batches (train/data.py::collate).
+
+    The loss is normalised GLOBALLY: sum over all ranks and micro-batches of w*CE divided by the sum of w over
+    all of them (computed before the forward from the labels), so a micro-batch counts by its label weight,
+    not by its count. DeepSpeed averages gradients over ranks, hence the `* world_size`, and `scale_wrt_gas=False`
+    because the normaliser already spans the accumulation steps. Returns (stats summed over ranks, grad norm).
+    """
+    drafter = engine.module.drafter
+    local_w = sum(float(label_weights(mb["batch"], gamma).sum()) for mb in micro_batches)
+    normalizer = all_reduce_sum(torch.tensor([local_w], dtype=torch.float64, device=device)).item()
+    per_mb = []
+    grad_norm = None
+    for k, mb in enumerate(micro_batches):
+        features, batch = features_of(mb)
+        hidden = engine(features, batch, attention)
+        loss, stats = dflash_loss(hidden, drafter.lm_head_weight, batch, gamma, chunk_rows, normalizer=max(normalizer, 1e-12))
+        engine.backward(loss * world_size, scale_wrt_gas=False)
+        if k == len(micro_batches) - 1 and _needs_manual_grad_norm(engine):
+            grad_norm = _grad_norm(engine)
+        engine.step()
+        flops = micro_batch_flops(flops_shape, mb["batch"]) if flops_shape is not None else 0.0
+        per_mb.append((stats, 0 if mb.get("padding") else mb["tokens"], flops))
+    if grad_norm is None:
+        grad_norm = engine.get_global_grad_norm()
+    return _reduce(per_mb, engine.module.drafter.args.block_size, device), float(grad_norm if grad_norm is not None else float("nan"))
+
+
+@torch.no_grad()
+def eval_step(engine, micro_batches: Iterable[dict], features_of: Callable, *, gamma: float | None, chunk_rows: int,
+              attention: str, device: torch.device) -> StepStats:
+    """Loss/accuracy statistics of held-out micro-batches (any iterable, consumed lazily; no gradient), summed
+    over ranks. Every rank must pass the same number of micro-batches (train/data.py::plan_eval pads)."""
+    drafter = engine.module.drafter
+    per_mb = []
+    for mb in micro_batches:
+        features, batch = features_of(mb)
+        hidden = engine(features, batch, attention)
+        _, stats = dflash_loss(hidden, drafter.lm_head_weight, batch, gamma, chunk_rows)
+        per_mb.append((stats, 0 if mb.get("padding") else mb["tokens"], 0.0))
+    return _reduce(per_mb, drafter.args.block_size, device)
+
+
+def _needs_manual_grad_norm(engine) -> bool:
+    """Plain fp32 without ZeRO: DeepSpeed clips but does not record the norm."""
+    return not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled()
+
+
+def _grad_norm(engine) -> float:
+    grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0

@@ -1,0 +1,317 @@
+"""The drafter's training run on one rank, in the shape of torchtitan's and speculators' trainers:
+
+    trainer = Trainer(cfg, inputs, dist, device, out_dir)    # setup: data plan, drafter + frozen target pieces, engine
+    trainer.resume()                                         # the newest COMPLETE checkpoint, if any
+    trainer.fit()                                            # steps, logging, held-out evals, checkpoints
+    result = trainer.finish()                                # final eval + checkpoint, export, replica check
+
+Every rank builds the same plan (train/data.py) and runs the same number of forwards; rank 0 alone logs
+(train/metrics.py). Checkpoints (train/checkpoint.py) hold the engine state and the data position, so a run
+killed at any point resumes at the step after its last complete checkpoint and logs exactly the curve of an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.config import RunConfig
+from pipeline.log import get_logger, progress
+from pipeline.runner import StageError, atomic_write_json, sha256_file
+from pipeline.target import load_target
+from train import checkpoint
+from train.data import EVAL_EPOCH, MicroBatchDataset, RunPlan, batch_to, make_loader, rank_micro_batches
+from train.distributed import DistEnv, all_gather_objects, barrier, rank0_first
+from train.engine import TrainForward, build_engine, compile_layers, current_lr
+from train.export import export_zlab, load_zlab
+from train.inputs import TrainInputs, target_head_weights
+from train.loss import default_gamma
+from train.metrics import DrafterShape, MetricsLogger, peak_flops
+from train.model import DFlashDrafter
+from train.online import OnlineFeatures
+from train.step import StepStats, eval_step, train_step
+
+log = get_logger("train")
+
+
+@dataclass
+class TrainResult:
+    """What the run's manifest records."""
+
+    counts: dict
+    extra: dict
+    final_eval: dict | None
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, inputs: TrainInputs, dist: DistEnv, device: torch.device, out_dir: Path):
+        self.cfg, self.train_cfg, self.inputs, self.args = cfg, cfg.train, inputs, inputs.args
+        self.dist, self.device, self.out_dir = dist, device, Path(out_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        train_cfg = self.train_cfg
+        try:
+            self.plan = RunPlan.build(inputs.source.ids, inputs.source.lengths, block_size=self.args.block_size,
+                                      budget=train_cfg.micro_batch_tokens, world_size=dist.world_size,
+                                      grad_accum=train_cfg.grad_accum, seed=train_cfg.seed, epochs=train_cfg.epochs,
+                                      max_steps=train_cfg.max_steps, eval_fraction=train_cfg.eval_fraction,
+                                      eval_max_samples=train_cfg.eval_max_samples)
+        except ValueError as e:
+            raise StageError(str(e)) from e
+        self.drafter, target = self._build_drafter()
+        self.engine, _, _ = build_engine(TrainForward(self.drafter), train_cfg, total_steps=self.plan.total_steps,
+                                         world_size=dist.world_size, device=device)
+        self.features_of = _features_fn(target, self.args, device, next(self.engine.module.parameters()).dtype)
+        self.gamma = train_cfg.loss_gamma or default_gamma(self.args.block_size)
+        self.shape = DrafterShape.from_args(self.args)
+        self.peak = peak_flops(device, train_cfg.precision)
+        self.tile = 128 if device.type == "cuda" else None  # flex tile: aligned rows, few distinct shapes to compile
+        self.position = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "tokens_seen": 0}
+        self.resumed = False
+        self.last_saved = -1
+        self.logger: MetricsLogger | None = None
+
+    def _build_drafter(self) -> tuple[DFlashDrafter, torch.nn.Module | None]:
+        """The drafter (seeded init, or `drafter.init_from`) with the target's frozen embedding and LM head attached;
+        online, also the target itself (its taps are computed in the step)."""
+        torch.manual_seed(self.train_cfg.seed)
+        drafter = DFlashDrafter(self.args)
+        if self.cfg.drafter.init_from:
+            _init_from(drafter, self.args, self.cfg.drafter.init_from)
+        drafter.gradient_checkpointing = self.train_cfg.activation_checkpointing
+        if self.train_cfg.compile:
+            compile_layers(drafter)
+        target = None
+        if self.inputs.online:
+            target = load_target(self.inputs.location, self.cfg.target, device=self.device)
+            emb = target.get_input_embeddings().weight
+            head = target.get_output_embeddings()
+            drafter.attach_target_head(emb, head.weight if head is not None else emb)
+        else:
+            drafter.attach_target_head(*target_head_weights(self.inputs.location, self.cfg.target))
+        return drafter, target
+
+    # -- resume, save ----------------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Drop the debris of a killed save, then load the newest COMPLETE checkpoint (refused if its data plan
+        differs); open the metrics log (rank 0), truncated to the resumed step."""
+        rank0_first(lambda: checkpoint.remove_incomplete(self.ckpt_dir), self.dist.is_main)
+        barrier()
+        latest = checkpoint.latest_complete(self.ckpt_dir)
+        if latest is not None:
+            tag, saved = latest
+            checkpoint.check_resumable(saved, self.plan.state())
+            state = checkpoint.load(self.engine, self.ckpt_dir, tag, rank=self.dist.rank, device=self.device)
+            self.position = {k: state.get(k, 0) for k in self.position}
+            self.resumed, self.last_saved = True, self.position["global_step"]
+            if self.dist.is_main:
+                log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", tag, state["global_step"],
+                         state["epoch"], state["step_in_epoch"])
+        if self.dist.is_main:
+            self.logger = MetricsLogger(self.cfg, self.out_dir,
+                                        resume_step=self.position["global_step"] if self.resumed else None)
+            plan = self.plan
+            log.info("drafter %.1fM trainable params; %d train / %d held-out samples (%d too short); %d steps; "
+                     "%d ranks; ZeRO-%d %s",
+                     sum(getattr(p, "ds_numel", p.numel()) for p in self.drafter.parameters()) / 1e6,
+                     len(plan.train_idx), len(plan.eval_idx), plan.too_short, plan.total_steps,
+                     self.dist.world_size, self.train_cfg.zero_stage, self.train_cfg.precision)
+
+    def save(self) -> None:
+        """A complete checkpoint of the current position (collective)."""
+        checkpoint.save(self.engine, self.ckpt_dir, {**self.plan.state(), **self.position}, rank=self.dist.rank,
+                        device=self.device)
+        self.last_saved = self.position["global_step"]
+
+    # -- step, evaluate --------------------------------------------------------------------------------
+
+    def _loader(self, micro_batches: list, epoch: int):
+        ds = MicroBatchDataset(self.inputs.open_source, micro_batches, block_size=self.args.block_size,
+                               num_anchors=self.train_cfg.num_anchors, mask_token_id=self.args.mask_token_id,
+                               seed=self.train_cfg.seed, epoch=epoch, tile=self.tile)
+        return make_loader(ds, self.train_cfg.num_workers, pin_memory=self.device.type == "cuda")
+
+    def step(self, micro_batches: list[dict]) -> tuple[StepStats, float, float]:
+        """One optimizer step over this rank's `grad_accum` micro-batches. Returns (stats summed over ranks, grad
+        norm, the learning rate the step used)."""
+        lr = current_lr(self.engine)  # the rate this step uses (the scheduler advances inside engine.step)
+        stats, grad_norm = train_step(self.engine, micro_batches, self.features_of, gamma=self.gamma,
+                                      chunk_rows=self.train_cfg.ce_chunk_tokens, attention=self.train_cfg.attention,
+                                      world_size=self.dist.world_size, device=self.device, flops_shape=self.shape)
+        self.position["global_step"] += 1
+        self.position["tokens_seen"] += int(stats.sums["tokens"])
+        return stats, grad_norm, lr
+
+    def evaluate(self) -> dict | None:
+        """Held-out loss / accuracy / tau_hat at the current step (the same anchors at every evaluation), logged
+        by rank 0; None without held-out samples."""
+        if not self.plan.eval_steps:
+            return None
+        loader = self._loader(rank_micro_batches(self.plan.eval_steps, self.dist.rank), EVAL_EPOCH)
+        stats = eval_step(self.engine, loader, self.features_of, gamma=self.gamma,
+                          chunk_rows=self.train_cfg.ce_chunk_tokens, attention=self.train_cfg.attention,
+                          device=self.device)
+        metrics = stats.metrics()
+        if self.logger is not None:
+            self.logger.log(self.position["global_step"], "eval", metrics)
+        return metrics
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Train to `plan.total_steps` from the current position: log every `log_every` steps (throughput over the
+        window since the last log, evaluation and checkpoint time excluded), evaluate every `eval_every`, save every
+        `save_every` (the final step's eval and checkpoint are `finish`'s)."""
+        train_cfg, pos, total = self.train_cfg, self.position, self.plan.total_steps
+        bar = progress(total=total, desc="train", unit="step", disable=None if self.dist.is_main else True)
+        bar.update(pos["global_step"])
+        if pos["global_step"] == 0 and train_cfg.eval_every:
+            self.evaluate()  # the untrained drafter: the baseline of the held-out curve
+        window = _Window(time.time())
+        while pos["global_step"] < total:
+            steps = self.plan.epoch(pos["epoch"])
+            batches = iter(self._loader(rank_micro_batches(steps, self.dist.rank, pos["step_in_epoch"]), pos["epoch"]))
+            for s in range(pos["step_in_epoch"], len(steps)):
+                stats, grad_norm, lr = self.step([next(batches) for _ in range(train_cfg.grad_accum)])
+                step = pos["global_step"]
+                window.add(stats)
+                bar.update(1)
+                if self.logger is not None and (step % train_cfg.log_every == 0 or step == total or step == 1):
+                    metrics = {**stats.metrics(), "lr": lr, "grad_norm": grad_norm, "epoch": pos["epoch"],
+                               **window.rates(self.peak, self.dist.world_size), "tokens_seen": pos["tokens_seen"]}
+                    self.logger.log(step, "train", metrics)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_hat']:.2f}")
+                    window = _Window(time.time())
+                pos["epoch"], pos["step_in_epoch"] = (pos["epoch"], s + 1) if s + 1 < len(steps) else (pos["epoch"] + 1, 0)
+                paused = time.time()  # eval/checkpoint time is not training throughput: keep it out of the window
+                if train_cfg.eval_every and step % train_cfg.eval_every == 0 and step < total:
+                    self.evaluate()
+                if train_cfg.save_every and step % train_cfg.save_every == 0 and step < total:
+                    self.save()
+                window.start += time.time() - paused
+                if step >= total:
+                    break
+            del batches
+        bar.close()
+
+    # -- the end ---------------------------------------------------------------------------------------
+
+    def finish(self) -> TrainResult:
+        """Final held-out eval, a checkpoint of the last step (unless just saved), the z-lab export (read back and
+        compared) and the replica check."""
+        final_eval = self.evaluate()
+        if self.last_saved != self.position["global_step"]:
+            self.save()
+        export_info = self.export(self.out_dir / "export")
+        replicas = replica_digests(self.drafter, self.out_dir, self.dist.rank, self.dist.world_size,
+                                   self.train_cfg.zero_stage)
+        last_train = None
+        if self.logger is not None:
+            rows = [r for r in self.logger.jsonl.rows() if r.get("kind") == "train"]
+            last_train = rows[-1] if rows else None
+            self.logger.finish()
+        plan = self.plan
+        counts = {"steps": self.position["global_step"], "train_samples": int(len(plan.train_idx)),
+                  "eval_samples": int(len(plan.eval_idx)), "skipped.too_short": plan.too_short,
+                  "tokens_seen": int(self.position["tokens_seen"])}
+        extra = {"export": export_info, "world_size": self.dist.world_size, "replica_digests": replicas,
+                 "final_eval": final_eval, "final_train": last_train}
+        return TrainResult(counts, extra, final_eval)
+
+    def export(self, out_dir: Path) -> dict | None:
+        """Write the z-lab layout (rank 0), read it back with load_zlab and compare every tensor. Returns
+        {"path", "files": [{name, bytes, sha256}], "verified": True} on rank 0, None elsewhere."""
+        with full_parameters(self.drafter, self.train_cfg.zero_stage):
+            if not self.dist.is_main:
+                return None
+            export_zlab(self.drafter, self.args, out_dir)
+            state = load_zlab(out_dir)[0].state_dict()
+            ref = self.drafter.state_dict()
+            bad = [k for k in ref if k not in state or not torch.equal(state[k].to(ref[k].dtype).cpu(), ref[k].cpu())]
+            if bad or set(state) - set(ref):
+                raise StageError(f"exported drafter at {out_dir} does not read back equal: {bad[:5]}")
+        files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)}
+                 for f in sorted(Path(out_dir).iterdir()) if f.is_file()]
+        return {"path": str(out_dir), "files": files, "verified": True}
+
+
+def full_parameters(drafter: torch.nn.Module, zero_stage: int):
+    """Context in which `drafter` holds its full parameters (ZeRO-3 gathers its shards; a no-op otherwise)."""
+    if zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None)
+
+
+def replica_digests(drafter: torch.nn.Module, out_dir: Path, rank: int, world: int, zero_stage: int) -> list[str]:
+    """Every rank hashes the weights it holds and writes ranks/rank-XXXXX.json; a mismatch between data-parallel
+    replicas (which ZeRO 0-2 keep in sync) fails the stage. ZeRO-3 ranks hash the gathered parameters. Returns the
+    digests in rank order (collective)."""
+    with full_parameters(drafter, zero_stage):
+        digest = checkpoint.weights_digest(drafter.state_dict())
+    atomic_write_json(Path(out_dir) / "ranks" / f"rank-{rank:05d}.json",
+                      {"rank": rank, "world_size": world, "weights_sha256": digest})
+    digests = all_gather_objects(digest)
+    if len(set(digests)) != 1:
+        raise StageError(f"data-parallel replicas ended with different weights: {digests}")
+    return digests
+
+
+@dataclass
+class _Window:
+    """Throughput since the last log: tokens and useful FLOPs over wall time (pauses subtracted from `start`)."""
+
+    start: float
+    tokens: float = 0.0
+    flops: float = 0.0
+
+    def add(self, stats: StepStats) -> None:
+        self.tokens += stats.sums["tokens"]
+        self.flops += stats.sums["flops"]
+
+    def rates(self, peak: float | None, world: int) -> dict:
+        dt = max(time.time() - self.start, 1e-9)
+        out = {"tokens_per_s": self.tokens / dt, "tflops_per_s": self.flops / dt / 1e12}
+        if peak:
+            out["mfu"] = self.flops / dt / (peak * world)
+        return out
+
+
+def _features_fn(target, args, device, dtype):
+    """mb -> (features [1, S, n*D] on device, BlockBatch on device): stored features (offline), the target's taps
+    computed now (online), or zeros for a padding micro-batch."""
+    online = OnlineFeatures(target, args.target_layer_ids) if target is not None else None
+    width = args.num_taps * args.hidden_size
+
+    def features_of(mb: dict):
+        features, batch = batch_to(mb, device, dtype)
+        if mb.get("padding"):
+            features = torch.zeros(1, batch.seq_len, width, device=device, dtype=dtype)
+        elif online is not None:
+            n = len(mb["ids"])  # real sequences; a trailing dummy (tile padding) gets zero features
+            features = online(mb["input_ids"][: sum(mb["seq_lens"][:n])], mb["seq_lens"][:n]).to(dtype)
+            if mb["pad_tokens"]:
+                features = torch.cat([features, features.new_zeros(1, mb["pad_tokens"], width)], dim=1)
+        return features, batch
+
+    return features_of
+
+
+def _init_from(drafter, args, path: str) -> None:
+    """Start from a z-lab layout drafter (safetensors only, via train.export.load_zlab); shapes must match."""
+    loaded, loaded_args = load_zlab(path)
+    mine, theirs = dataclasses.asdict(args), dataclasses.asdict(loaded_args)
+    bad = [k for k in mine if mine[k] != theirs.get(k)]
+    if bad:
+        raise StageError(f"drafter.init_from={path}: its architecture differs from this config in "
+                         + ", ".join(f"{k} ({theirs.get(k)!r} != {mine[k]!r})" for k in bad))
+    with torch.no_grad():
+        for name, p in drafter.state_dict().items():
+            p.copy_(loaded.state_dict()[name])
