@@ -29,7 +29,7 @@ windows). Instead:
     definition, and the CPU path) goes level by level and holds two levels' states at a time.
   * commit recomputes the accepted node's state along its root path (at most L+1 steps of the same recurrence from
     the committed state) from a per-layer record of the node ROWS: conv inputs and outputs [N, C] (model dtype)
-    and g, beta [N, HV] fp32 = 10.1 MiB per layer at N = 257 in bf16, 485 MiB for the 48 layers.
+    and g, beta [N, HV] fp32 = 10.1 MiB per layer at N = 257 in bf16, 486 MiB for the 48 layers.
 
 API (N nodes; all tensors on one device; host syncs only in the torch versions):
     tree_causal_conv1d(x [N, C], conv_state [C, K], weight [C, K], parents, depths, activation) -> u [N, C]

@@ -160,7 +160,8 @@ def committed_cache(config, layer, prefix_len: int, dtype, gen: torch.Generator)
 
     cache = DynamicCache(config=config)
     with torch.no_grad():
-        layer(torch.randn(1, prefix_len, config.hidden_size, generator=gen).to(dtype), cache_params=cache)
+        layer(torch.randn(1, prefix_len, config.hidden_size, generator=gen).to(layer.A_log.device, dtype),
+              cache_params=cache)
     return cache
 
 
@@ -168,18 +169,26 @@ def layer_states(cache) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.layers[0].conv_states[0], cache.layers[0].recurrent_states[0]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA (GPU machine)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("prefix_len", [1, 6])  # shorter and longer than the conv window
-def test_tree_layer_equals_hf_layer_run_along_each_root_path(dtype, tol, prefix_len):
+def test_tree_layer_equals_hf_layer_run_along_each_root_path(dtype, tol, prefix_len, device):
     """For every node i of every tree shape: output row i == HF's layer over i's root path from the committed cache
     (token by token, and as one sequence), and record.commit(path) leaves exactly the cache HF leaves. A short
-    prefix (1 token) makes the windows of shallow nodes reach into HF's zero-padded committed window."""
+    prefix (1 token) makes the windows of shallow nodes reach into HF's zero-padded committed window. On CUDA the
+    tree verify and the commit run the Triton kernels."""
     config, layer = tiny_gated_delta_net(dtype)
+    layer.to(device)
     gen = torch.Generator().manual_seed(prefix_len)
     for name, tree in shapes_and_random_trees(3, seed=prefix_len):
         cache = committed_cache(config, layer, prefix_len, dtype, gen)
         conv_state, recurrent_state = layer_states(cache)
-        hidden = torch.randn(1, tree.size, config.hidden_size, generator=gen).to(dtype)
+        hidden = torch.randn(1, tree.size, config.hidden_size, generator=gen).to(device=device, dtype=dtype)
+        tree = Tree(*(t.to(device) for t in (tree.tokens, tree.parents, tree.depths)), tree.num_nodes,
+                    tree.depth_limit, tree.kind)
         saved = conv_state.clone(), recurrent_state.clone()
         out, record = tree_gated_delta_net(layer, hidden, tree, conv_state, recurrent_state)
         assert torch.equal(conv_state, saved[0]) and torch.equal(recurrent_state, saved[1])  # verify reads only
@@ -197,7 +206,7 @@ def test_tree_layer_equals_hf_layer_run_along_each_root_path(dtype, tol, prefix_
             torch.testing.assert_close(out[0, i].float(), last_whole.float(), rtol=tol, atol=tol * scale,
                                        msg=f"{name}: {i} (one sequence)")
             conv, rec = (s.clone() for s in saved)
-            record.commit(torch.tensor(path), conv, rec)
+            record.commit(torch.tensor(path, device=device), conv, rec)
             hf_conv, hf_rec = layer_states(stepped)
             torch.testing.assert_close(conv, hf_conv, rtol=tol, atol=tol, msg=f"{name}: conv window of node {i}")
             torch.testing.assert_close(rec, hf_rec, rtol=tol, atol=tol * float(hf_rec.abs().max()),

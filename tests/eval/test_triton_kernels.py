@@ -22,9 +22,9 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_interpreted(check: str) -> None:
+def run_interpreted(check: str, module: str = "tests.eval.test_triton_kernels") -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", f"from tests.eval.test_triton_kernels import {check}; {check}()"],
+    proc = subprocess.run([sys.executable, "-c", f"from {module} import {check}; {check}()"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -220,20 +220,23 @@ COMPILED = [
 ]
 
 
-@pytest.mark.parametrize("name,signature,constants", COMPILED, ids=[f"{c[0]}-{i}" for i, c in enumerate(COMPILED)])
-def test_kernel_compiles_for_an_sm90_gpu_without_one(name, signature, constants):
+def compile_for_sm90(kernel, signature: dict, constants: dict) -> None:
     """Triton's whole compiler (to PTX and cubin with its bundled ptxas) on this CPU machine: catches what the
     interpreter lets through (e.g. a method on an argument the launcher turns into a constant)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from eval import triton_kernels
-
-    kernel = getattr(triton_kernels, name)
     signature = {**signature, **{k: "constexpr" for k in constants}}
     assert list(signature) == kernel.arg_names, "the test's signature is out of date"
     triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.parametrize("name,signature,constants", COMPILED, ids=[f"{c[0]}-{i}" for i, c in enumerate(COMPILED)])
+def test_kernel_compiles_for_an_sm90_gpu_without_one(name, signature, constants):
+    from eval import triton_kernels
+
+    compile_for_sm90(getattr(triton_kernels, name), signature, constants)
 
 
 def test_a_failing_kernel_switches_every_kernel_off_with_a_warning(caplog):

@@ -1,0 +1,195 @@
+"""Triton kernels of the Gated-DeltaNet tree verify: each equals a torch function of eval/tree_recurrent.py.
+
+    tree_causal_conv1d       `tree_causal_conv1d`: one program per (node block, channel block) walks each node's
+                             K-1 ancestors up the parent pointers (then the committed window), fused with SiLU
+    tree_gated_delta_rule    `tree_gated_delta_rule`: one program per (value block, value head) walks ALL nodes in
+                             depth-first order (`walk_order`) with the state block [d_k, BV] in registers
+    path_gated_delta_state   `path_gated_delta_state`: the same kernel along one root path, writing the final state
+                             (the commit; in place over the committed state is allowed)
+
+The walk. In depth-first pre-order a node usually follows its parent, whose post-update state is still in the
+registers; otherwise its parent has an earlier child and was stored in `scratch[depth(parent)]` (a node with two or
+more children, a "fork", stores its state at its depth; the nodes visited between a fork and its later children
+are its descendants, which only write deeper slots). So the working set is one state per depth,
+scratch [L+1, HV, d_k, d_v] fp32 (48 MiB at the Qwen3.6-27B shape with L = 15, reused by every layer), and no
+node's state is kept once the walk has passed it. A root path has no forks: the commit runs the same steps in the
+same order, so on this kernel the committed state is bitwise the one the verify computed for that node.
+
+Cost model (not measured here): the walk is sequential over the N nodes (each step: two l2 norms over d_k, a decay,
+two reductions over d_k on a [d_k, BV] block), parallel over HV * d_v / BV programs (48 * 16 = 768 at the 27B shape,
+BV = 8 as fla's decode kernel). A chunked form over the ancestor mask (UT transform restricted to ancestors) would
+replace the N sequential steps by matrix products if the walk turns out latency-bound.
+
+`walk_order` is torch (fixed shapes, no host sync: CUDA-graph friendly) and runs on any device.
+tests/eval/test_tree_recurrent_triton.py runs the kernels in Triton's CPU interpreter and compiles them for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from eval.verify import ancestor_table
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: eval/tree_recurrent.py runs its torch versions
+    triton = None
+
+BV = 8  # value columns per program (fla's fused_recurrent decode kernel uses the same), one warp
+
+
+def walk_order(parents: Tensor, depths: Tensor, depth_limit: int) -> tuple[Tensor, Tensor]:
+    """The kernel's walk of a tree (eval/tree.py layout): (order int64 [N], fork int8 [N]).
+
+    order: depth-first pre-order, children in index order; order[0] = 0 (the root); every subtree contiguous.
+    fork[i] = 1 iff node i has two or more children (its state is stored for the later ones).
+    Built with fixed-shape tensor ops from the ancestor table: subtree sizes, each node's offset among its siblings
+    (sizes of the earlier siblings), and pre-order index = sum over the path's non-root nodes of (1 + offset)."""
+    N = parents.shape[0]
+    device = parents.device
+    anc = ancestor_table(parents, depth_limit)  # [N, W]: column m = ancestor m steps up, W > depth_limit
+    steps = torch.arange(anc.shape[1], device=device).unsqueeze(0)
+    size = torch.zeros(N, dtype=torch.long, device=device).scatter_add_(
+        0, anc.flatten(), (steps <= depths.unsqueeze(1)).long().flatten())
+    children = torch.zeros(N, dtype=torch.long, device=device).scatter_add_(0, parents[1:], torch.ones_like(parents[1:]))
+    size = torch.where(torch.arange(N, device=device) == 0, 0, size)  # the root is no sibling of its children
+    by_parent = torch.sort(parents, stable=True).indices  # siblings together, in index order
+    sizes = size[by_parent]
+    before = sizes.cumsum(0) - sizes  # total size of everything earlier in the grouped order
+    group_start = torch.zeros(N, dtype=torch.long, device=device).scatter_reduce_(
+        0, parents[by_parent], before, "amin", include_self=False)
+    offset = torch.empty(N, dtype=torch.long, device=device).scatter_(
+        0, by_parent, before - group_start[parents[by_parent]])
+    pre = ((1 + offset)[anc] * (steps < depths.unsqueeze(1))).sum(1)  # columns 0..depth-1: the non-root path
+    order = torch.empty(N, dtype=torch.long, device=device).scatter_(0, pre, torch.arange(N, device=device))
+    return order, (children >= 2).to(torch.int8)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tree_conv_kernel(x, stride_x, conv_state, stride_s, weight, parents, depths, out, N, C,
+                          K: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+        """Nodes block r, channels block c: out[i] = act(round(sum_j weight[:, K-1-j] * tap_j(i))), tap j = x of the
+        ancestor j steps up while j <= depth(i), else committed column K - (j - depth(i))."""
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        row_ok, col_ok = rows < N, cols < C
+        depth = tl.load(depths + rows, mask=row_ok, other=0)
+        src = rows.to(tl.int64)
+        acc = tl.zeros([BN, BC], tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(weight + cols * K + (K - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
+            in_tree = depth >= j
+            from_x = tl.load(x + src[:, None] * stride_x + cols[None, :],
+                             mask=(row_ok & in_tree)[:, None] & col_ok[None, :], other=0.0)
+            from_state = tl.load(conv_state + cols[None, :] * stride_s + (K - (j - depth))[:, None],
+                                 mask=(row_ok & ~in_tree)[:, None] & col_ok[None, :], other=0.0)
+            acc += w[None, :] * tl.where(in_tree[:, None], from_x.to(tl.float32), from_state.to(tl.float32))
+            src = tl.load(parents + src, mask=row_ok, other=0)
+        u = acc.to(weight.dtype.element_ty).to(tl.float32)
+        if SILU:
+            u = u * tl.sigmoid(u)
+        tl.store(out + rows[:, None].to(tl.int64) * C + cols[None, :], u.to(out.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _gated_delta_walk_kernel(q, k, v, stride_q, stride_k, stride_v, g, beta, parents, depths, fork, order, M,
+                                 h0, scratch, out, ht, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TREE: tl.constexpr):
+        """Value block iv of value head hv, steps t < M over nodes order[t] (order[0] = root 0). TREE: the verify
+        walk (module docstring): reload from scratch when the parent is not the previous node, write o, store forks.
+        Not TREE: order is one root path; write the last state to ht. State block h [BK, BV] fp32 = S[:, block]."""
+        iv, hv = tl.program_id(0), tl.program_id(1)
+        hk = hv // (HV // HK)
+        dk = tl.arange(0, BK)
+        dv = iv * BV + tl.arange(0, BV)
+        k_ok, v_ok = dk < DK, dv < DV
+        h_ok = k_ok[:, None] & v_ok[None, :]
+        h_at = hv * DK * DV + dk[:, None] * DV + dv[None, :]  # the block in a [HV, DK, DV] state
+        h = tl.load(h0 + h_at, mask=h_ok, other=0.0).to(tl.float32)
+        prev = tl.load(order)  # = 0 = parents[0]: the root never reloads
+        for t in range(0, M):
+            node = tl.load(order + t)
+            if TREE:
+                depth = tl.load(depths + node)
+                if tl.load(parents + node) != prev:  # an earlier sibling's subtree ran in between: parent forked
+                    h = tl.load(scratch + (depth - 1) * HV * DK * DV + h_at, mask=h_ok, other=0.0)
+            kt = tl.load(k + node * stride_k + hk * DK + dk, mask=k_ok, other=0.0).to(tl.float32)
+            kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
+            vt = tl.load(v + node * stride_v + hv * DV + dv, mask=v_ok, other=0.0).to(tl.float32)
+            h = h * tl.exp(tl.load(g + node * HV + hv))
+            delta = (vt - tl.sum(h * kt[:, None], 0)) * tl.load(beta + node * HV + hv)
+            h = h + kt[:, None] * delta[None, :]
+            if TREE:
+                qt = tl.load(q + node * stride_q + hk * DK + dk, mask=k_ok, other=0.0).to(tl.float32)
+                qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6) * scale
+                o = tl.sum(h * qt[:, None], 0)
+                tl.store(out + (node * HV + hv) * DV + dv, o.to(out.dtype.element_ty), mask=v_ok)
+                if tl.load(fork + node) != 0:
+                    tl.store(scratch + depth * HV * DK * DV + h_at, h, mask=h_ok)
+            prev = node
+        if not TREE:
+            tl.store(ht + h_at, h, mask=h_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def tree_causal_conv1d(x: Tensor, conv_state: Tensor, weight: Tensor, parents: Tensor, depths: Tensor,
+                       activation: str | None = "silu") -> Tensor:
+    """eval/tree_recurrent.py `tree_causal_conv1d`: x [N, C] (row stride free, channels contiguous), conv_state
+    [C, K] (channel stride free), weight [C, K] -> [N, C] in x's dtype."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"tree conv: activation {activation!r} not supported (silu or none)")
+    N, C = x.shape
+    K = weight.shape[1]
+    assert x.stride(1) == 1 and conv_state.stride(1) == 1
+    out = torch.empty(N, C, dtype=x.dtype, device=x.device)
+    BN, BC = 16, 128
+    _tree_conv_kernel[(triton.cdiv(N, BN), triton.cdiv(C, BC))](
+        x, x.stride(0), conv_state, conv_state.stride(0), weight.contiguous(), parents, depths, out, N, C,
+        K=K, SILU=activation is not None, BN=BN, BC=BC)
+    return out
+
+
+def _walk(q, k, v, g, beta, parents, depths, fork, order, steps, h0, scratch, out, ht, tree: bool) -> None:
+    HK, DK = k.shape[1:]
+    HV, DV = v.shape[1:]
+    for t in (q, k, v):
+        assert t.stride(2) == 1 and t.stride(1) == t.shape[2], "rows [N, heads, dim]: heads packed, dim contiguous"
+    _gated_delta_walk_kernel[(triton.cdiv(DV, BV), HV)](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), g.float().contiguous(), beta.float().contiguous(), parents,
+        depths, fork, order, steps, h0, scratch, out, ht, DK ** -0.5, HK=HK, HV=HV, DK=DK, DV=DV, BK=_pow2(DK), BV=BV,
+        TREE=tree, num_warps=1)
+
+
+def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor, depths: Tensor,
+                          initial_state: Tensor, walk: tuple[Tensor, Tensor], depth_limit: int,
+                          scratch: Tensor | None = None) -> Tensor:
+    """eval/tree_recurrent.py `tree_gated_delta_rule` in one launch: q, k [N, HK, dk], v [N, HV, dv] (row stride
+    free: views of the conv output), g, beta [N, HV], initial_state [HV, dk, dv] fp32 contiguous, walk =
+    `walk_order(parents, depths, depth_limit)` -> o [N, HV, dv] in v's dtype. scratch: [depth_limit + 1, HV, dk, dv]
+    fp32 to reuse across layers (allocated when None)."""
+    N, HV, DV = v.shape
+    DK = k.shape[2]
+    order, fork = walk
+    if scratch is None:
+        scratch = torch.empty(depth_limit + 1, HV, DK, DV, dtype=torch.float32, device=v.device)
+    out = torch.empty(N, HV, DV, dtype=v.dtype, device=v.device)
+    _walk(q, k, v, g, beta, parents, depths, fork, order, N, initial_state, scratch, out, initial_state,  # ht unwritten
+          True)
+    return out
+
+
+def path_gated_delta_state(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor,
+                           out: Tensor | None = None) -> Tensor:
+    """eval/tree_recurrent.py `path_gated_delta_state` in one launch: the state [HV, dk, dv] fp32 of path[-1] after
+    the root path `path` [n] from initial_state (fp32 contiguous); written into `out` (may BE initial_state)."""
+    out = torch.empty_like(initial_state) if out is None else out
+    unread = path  # q, parents, depths, fork, scratch and o are not read on a root path
+    _walk(k, k, v, g, beta, unread, unread, unread, path, path.shape[0], initial_state, out, out, out, False)
+    return out

@@ -1,0 +1,141 @@
+"""eval/tree_recurrent_triton.py equals eval/tree_recurrent.py: the walk order on any device, the kernels in Triton's
+CPU interpreter (a subprocess, as tests/eval/test_triton_kernels.py), compiled for sm_90 without a GPU, and compiled
+at the Qwen3.6-27B shape on a GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.eval.test_tree_recurrent import SHAPES, random_rows, shapes_and_random_trees, tree_of
+from tests.eval.test_triton_kernels import compile_for_sm90, run_interpreted
+from tests.eval.test_walk_device import random_tree
+
+pytest.importorskip("triton")
+
+MODULE = "tests.eval.test_tree_recurrent_triton"
+
+
+def depth_first(parents: list[int]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents[1:], start=1):
+        children.setdefault(p, []).append(i)
+    order, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children.get(node, [])))
+    return order
+
+
+def test_walk_order_is_the_depth_first_preorder_and_marks_the_forks():
+    from eval.tree_recurrent_triton import walk_order
+
+    gen = torch.Generator().manual_seed(0)
+    trees = [tree_of(p) for p in SHAPES.values()]
+    trees += [random_tree(gen, int(torch.randint(0, 300, (1,), generator=gen)), int(torch.randint(1, 16, (1,),
+                                                                                                   generator=gen)), 6)
+              for _ in range(200)]
+    for tree in trees:
+        order, fork = walk_order(tree.parents, tree.depths, tree.depth_limit)
+        parents = tree.parents.tolist()
+        assert order.tolist() == depth_first(parents)
+        assert fork.tolist() == [int(sum(p == i for p in parents[1:]) >= 2) for i in range(tree.size)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel checks: run in the interpreter on the CPU (device="cpu") or compiled on CUDA
+# ----------------------------------------------------------------------------------------------
+
+
+def check_tree_conv_equals_torch(device: str = "cpu"):
+    from eval import tree_recurrent, tree_recurrent_triton
+
+    gen = torch.Generator().manual_seed(1)
+    C = 40 if device == "cpu" else 10240  # the 27B conv width on CUDA
+    for trial, (name, tree) in enumerate(shapes_and_random_trees(4 if device == "cpu" else 20, seed=2)):
+        dtype = torch.float32 if trial % 2 else torch.bfloat16
+        rows = torch.randn(tree.size, C + 8, generator=gen).to(device=device, dtype=dtype)
+        x = rows[:, 8:]  # a row stride that is not C
+        conv_state = torch.randn(1, C, 4, generator=gen).to(device=device, dtype=dtype)
+        weight = torch.randn(C, 4, generator=gen).to(device=device, dtype=dtype)
+        parents, depths = tree.parents.to(device), tree.depths.to(device)
+        for act in ("silu", None):
+            got = tree_recurrent_triton.tree_causal_conv1d(x, conv_state[0], weight, parents, depths, act)
+            ref = tree_recurrent.tree_causal_conv1d(x, conv_state[0], weight, parents, depths, act)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: 2 ulps (the interpreter rounds toward zero)
+            torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol, msg=name)
+
+
+def check_tree_gated_delta_equals_torch(device: str = "cpu"):
+    """Outputs of the walk equal the level-by-level torch version; the path kernel's state equals the torch path
+    state, written in place over the committed state too. CPU: a tiny GQA shape with d_k, d_v that are not powers
+    of two (masked blocks); CUDA: the 27B shape (16 q/k heads, 48 value heads, 128 x 128), bf16 and fp32 rows, up
+    to a budget-256 tree."""
+    from eval import tree_recurrent, tree_recurrent_triton
+
+    gen = torch.Generator().manual_seed(3)
+    HK, HV, dk, dv, count = (2, 4, 12, 10, 6) if device == "cpu" else (16, 48, 128, 128, 8)
+    trees = shapes_and_random_trees(count, seed=4)
+    if device != "cpu":
+        trees.append(("budget 256", random_tree(gen, 256, 15, 4)))
+    for trial, (name, tree) in enumerate(trees):
+        dtype = torch.float32 if trial % 2 else torch.bfloat16
+        q, k, v, g, beta, state = (t.to(device) for t in random_rows(tree.size, HK, HV, dk, dv, gen, dtype))
+        mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)  # views of one [N, C] block, as in a layer
+        q, k, v = (t.unflatten(1, s) for t, s in zip(mixed.split([HK * dk, HK * dk, HV * dv], 1),
+                                                     [(HK, dk), (HK, dk), (HV, dv)]))
+        parents, depths = tree.parents.to(device), tree.depths.to(device)
+        walk = tree_recurrent_triton.walk_order(parents, depths, tree.depth_limit)
+        got = tree_recurrent_triton.tree_gated_delta_rule(q, k, v, g, beta, parents, depths, state, walk,
+                                                          tree.depth_limit)
+        ref = tree_recurrent.tree_gated_delta_rule(q, k, v, g, beta, parents, depths, state)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * float(ref.float().abs().max()),
+                                   msg=name)
+        leaf = tree.size - 1
+        path = [leaf]
+        while path[-1] != 0:
+            path.append(int(tree.parents[path[-1]]))
+        path = torch.tensor(path[::-1], device=device)
+        ref_state = tree_recurrent.path_gated_delta_state(k, v, g, beta, path, state)
+        got_state = tree_recurrent_triton.path_gated_delta_state(k, v, g, beta, path, state)
+        torch.testing.assert_close(got_state, ref_state, rtol=1e-5, atol=1e-5 * float(ref_state.abs().max()), msg=name)
+        in_place = state.clone()
+        tree_recurrent_triton.path_gated_delta_state(k, v, g, beta, path, in_place, in_place)
+        assert torch.equal(in_place, got_state), name
+
+
+CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernels are checked compiled (below)")
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
+    run_interpreted(check, MODULE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_equals_its_torch_reference_on_cuda(check):
+    globals()[check](device="cuda")
+
+
+# The launchers' argument types; constants at the Qwen3.6-27B shape and at the tests' tiny shape.
+I, I64 = "i32", "*i64"
+WALK = dict(q="*bf16", k="*bf16", v="*bf16", stride_q=I, stride_k=I, stride_v=I, g="*fp32", beta="*fp32",
+            parents=I64, depths=I64, fork="*i8", order=I64, M=I, h0="*fp32", scratch="*fp32", out="*bf16",
+            ht="*fp32", scale="fp32")
+COMPILED = [
+    ("_tree_conv_kernel", dict(x="*bf16", stride_x=I, conv_state="*bf16", stride_s=I, weight="*bf16", parents=I64,
+                               depths=I64, out="*bf16", N=I, C=I), dict(K=4, SILU=True, BN=16, BC=128)),
+    *[("_gated_delta_walk_kernel", WALK, dict(HK=hk, HV=hv, DK=d, DV=d, BK=d, BV=8, TREE=tree))
+      for hk, hv, d in ((16, 48, 128), (2, 4, 16)) for tree in (True, False)],
+]
+
+
+@pytest.mark.parametrize("name,signature,constants", COMPILED, ids=[f"{c[0]}-{i}" for i, c in enumerate(COMPILED)])
+def test_kernel_compiles_for_an_sm90_gpu_without_one(name, signature, constants):
+    from eval import tree_recurrent_triton
+
+    compile_for_sm90(getattr(tree_recurrent_triton, name), signature, constants)
