@@ -15,7 +15,8 @@ with q, k split from u_i, l2-normalised (eps 1e-6 under the root), q scaled by d
 HV/HK value heads, g_i = -exp(A_log) softplus(a_i + dt_bias), beta_i = sigmoid(b_i): exactly one token of HF's
 `torch_recurrent_gated_delta_rule` (= fla's `fused_recurrent_gated_delta_rule`), applied to the PARENT's state
 instead of the previous row's. So o_i, and the (conv window, S_i) left in the cache, equal running node i's root
-path through HF's layer from the committed cache (tests/eval/test_tree_recurrent.py).
+path through HF's layer from the committed cache (tests/eval/test_tree_recurrent.py). docs/tree.md, "Hybrid
+(recurrent) targets", says where this sits in the decode.
 
 Memory (why node states are not kept). At the Qwen3.6-27B shape (64 layers, 48 of them Gated DeltaNet; 48 value
 heads, 16 q/k heads, d_k = d_v = 128, conv kernel 4 over C = 2*16*128 + 48*128 = 10240 channels) one node's state

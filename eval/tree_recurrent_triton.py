@@ -13,7 +13,7 @@ more children, a "fork", stores its state at its depth; the nodes visited betwee
 are its descendants, which only write deeper slots). So the working set is one state per depth,
 scratch [L+1, HV, d_k, d_v] fp32 (48 MiB at the Qwen3.6-27B shape with L = 15, reused by every layer), and no
 node's state is kept once the walk has passed it. A root path has no forks: the commit runs the same steps in the
-same order, so on this kernel the committed state is bitwise the one the verify computed for that node.
+same order as the verify did for that node (fp32 stores and reloads in between are exact).
 
 Cost model (not measured here): the walk is sequential over the N nodes (each step: two l2 norms over d_k, a decay,
 two reductions over d_k on a [d_k, BV] block), parallel over HV * d_v / BV programs (48 * 16 = 768 at the 27B shape,
