@@ -29,6 +29,7 @@ from eval.target_cache import tree_unsupported_reason
 from eval.metrics import PHASES, ResponseRecord, speedup, summarize
 from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, load_benchmark
 from eval.report import cell_label, json_ready, tau_table, write_report
+from extract.layers import validate_layer_ids
 from pipeline.config import ConfigError, RunConfig, section_hash, to_dict
 from pipeline.log import get_logger, progress, summary
 from pipeline.runner import (
@@ -130,9 +131,13 @@ def drafter_sha(path: Path) -> str:
     return "".join(sha256_file(f)[:16] for f in files)
 
 
-def check_drafter_fits_target(drafter_cfg: dict, target_config: Any) -> None:
-    """Refuse a drafter whose taps, hidden size or vocabulary do not fit the target (names every field).
+def check_drafter_fits_target(drafter_cfg: dict, target_config: Any, train_manifest: dict | None) -> list[int]:
+    """The target layers the drafter reads (extract/layers.py convention), after refusing a drafter whose taps,
+    hidden size or vocabulary do not fit the target (a StageError naming every field).
 
+    The taps are the export's `dflash_config.target_layer_ids`, which training copied from the feature manifest it
+    trained on; when the train manifest beside the export records that manifest's `layer_ids`, the two must agree.
+    extract.layers.validate_layer_ids (the one layer-id rule) checks them against the target.
     drafter_cfg: the drafter's z-lab config.json (hidden_size, vocab_size?, dflash_config.target_layer_ids,
     dflash_config.mask_token_id, num_target_layers?).
     """
@@ -141,11 +146,17 @@ def check_drafter_fits_target(drafter_cfg: dict, target_config: Any) -> None:
     dcfg = drafter_cfg.get("dflash_config") or {}
     problems = []
     layer_ids = dcfg.get("target_layer_ids")
+    trained_ids = ((train_manifest or {}).get("fingerprint", {}).get("features") or {}).get("layer_ids")
     if not layer_ids:
         problems.append("dflash_config.target_layer_ids: missing from the drafter config")
-    elif not all(0 <= int(i) < n_layers for i in layer_ids):
-        problems.append(f"dflash_config.target_layer_ids: {layer_ids} but the target has {n_layers} layers "
-                        f"(valid ids 0..{n_layers - 1})")
+    else:
+        try:
+            layer_ids = validate_layer_ids(layer_ids, n_layers)
+        except ValueError as e:
+            problems.append(f"dflash_config.target_layer_ids: {e}")
+        if trained_ids is not None and [int(i) for i in trained_ids] != layer_ids:
+            problems.append(f"dflash_config.target_layer_ids: {layer_ids}, but the features it was trained on "
+                            f"tapped {trained_ids} (train manifest beside the export)")
     if drafter_cfg.get("num_target_layers") not in (None, n_layers):
         problems.append(f"num_target_layers: drafter was built for {drafter_cfg['num_target_layers']}, "
                         f"the target has {n_layers}")
@@ -158,6 +169,7 @@ def check_drafter_fits_target(drafter_cfg: dict, target_config: Any) -> None:
         problems.append(f"dflash_config.mask_token_id: {mask} is not a row of the target vocabulary (size {vocab})")
     if problems:
         raise StageError("the drafter does not fit this target:\n  " + "\n  ".join(problems))
+    return layer_ids
 
 
 def plan_units(cfg: RunConfig, tree_reason: str | None) -> tuple[list[Unit], list[dict]]:
@@ -315,8 +327,8 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     tok_fp = tokenizer_fingerprint(tokenizer)
     dpath = drafter_dir(cfg)
     drafter_cfg = read_json(dpath / "config.json")
-    check_drafter_fits_target(drafter_cfg, target_config)
     train_manifest = train_manifest_for(dpath)
+    taps = check_drafter_fits_target(drafter_cfg, target_config, train_manifest)
     trained_tok = trained_tokenizer_fingerprint(train_manifest) if train_manifest else None
     if trained_tok is not None:
         check_fingerprint({"tokenizer": tok_fp}, {"tokenizer": trained_tok},
@@ -364,7 +376,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
         "target": {"model": cfg.target.model, "location": location, "model_type": fingerprint["target"]["model_type"],
                    "layers": fingerprint["target"]["num_hidden_layers"]},
         "drafter": {"path": str(dpath), "sha": d_sha, "block_size": block_size,
-                    "target_layer_ids": (drafter_cfg.get("dflash_config") or {}).get("target_layer_ids"),
+                    "target_layer_ids": taps,
                     "num_layers": drafter_cfg.get("num_hidden_layers")},
         "settings": {"temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
                      "enable_thinking": cfg.target.enable_thinking, "device": cfg.target.device,

@@ -128,8 +128,8 @@ def test_hybrid_target_runs_ar_chain_and_path_batched_ddtree(tmp_path):
 def test_a_drafter_for_another_target_is_refused_before_decoding(tmp_path):
     cfg = make_config(tmp_path)
     export_random_drafter(cfg, cfg.run_dir / "train", target_layer_ids=[1, 4, 11], num_target_layers=12)
-    with pytest.raises(StageError, match=r"does not fit this target:\n.*target_layer_ids: \[1, 4, 11\] but the "
-                                         r"target has 8 layers"):
+    with pytest.raises(StageError, match=r"does not fit this target:\n.*target_layer_ids: layer_ids \[1, 4, 11\] "
+                                         r"out of range for a target with 8 decoder layers"):
         run_eval(cfg, force=False)
     assert not (cfg.run_dir / "eval").exists()
 

@@ -33,8 +33,20 @@ def zlab_config(**over):
     return cfg
 
 
-def test_a_drafter_built_for_this_target_is_accepted():
-    check_drafter_fits_target(zlab_config(), target_config("random:qwen3"))
+def trained_on(layer_ids):
+    """The train manifest a train run writes beside its export: the feature fingerprint it trained on."""
+    return {"stage": "train", "fingerprint": {"features": {"layer_ids": layer_ids}}}
+
+
+def test_a_drafter_built_for_this_target_is_accepted_and_its_taps_are_the_exports():
+    assert check_drafter_fits_target(zlab_config(), target_config("random:qwen3"), None) == [1, 4, 6]
+    assert check_drafter_fits_target(zlab_config(), target_config("random:qwen3"), trained_on([1, 4, 6])) == [1, 4, 6]
+
+
+def test_an_export_whose_taps_differ_from_the_features_it_was_trained_on_is_refused():
+    with pytest.raises(StageError, match=r"target_layer_ids: \[1, 4, 6\], but the features it was trained on "
+                                         r"tapped \[1, 3, 6\]"):
+        check_drafter_fits_target(zlab_config(), target_config("random:qwen3"), trained_on([1, 3, 6]))
 
 
 @pytest.mark.parametrize("over, field", [
@@ -42,13 +54,15 @@ def test_a_drafter_built_for_this_target_is_accepted():
     ({"vocab_size": 151936}, "vocab_size: drafter 151936, target 320"),
     ({"num_target_layers": 36}, "num_target_layers: drafter was built for 36, the target has 8"),
     ({"dflash_config": {"mask_token_id": 259, "target_layer_ids": [1, 17, 33]}},
-     "target_layer_ids: [1, 17, 33] but the target has 8 layers"),
+     "target_layer_ids: layer_ids [1, 17, 33] out of range for a target with 8 decoder layers"),
+    ({"dflash_config": {"mask_token_id": 259, "target_layer_ids": [4, 1, 6]}},
+     "target_layer_ids: layer_ids [4, 1, 6] must be strictly increasing"),
     ({"dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 4, 6]}},
      "mask_token_id: 151669 is not a row of the target vocabulary"),
 ])
 def test_a_drafter_for_another_target_is_refused_naming_the_field(over, field):
     with pytest.raises(StageError, match="does not fit this target") as e:
-        check_drafter_fits_target(zlab_config(**over), target_config("random:qwen3"))
+        check_drafter_fits_target(zlab_config(**over), target_config("random:qwen3"), None)
     assert field in str(e.value)
 
 
