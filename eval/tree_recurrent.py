@@ -216,6 +216,8 @@ def tree_gated_delta_net(layer, hidden_states: Tensor, tree: Tree, conv_state: T
         if not hasattr(layer, name):
             raise TypeError(f"tree verify needs a Qwen3.5-style Gated-DeltaNet layer; {type(layer).__name__} has no "
                             f"'{name}'")
+    if layer.conv1d.bias is not None:
+        raise TypeError("tree verify: a Gated-DeltaNet conv with a bias is not supported (Qwen3.5 has none)")
     hidden = hidden_states[0]
     N = hidden.shape[0]
     mixed = layer.in_proj_qkv(hidden)
