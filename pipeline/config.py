@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -233,7 +234,7 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    name: str = doc("run name: outputs go to <runs_dir>/<name>/<stage>/", "default")
+    name: str = doc("run name: outputs go to <runs_dir>/<name>/<stage>/ (letters, digits, '_', '.', '-')", "default")
     runs_dir: str = doc("root of run directories", "runs")
     cache_dir: str = doc("where materialized targets (e.g. GGUF -> safetensors) are cached", ".cache")
     seed: int = doc("global seed for curation/mixing", 0)
@@ -390,8 +391,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> R
     return cfg
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # one path component under runs_dir, never '..' or '/'
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that a type cannot express."""
+    if not RUN_NAME.fullmatch(cfg.name):
+        raise ConfigError(f"name: {cfg.name!r} is not a run name: use letters, digits, '_', '.', '-' "
+                          "(starting with a letter or digit); it becomes one directory under runs_dir")
     d = cfg.drafter
     if d.block_size < 2:
         raise ConfigError(f"drafter.block_size: must be >= 2, got {d.block_size}")

@@ -38,6 +38,7 @@ from pipeline.runner import AtomicFile, RankInfo, StageDir, StageError, atomic_w
 
 SCHEMA_VERSION = "curate.conversation.v1"
 DEDUP_UNIT = "dedup"
+REPEAT_WARNING = 4.0  # up-sampling factor above which the log warns that a source's data repeats
 OUTPUT_COLUMNS = [f.name for f in CONVERSATION_SCHEMA]
 log = get_logger("curate")
 
@@ -82,6 +83,7 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
         unique = (exact_of < 0) & (near_of < 0)
         pools = [np.flatnonzero(unique & (pool.source_of_row == i)) for i in range(len(names))]
         sel = select(pools, names, [s.weight for s in c.sources], total=c.total, eval_size=c.eval_size, seed=cfg.seed)
+    _warn_repeats(sel, c.total)
     with _phase(timings, "write"):
         shards = _write_shards(stage, pool, sel, c.shard_size, names)
 
@@ -191,6 +193,15 @@ def _check_error_rate(cfg: RunConfig, sidecars: dict[str, dict]) -> None:
             f"{cfg.curate.max_error_rate:.2%}); first ones:\n{lines}\n"
             f"Fix the inputs or raise curate.max_error_rate (finished chunks are kept and reused)."
         )
+
+
+def _warn_repeats(sel: Selection, total: int | None) -> None:
+    """Log a warning for every source whose conversations the mixture repeats more than REPEAT_WARNING times."""
+    for m in sel.sources:
+        if m.factor > REPEAT_WARNING:
+            log.warning(f"source {m.name!r}: its {m.available:,} unique train conversations are repeated "
+                        f"{m.factor:.1f}x on average to fill its share ({m.target:,}) of curate.total={total:,}; "
+                        "lower curate.total or this source's weight, or add data")
 
 
 def _dedup(cfg: RunConfig, pool: WorkPool, work: StageDir) -> tuple[np.ndarray, np.ndarray]:

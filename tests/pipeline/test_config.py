@@ -69,6 +69,13 @@ def test_cross_field_validation():
         load_config(None, ["drafter.num_layers=1", "drafter.layer_types=[sliding_attention]"])
 
 
+@pytest.mark.parametrize("name", ["../../x", "a/b", "/abs", ".hidden", "..", "x y"])
+def test_run_name_outside_the_safe_set_is_refused(name, tmp_path):
+    with pytest.raises(ConfigError, match=r"^name: .* is not a run name"):
+        load_config(None, [f"runs_dir={tmp_path / 'runs'}", f"name={name}"])
+    assert not (tmp_path / "x").exists()
+
+
 def test_trust_remote_code_is_off_by_default():
     assert load_config(None).target.trust_remote_code is False
 

@@ -3,6 +3,7 @@ never leaks into train, and the selection is a deterministic function of the see
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import pyarrow.parquet as pq
@@ -89,3 +90,24 @@ def test_without_total_everything_unique_is_kept(tmp_path):
     m = run_curate(cfg)
     assert m["counts"]["unique"] == 244 and m["counts"]["train"] == 240 and m["counts"]["repeats"] == 0
     assert Counter(r["source"] for r in rows(cfg, "eval")) == {"humaneval": 3, "mt": 1}  # by size: 164 vs 80
+
+
+def test_a_source_repeated_more_than_a_few_times_is_a_warning_in_the_log(tmp_path, caplog):
+    def warnings_of(cfg) -> tuple[dict, list[str]]:
+        caplog.clear()
+        drafter_log = logging.getLogger("drafter")  # pipeline/log.py stops propagation to caplog's root logger
+        drafter_log.addHandler(caplog.handler)
+        try:
+            m = run_curate(cfg)
+        finally:
+            drafter_log.removeHandler(caplog.handler)
+        return m, [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    # humaneval gives 164 unique conversations for a share of 300: repeated less than twice, no warning
+    m, warnings = warnings_of(curate_config(tmp_path, [SOURCES[2], dict(SOURCES[1], max_samples=2000)],
+                                            name="few", total=1200, eval_size=3))
+    assert m["sources"]["humaneval"]["repeats"] > 0 and warnings == []
+    # alone with total=3000: every conversation ~18 times
+    m, warnings = warnings_of(curate_config(tmp_path, [SOURCES[2]], name="many", total=3000))
+    assert m["sources"]["humaneval"]["repeats"] == 3000 - 164
+    assert len(warnings) == 1 and "'humaneval'" in warnings[0] and "18.3x" in warnings[0], warnings
