@@ -11,23 +11,23 @@ The formats are those of `z-lab/dflash: dflash/benchmark.py` (also used by `lira
     alpaca     "{instruction}" or "{instruction}\\n\\n{input}" (Stanford-Alpaca seed tasks: the first instance's input)
 
 Prompts are the first `num_samples` valid records of the file, in file order (deterministic, no shuffle).
-A record that lacks what its format needs is skipped and counted under a reason; it never crashes the stage.
+A record that lacks what its format needs, or that does not parse at all (any size, any parser error), is
+skipped and counted under a reason with its location; it never crashes the stage.
 Rendering goes through `pipeline.target.render_chat` (the one chat-template call, thinking flag included).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import BenchmarkConfig, ConfigError
+from pipeline.curate.sources import Unparsed, parse_json, unreadable_file
 from pipeline.target import render_chat
 
 REASON_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-BAD_JSON = object()  # placeholder row for an unparsable .jsonl line
 HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n"
 
 
@@ -141,29 +141,37 @@ def _record_id(name: str, record: Any, index: int) -> str:
     return f"{name}/{index}"
 
 
-def _read_records(path: Path) -> list[Any]:
-    """Rows of a .jsonl file (an unparsable line becomes `BAD_JSON`), of a .json array or of a .parquet file."""
+def _read_records(path: Path) -> list[tuple[str, Any]]:
+    """``(location, record)`` of every record of a .jsonl file (``file:line``; a line that does not parse, whatever
+    its size, is an `Unparsed`), of a .json array (``file[i]``) or of a .parquet file (``file#row``). A .json or
+    .parquet file that cannot be read as a whole is one error naming it."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - ArrowInvalid (corrupt footer), OSError, ...
+            raise unreadable_file(str(path), e) from e
+        return [(f"{path}#{i}", r) for i, r in enumerate(rows)]
     if path.suffix == ".json":
-        data = json.loads(text)
+        data, error = parse_json(path.read_bytes())
+        if error:
+            raise ConfigError(f"{path}: {error}; expected a JSON array of records")
         if isinstance(data, dict):  # {"data": [...]} / {"train": [...]}
             lists = [v for v in data.values() if isinstance(v, list)]
             data = lists[0] if len(lists) == 1 else None
         if not isinstance(data, list):
             raise ConfigError(f"{path}: expected a JSON array of records")
-        return data
+        return [(f"{path}[{i}]", r) for i, r in enumerate(data)]
     rows = []
-    for line in text.splitlines():
+    for number, line in enumerate(path.read_bytes().split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            rows.append(BAD_JSON)
+            record, error = parse_json(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            record, error = None, f"invalid UTF-8 at byte {e.start}"
+        rows.append((f"{path}:{number}", Unparsed(error) if error else record))
     return rows
 
 
@@ -176,20 +184,26 @@ def load_benchmark(bench: BenchmarkConfig) -> LoadedBenchmark:
         raise FileNotFoundError(f"eval benchmark {bench.name!r}: prompt file {path} does not exist")
     fmt = FORMATS[bench.name]
     out = LoadedBenchmark(name=bench.name, path=str(path), prompts=[])
-    for index, record in enumerate(_read_records(path)):
+    for index, (location, record) in enumerate(_read_records(path)):
         if len(out.prompts) >= bench.num_samples:
             break
         out.read += 1
-        rid = _record_id(bench.name, record, index)
+        if isinstance(record, Unparsed):
+            out.skipped["bad_json"] += 1
+            out.examples.setdefault("bad_json", f"{location}: {record.error}")
+            continue
         try:
-            if record is BAD_JSON:
-                raise MalformedRecord("bad_json")
+            rid = _record_id(bench.name, record, index)
             if not isinstance(record, dict):
                 raise MalformedRecord("not_a_record")
             turns = fmt(record)
         except MalformedRecord as e:
             out.skipped[e.reason] += 1
             out.examples.setdefault(e.reason, rid)
+            continue
+        except Exception as e:  # noqa: BLE001 - a record no format foresaw: skipped with its location, never fatal
+            out.skipped["bad_record"] += 1
+            out.examples.setdefault("bad_record", f"{location}: {type(e).__name__}: {str(e)[:200]}")
             continue
         out.prompts.append(EvalPrompt(id=rid, benchmark=bench.name, turns=turns))
     return out

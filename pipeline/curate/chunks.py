@@ -62,9 +62,11 @@ def process_chunk(chunk: Chunk, cfg: CurateConfig, work_path: str) -> dict:
         error = raw.error
         if not error:
             try:
-                fmt, convs = adapt(raw.record, source.format)
+                fmt, kept, drops = _process_record(raw, source, cfg)
             except NotThisFormat as e:
                 error = str(e)
+            except Exception as e:  # noqa: BLE001 - a record nothing could foresee (too deep, too large): malformed
+                error = f"cannot process record: {type(e).__name__}: {str(e)[:200]}"
         if error:
             counts["malformed"] += 1
             bucket = examples.setdefault("malformed", [])
@@ -72,17 +74,13 @@ def process_chunk(chunk: Chunk, cfg: CurateConfig, work_path: str) -> dict:
                 bucket.append({"location": raw.location, "error": error})
             continue
         counts[f"format.{fmt}"] += 1
-        for k, (messages, extra) in enumerate(convs):
-            cid = f"{source.name}/{raw.index}" + (f".{k}" if k else "")
-            counts["conversations"] += 1
-            c = clean_conversation(messages, min_chars=cfg.min_chars, max_chars=cfg.max_chars)
-            if c.reason:
-                counts[f"dropped.{c.reason}"] += 1
-                bucket = examples.setdefault(c.reason, [])
-                if len(bucket) < EXAMPLES_PER_REASON:
-                    bucket.append({"id": cid, "location": raw.location, "detail": c.detail,
-                                   "excerpt": _excerpt(messages)})
-                continue
+        counts["conversations"] += len(kept) + len(drops)
+        for reason, example in drops:
+            counts[f"dropped.{reason}"] += 1
+            bucket = examples.setdefault(reason, [])
+            if len(bucket) < EXAMPLES_PER_REASON:
+                bucket.append(example)
+        for cid, c, metadata in kept:
             if c.removed_empty_system:
                 counts["fixed.empty_system_removed"] += c.removed_empty_system
             text = dedup_text(c.messages)
@@ -91,7 +89,7 @@ def process_chunk(chunk: Chunk, cfg: CurateConfig, work_path: str) -> dict:
             cols["source"].append(source.name)
             roles += [m["role"] for m in c.messages]
             contents += [m["content"] for m in c.messages]
-            cols["metadata"].append(metadata_json(fmt, raw.location, extra))
+            cols["metadata"].append(metadata)
             cols["chars"].append(sum(len(m["content"]) for m in c.messages))
             cols["prompt_chars"].append(sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
             cols["turns"].append(len(c.messages))
@@ -116,6 +114,23 @@ def process_chunk(chunk: Chunk, cfg: CurateConfig, work_path: str) -> dict:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             writer.write_table(table)
     return work.finish_unit(chunk.unit, [path], counts=dict(counts), examples=examples)
+
+
+def _process_record(raw, source, cfg: CurateConfig) -> tuple[str, list[tuple], list[tuple[str, dict]]]:
+    """(format, kept [(id, cleaned, metadata json)], dropped [(reason, example)]) of one parsed record.
+    Raises (NotThisFormat or anything else) before anything of the record is counted, so a record is
+    either processed whole or counted once as malformed."""
+    fmt, convs = adapt(raw.record, source.format)
+    kept, drops = [], []
+    for k, (messages, extra) in enumerate(convs):
+        cid = f"{source.name}/{raw.index}" + (f".{k}" if k else "")
+        c = clean_conversation(messages, min_chars=cfg.min_chars, max_chars=cfg.max_chars)
+        if c.reason:
+            drops.append((c.reason, {"id": cid, "location": raw.location, "detail": c.detail,
+                                     "excerpt": _excerpt(messages)}))
+        else:
+            kept.append((cid, c, metadata_json(fmt, raw.location, extra)))
+    return fmt, kept, drops
 
 
 def _die_with_parent() -> None:

@@ -7,6 +7,10 @@ lines keep their index but yield nothing), so ids `<source>/<index>` are stable 
 
 Locations in reports: `file:line` (jsonl, and .json files that hold JSON lines), `file[i]` (JSON array),
 `file#row` (parquet), `hub:<id>/<split>#i` (hub dataset).
+
+A record that cannot be parsed, whatever the parser raises (nesting deeper than the recursion limit, an
+integer longer than Python converts, invalid JSON), is a malformed record with its location; a file that
+cannot be read at all (a corrupt parquet footer) is one `StageError` naming the file.
 """
 
 from __future__ import annotations
@@ -174,7 +178,7 @@ def _jsonl_ranges(path: str, size: int, limit: int) -> list[tuple[int, int, int,
 
 def _num_records(kind: str, path: str, s: SourceConfig) -> int:
     if kind == "parquet":
-        return pq.ParquetFile(path).metadata.num_rows
+        return _parquet_file(path).metadata.num_rows
     if kind == "json":
         return len(_json_array(path))
     return len(hub_dataset(path, s.subset, s.split, s.data_files))
@@ -198,6 +202,20 @@ def read_chunk(chunk: Chunk, s: SourceConfig) -> Iterator[RawRecord]:
         yield from dataset_records(ds, chunk.offset, chunk.end, first=chunk.first, where=f"hub:{chunk.path}/{s.split}")
 
 
+def parse_json(raw: bytes | str) -> tuple[Any, str]:
+    """``(value, "")``, or ``(None, why)`` when ``raw`` is not a JSON value Python can hold: invalid JSON, but
+    also any other exception of the parser (RecursionError for deep nesting, ValueError for an integer of more
+    than 4,300 digits, MemoryError). Invalid UTF-8 becomes lone surrogates: such a record parses and
+    `clean` drops it as invalid_utf8."""
+    text = raw.decode("utf-8", errors="surrogateescape") if isinstance(raw, bytes) else raw
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON: {e.msg} (line {e.lineno} column {e.colno})"
+    except Exception as e:  # noqa: BLE001 - any input, any size: the record is malformed, the job goes on
+        return None, f"unparseable JSON: {type(e).__name__}: {str(e)[:200]}"
+
+
 def _read_jsonl(chunk: Chunk) -> Iterator[RawRecord]:
     with open(chunk.path, "rb") as f:
         f.seek(chunk.offset)
@@ -208,30 +226,24 @@ def _read_jsonl(chunk: Chunk) -> Iterator[RawRecord]:
     for k, raw in enumerate(lines):
         if not raw.strip():
             continue  # blank line: not a record
-        location = f"{chunk.path}:{chunk.line + k}"
-        try:
-            # invalid UTF-8 becomes lone surrogates: the record is kept and `clean` drops it as invalid_utf8
-            record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
-        except json.JSONDecodeError as e:
-            yield RawRecord(chunk.first + k, location, error=f"invalid JSON: {e.msg} (column {e.colno})")
-            continue
-        yield RawRecord(chunk.first + k, location, record)
+        record, error = parse_json(raw)
+        yield RawRecord(chunk.first + k, f"{chunk.path}:{chunk.line + k}", record, error)
 
 
 @dataclass(frozen=True)
-class _Unparsed:
+class Unparsed:
+    """A record that did not parse, in place of its value; `error` says why (from `parse_json`)."""
+
     error: str
 
 
 @lru_cache(maxsize=1)
 def _json_array(path: str) -> list:
     """The records of a .json file holding one JSON array; a file that does not parse is one
-    `_Unparsed` record (counted as malformed, with the parser's line and column)."""
-    text = Path(path).read_bytes().decode("utf-8", errors="surrogateescape")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        return [_Unparsed(f"invalid JSON file: {e.msg} at line {e.lineno} column {e.colno}")]
+    `Unparsed` record (counted as malformed, with the parser's line and column)."""
+    data, error = parse_json(Path(path).read_bytes())
+    if error:
+        return [Unparsed(f"{error.replace('JSON', 'JSON file', 1)}")]
     return data if isinstance(data, list) else [data]
 
 
@@ -239,20 +251,37 @@ def _read_json_array(chunk: Chunk) -> Iterator[RawRecord]:
     records = _json_array(chunk.path)
     for k in range(chunk.offset, chunk.end):
         index, location, r = chunk.first + k - chunk.offset, f"{chunk.path}[{k}]", records[k]
-        if isinstance(r, _Unparsed):
+        if isinstance(r, Unparsed):
             yield RawRecord(index, location, error=r.error)
         else:
             yield RawRecord(index, location, r)
 
 
+def _parquet_file(path: str) -> pq.ParquetFile:
+    """The opened file, or a StageError naming it when it is not readable parquet (truncated, corrupt footer)."""
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - ArrowInvalid, OSError, ...: one clear error instead of a traceback
+        raise unreadable_file(path, e) from e
+
+
+def unreadable_file(path: str, e: BaseException) -> StageError:
+    """The one error for a source file that cannot be read at all (as opposed to a malformed record in it)."""
+    return StageError(f"cannot read {path}: {type(e).__name__}: {str(e)[:300]}. Replace the file or remove it "
+                      "from the config")
+
+
 def _read_parquet(chunk: Chunk) -> Iterator[RawRecord]:
-    pf = pq.ParquetFile(chunk.path)
+    pf = _parquet_file(chunk.path)
     row0 = 0
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
         lo, hi = max(chunk.offset, row0), min(chunk.end, row0 + n)
         if lo < hi:
-            rows = pf.read_row_group(g).slice(lo - row0, hi - lo).to_pylist()
+            try:
+                rows = pf.read_row_group(g).slice(lo - row0, hi - lo).to_pylist()
+            except Exception as e:  # noqa: BLE001 - a corrupt page: the file is unreadable, not one record
+                raise unreadable_file(f"{chunk.path} (row group {g})", e) from e
             for k, r in enumerate(rows):
                 yield RawRecord(chunk.first + lo + k - chunk.offset, f"{chunk.path}#{lo + k}", r)
         row0 += n
@@ -278,7 +307,10 @@ def hub_dataset(path: str, subset: str | None, split: str, data_files: str | Non
 
 def dataset_records(ds, start: int, stop: int, *, first: int, where: str) -> Iterator[RawRecord]:
     """Rows [start, stop) of a `datasets.Dataset` as records (one columnar slice, then dicts)."""
-    columns = ds[start:stop]
+    try:
+        columns = ds[start:stop]
+    except Exception as e:  # noqa: BLE001 - a broken cached arrow file: the dataset is unreadable, not one record
+        raise unreadable_file(where, e) from e
     names = list(columns)
     for k, values in enumerate(zip(*(columns[c] for c in names))):
         yield RawRecord(first + k, f"{where}#{start + k}", dict(zip(names, values)))

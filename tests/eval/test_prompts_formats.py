@@ -86,6 +86,34 @@ def test_malformed_records_are_skipped_counted_and_do_not_use_up_samples(tmp_pat
     assert loaded.examples["missing_question"] == "gsm8k/2"
 
 
+def test_a_line_of_any_size_that_does_not_parse_is_skipped_with_file_and_line(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    lines = [b'{"question": "q1"}', b"[" * 100_000, b'{"question": "q2", "n": ' + b"7" * 5000 + b"}",
+             b'{"question": "caf\xe9"}', b'{"question": "q3"}']
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    loaded = load_benchmark(BenchmarkConfig(name="gsm8k", path=str(path), num_samples=2))
+    assert [p.turns[0].split("\n")[0] for p in loaded.prompts] == ["q1", "q3"]
+    assert loaded.read == 5 and dict(loaded.skipped) == {"bad_json": 3}
+    assert loaded.examples["bad_json"].startswith(f"{path}:2: unparseable JSON: RecursionError")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".parquet"])
+def test_an_unreadable_prompt_file_is_one_error_naming_it(tmp_path, suffix):
+    from pipeline.runner import StageError
+
+    path = tmp_path / f"gsm{suffix}"
+    if suffix == ".json":
+        path.write_bytes(b"[" * 100_000)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"question": ["q1", "q2"]}), path)
+        path.write_bytes(path.read_bytes()[:-12])
+    with pytest.raises((ConfigError, StageError), match=rf"{path}.*(RecursionError|magic bytes)"):
+        load_benchmark(BenchmarkConfig(name="gsm8k", path=str(path), num_samples=2))
+
+
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="needs a `path`"):
         load_benchmark(BenchmarkConfig(name="gsm8k", path="", num_samples=1))

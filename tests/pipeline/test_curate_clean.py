@@ -124,6 +124,57 @@ def test_json_array_file_that_does_not_parse_is_one_malformed_record(tmp_path):
     assert "line 2" in stats["malformed"]["examples"][0]["error"]
 
 
+HOSTILE = {
+    "deep_nesting": b"[" * 100_000,  # json.loads raises RecursionError
+    "huge_integer": b'{"messages": [{"role": "user", "content": "hi there"}], "n": ' + b"7" * 5000 + b"}",  # ValueError
+    "deep_but_closed": b"[" * 50_000 + b"]" * 50_000,
+}
+
+
+def test_a_record_of_any_size_that_does_not_parse_is_malformed_with_file_and_line(tmp_path):
+    path = tmp_path / "hostile.jsonl"
+    lines = [chat(("user", f"Question number {i} about rivers?"), ("assistant", A)) for i in range(20)]
+    lines[3:3] = HOSTILE.values()
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = curate_config(tmp_path, [{"name": "h", "path": str(path)}], max_error_rate=0.2)
+    m = run_curate(cfg)
+    assert m["counts"]["read"] == 23 and m["counts"]["malformed"] == 3 and m["counts"]["train"] == 20
+    stats = json.loads((cfg.run_dir / "curate" / "stats.json").read_text())
+    where = {e["location"]: e["error"] for e in stats["malformed"]["examples"]}
+    assert "RecursionError" in where[f"{path}:4"] and "RecursionError" in where[f"{path}:6"]
+    assert "ValueError" in where[f"{path}:5"] and "digits" in where[f"{path}:5"]
+    # the error-rate threshold still applies: 3 of 23 is above 10%
+    (tmp_path / "strict").mkdir()
+    with pytest.raises(StageError, match=r"3 of 23 raw records are malformed"):
+        run_curate(curate_config(tmp_path / "strict", [{"name": "h", "path": str(path)}], max_error_rate=0.1))
+
+
+def test_json_array_file_too_deep_to_parse_is_one_malformed_record(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_bytes(b"[" * 100_000)
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(b"\n".join(chat(("user", f"Question number {i}?"), ("assistant", A)) for i in range(10)))
+    cfg = curate_config(tmp_path, [{"name": "ok", "path": str(good)}, {"name": "deep", "path": str(deep)}],
+                        max_error_rate=0.5)
+    m = run_curate(cfg)
+    assert m["sources"]["deep"]["malformed"] == 1 and m["counts"]["train"] == 10
+    stats = json.loads((cfg.run_dir / "curate" / "stats.json").read_text())
+    assert stats["malformed"]["examples"][0]["location"] == f"{deep}[0]"
+    assert "RecursionError" in stats["malformed"]["examples"][0]["error"]
+
+
+def test_an_unreadable_parquet_source_is_one_error_naming_the_file(tmp_path, capsys):
+    broken = tmp_path / "broken.parquet"
+    pq.write_table(pa.table({"question": [Q] * 50, "answer": [A] * 50}), broken)
+    broken.write_bytes(broken.read_bytes()[:-12])  # the footer and its magic bytes are gone
+    cfg = curate_config(tmp_path, [{"name": "p", "path": str(broken)}])
+    with pytest.raises(StageError, match=rf"cannot read {broken}: ArrowInvalid: .*magic bytes"):
+        run_curate(cfg)
+    rc = cli_main(["curate", "--config", str(tmp_path / "cfg.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot read {broken}" in err and "Traceback" not in err
+
+
 def test_directory_source_reads_jsonl_json_lines_and_parquet_in_sorted_order(tmp_path):
     d = tmp_path / "mixed"
     d.mkdir()
