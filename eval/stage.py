@@ -30,7 +30,7 @@ from eval.metrics import PHASES, ResponseRecord, speedup, summarize
 from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, load_benchmark
 from eval.report import cell_label, json_ready, tau_table, write_report
 from extract.layers import validate_layer_ids
-from pipeline.config import ConfigError, RunConfig, section_hash, to_dict
+from pipeline.config import ConfigError, RunConfig, config_record, to_dict
 from pipeline.log import get_logger, progress, summary
 from pipeline.runner import (
     AtomicFile,
@@ -338,10 +338,10 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     d_sha = drafter_sha(dpath)
     fingerprint = {"target": target_fingerprint(location, cfg.target), "tokenizer": tok_fp,
                    "drafter": {"path": str(dpath), "sha": d_sha}, "enable_thinking": cfg.target.enable_thinking}
-    config_hash = section_hash(cfg.eval, cfg.target, fingerprint)
+    config_hash, settings = config_record(eval=cfg.eval, target=cfg.target, fingerprint=fingerprint)
 
     stage = StageDir(cfg.run_dir, "eval")
-    if not stage.begin(config_hash, force=force, ranks=ranks):
+    if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
         log.info("eval already complete for this config: %s", stage.path)
         report = read_json(stage.path / "report.json")
         summary("eval", "\n" + tau_table(report).markdown())

@@ -26,7 +26,7 @@ import numpy as np
 
 from extract.layers import LAYER_CONVENTION, configured_layer_ids
 from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, finalize_store
-from pipeline.config import RunConfig, section_hash
+from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
 from pipeline.runner import (
     AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint, human_bytes, input_ref,
@@ -181,6 +181,7 @@ class ExtractContext:
     vocab_rows: int
     fingerprint: dict
     config_hash: str
+    settings: dict  # what config_hash hashes, by name (pipeline.config.config_record)
     tok_stage: StageDir
     tok_manifest: dict
 
@@ -212,10 +213,11 @@ def extract_context(cfg: RunConfig) -> ExtractContext:
         "storage_dtype": e.storage_dtype,
     }
     target_out = {k: v for k, v in vars(cfg.target).items() if k != "device"}  # same features on any device
-    config_hash = section_hash(target_out, fingerprint, tok_manifest["config_hash"],
-                               {"backend": e.backend, "shard_tokens": e.shard_tokens, "max_samples": e.max_samples})
+    config_hash, settings = config_record(
+        target=target_out, fingerprint=fingerprint, tokenize_output=tok_manifest["config_hash"],
+        extract={"backend": e.backend, "shard_tokens": e.shard_tokens, "max_samples": e.max_samples})
     return ExtractContext(location, layer_ids, int(text.num_hidden_layers), int(text.hidden_size),
-                          int(text.vocab_size), fingerprint, config_hash, tok_stage, tok_manifest)
+                          int(text.vocab_size), fingerprint, config_hash, settings, tok_stage, tok_manifest)
 
 
 def make_backend(cfg: RunConfig, ctx: ExtractContext, backend: str | None = None, *, max_len: int = 4096):
@@ -259,7 +261,7 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
     started = time.time()
     ctx = extract_context(cfg)
     stage = StageDir(cfg.run_dir, "extract")
-    if not stage.begin(ctx.config_hash, force=force, ranks=ranks):
+    if not stage.begin(ctx.config_hash, force=force, ranks=ranks, settings=ctx.settings):
         log.info("extract is already complete with this config: %s", stage.path)
         return stage.manifest()
     index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)

@@ -70,8 +70,7 @@ def format_table(rows: list[dict], threshold: float) -> str:
 def _stored_samples(cfg: RunConfig, ctx: ExtractContext) -> tuple[list[dict], list[str]]:
     stage = StageDir(cfg.run_dir, "extract")
     reader = FeatureReader(stage.path)
-    check_fingerprint({k: ctx.fingerprint[k] for k in ("target", "tokenizer", "layer_ids", "layer_convention", "hidden_size")},
-                      reader.fingerprint, what=f"extraction {stage.path}", producer="extract")
+    check_fingerprint(ctx.fingerprint, reader.fingerprint, what=f"extraction {stage.path}", producer="extract")
     problems = verify_checksums(stage.path, full=cfg.extract.verify_checksums)
     samples = [reader.sample(i, torch.float32) for i in pick(len(reader), cfg.extract.verify_samples)]
     return samples, problems

@@ -447,6 +447,15 @@ def section_hash(*sections: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def config_record(**sections: Any) -> tuple[str, dict]:
+    """(``section_hash`` of the sections in this order, the sections by name as plain JSON values).
+
+    A stage hashes what decides its output and keeps the named record beside the hash (`StageDir.begin`), so a
+    refusal can list the keys that changed with their old and new values instead of two hashes."""
+    record = {name: to_dict(s) if dataclasses.is_dataclass(s) else s for name, s in sections.items()}
+    return section_hash(*sections.values()), json.loads(json.dumps(record, sort_keys=True, default=str))
+
+
 def save_config(cfg: RunConfig, path: Path) -> None:
     from pipeline.runner import atomic_write_text
 

@@ -7,7 +7,12 @@ Layout of one stage:  <runs_dir>/<run>/<stage>/
     shards/<unit>.done.json  sidecar written after the shard: counts, bytes, sha256, failures
     ranks/rank-XXXXX.json    per-rank summary when the work was split over ranks
 
+    lock, lock.rank-XXXXX      advisory lock (fcntl.flock) of the process running the stage (or one rank of it)
+
 Invariants:
+  * one process per stage (per rank of a split run) at a time: `begin` takes the stage's lock and refuses
+    at once, naming the holder, when another live process holds it; the kernel drops the lock of a dead
+    process, so a killed run's lock is taken over; `write_manifest` releases it;
   * a unit is done iff its sidecar exists and its shard's size + sha256 match the sidecar
     (kill -9 can leave only `*.tmp-<host>-<pid>` files; the next start removes those whose writer is dead);
   * `manifest.json` holds `config_hash`: re-running a finished stage with the same hash is a no-op,
@@ -17,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -38,6 +44,10 @@ class StageError(RuntimeError):
 
 class FingerprintMismatch(StageError):
     """A stage's input was produced under settings that differ from this stage's config."""
+
+
+class StageBusy(StageError):
+    """Another live process holds the lock of this stage (or of this rank of it)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,8 +139,78 @@ def sha256_text(text: str) -> str:
 
 
 def read_json(path: Path) -> Any:
-    with open(path) as f:
-        return json.load(f)
+    """The parsed file; a file that is not valid JSON is a StageError naming it (never a bare JSONDecodeError)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return json.loads(data)
+    except ValueError as e:  # JSONDecodeError, invalid UTF-8
+        raise StageError(f"{path} is not valid JSON ({e}): the file is damaged") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage locks
+# ----------------------------------------------------------------------------------------------
+
+_HELD_LOCKS: dict[Path, int] = {}  # lock files this process holds -> their descriptor (taking one again is a no-op)
+
+
+def acquire_lock(path: Path, what: str) -> None:
+    """Hold an exclusive advisory lock on ``path`` until `release_locks` (or this process ends).
+
+    Refused at once (StageBusy, naming the holder's host and pid) while another process holds it. A holder
+    that died (kill -9, node reboot) holds nothing: the kernel (or the NFS server) dropped its lock, and its
+    note in the file is replaced. A filesystem without locks gets a warning, not a refusal.
+    """
+    path = Path(path).absolute()
+    if path in _HELD_LOCKS:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        raise StageBusy(f"{what} is in use by {holder}: wait for that run to finish, or stop it and run this "
+                        "command again (finished units are kept); a lock whose process has died is taken over "
+                        "by the next run") from None
+    except OSError as e:  # ENOLCK/EOPNOTSUPP: a filesystem without advisory locks
+        from pipeline.log import get_logger
+
+        get_logger("runner").warning("%s: no file locking on this filesystem (%s): nothing stops a second process "
+                                     "from running %s at the same time", path, e.strerror, what)
+    previous = _lock_holder(fd)
+    if previous != "an unknown process":
+        from pipeline.log import get_logger
+
+        get_logger("runner").warning("%s: taking over the lock of %s, which ended without releasing it", what, previous)
+    note = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "command": " ".join(sys.argv)[:200]}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(note) + "\n").encode(), 0)
+    _HELD_LOCKS[path] = fd
+
+
+def _lock_holder(fd: int) -> str:
+    """'pid P on host H (since T: command)' from the note the holder wrote into the lock file."""
+    try:
+        note = json.loads(os.pread(fd, 4096, 0) or b"null")
+        return f"pid {note['pid']} on host {note['host']} (since {note['since']}: {note['command']})"
+    except (OSError, ValueError, TypeError, KeyError):
+        return "an unknown process"
+
+
+def release_locks(directory: Path) -> None:
+    """Release every lock this process holds in ``directory`` (the note is cleared: a clean release)."""
+    directory = Path(directory).absolute()
+    for path in [p for p in _HELD_LOCKS if p.parent == directory]:
+        fd = _HELD_LOCKS.pop(path)
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass  # a read-only remount: the lock goes with the descriptor all the same
+        os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,6 +302,20 @@ def diff_fields(expected: dict, actual: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def describe_changes(old: dict, new: dict, limit: int = 12) -> str:
+    """One line per changed dotted key, ``  key: old -> new`` (values cut to 80 characters), at most ``limit``."""
+    keys = diff_fields(new, old)
+    lines = [f"  {k}: {_short(_get(old, k))} -> {_short(_get(new, k))}" for k in keys[:limit]]
+    if len(keys) > limit:
+        lines.append(f"  ... and {len(keys) - limit} more")
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def check_fingerprint(expected: dict, actual: dict, *, what: str, producer: str) -> None:
     """Refuse an input whose fingerprint differs from what this stage's config implies.
 
@@ -272,43 +366,72 @@ class StageDir:
             raise StageError(
                 f"stage '{self.stage}' has no manifest at {self.manifest_path}: run `drafter {self.stage}` first"
             )
-        return read_json(self.manifest_path)
+        try:
+            return read_json(self.manifest_path)
+        except StageError as e:
+            raise StageError(f"{e}; delete it and run `drafter {self.stage}` again with the same config: the finished "
+                             "units are kept and the manifest is written anew") from e
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def begin(self, config_hash: str, *, force: bool = False, ranks: RankInfo | None = None) -> bool:
+    def begin(self, config_hash: str, *, force: bool = False, ranks: RankInfo | None = None,
+              settings: dict | None = None) -> bool:
         """Prepare the directory. Returns False if the stage is already complete with this config (no-op).
 
         A complete stage made with another config is refused unless `force`; `force` wipes the stage, so it is
         refused for a rank of a split run (each rank would wipe the others' work).
         Partial work from the same config is kept (resume); partial work from another config is refused.
+        `settings` (from `pipeline.config.config_record`: what `config_hash` hashes, by name) is kept in
+        state.json and the manifest, so a refusal lists the changed keys with their old and new values.
         """
-        if force and ranks is not None and ranks.is_split:
+        split = ranks is not None and ranks.is_split
+        if force and split:
             raise StageError("--force with several ranks would let each rank wipe the others' work: "
                              "run once with --force on a single rank, or delete the stage directory first")
-        if force and self.path.exists():
-            shutil.rmtree(self.path)
+        if not force and self.is_complete() and self.manifest().get("config_hash") == config_hash:
+            return False  # a no-op reads only: it works on a read-only copy and while another process holds the lock
+        lock = self.path / (f"lock.rank-{ranks.rank:05d}" if split else "lock")
+        acquire_lock(lock, f"stage '{self.stage}' at {self.path}" + (f" (rank {ranks.rank})" if split else ""))
+        try:
+            return self._prepare(config_hash, force=force, settings=settings)
+        except BaseException:
+            release_locks(self.path)
+            raise
+
+    def _prepare(self, config_hash: str, *, force: bool, settings: dict | None) -> bool:
+        """`begin` under the lock: wipe (force), refuse another config, clear a killed writer's debris."""
+        if force:
+            for child in self.path.iterdir():  # everything but the lock files
+                if not child.name.startswith("lock"):
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
         if self.is_complete():
             m = self.manifest()
             if m.get("config_hash") == config_hash:
+                release_locks(self.path)  # finished by the process that held the lock before us
                 return False
-            raise StageError(
-                f"stage '{self.stage}' at {self.path} is complete but was made with another config "
-                f"(config_hash {m.get('config_hash')} != {config_hash}); pass --force to redo it"
-            )
+            raise StageError(f"stage '{self.stage}' at {self.path} is complete but was made with another config"
+                             f"{self._changes(m, config_hash, settings)}\npass --force to redo it (this deletes its "
+                             "outputs), or run under another name")
         state = self.path / "state.json"
         if state.exists():
-            prev = read_json(state).get("config_hash")
-            if prev != config_hash:
-                raise StageError(
-                    f"stage '{self.stage}' at {self.path} holds partial work from another config "
-                    f"(config_hash {prev} != {config_hash}); pass --force to start over"
-                )
+            prev = read_json(state)
+            if prev.get("config_hash") != config_hash:
+                raise StageError(f"stage '{self.stage}' at {self.path} holds partial work from another config"
+                                 f"{self._changes(prev, config_hash, settings)}\npass --force to start over, or "
+                                 "go back to the config it was started with to resume it")
         self.shards.mkdir(parents=True, exist_ok=True)
         for tmp in self.path.rglob("*.tmp-*"):
             if _is_debris(tmp):
                 tmp.unlink(missing_ok=True)  # debris of a killed writer (never another live rank's file)
-        atomic_write_json(state, {"config_hash": config_hash})
+        atomic_write_json(state, {"config_hash": config_hash, "settings": settings})
         return True
+
+    @staticmethod
+    def _changes(recorded: dict, config_hash: str, settings: dict | None) -> str:
+        """': changed keys' lines from the recorded settings, or the two hashes when either side has none."""
+        if recorded.get("settings") is None or settings is None:
+            return f" (config_hash {recorded.get('config_hash')} != {config_hash})"
+        changes = describe_changes(recorded["settings"], settings)
+        return ", changed:\n" + changes if changes else f" (config_hash {recorded.get('config_hash')} != {config_hash})"
 
     # -- shards ------------------------------------------------------------------------------
     def shard_path(self, unit: str, ext: str) -> Path:
@@ -363,9 +486,11 @@ class StageDir:
         """Write the manifest last: it marks the stage complete. Files/bytes/checksums come from sidecars."""
         units = self.done_units()
         files = [f for u in units.values() for f in u.get("files", [])]
+        state = self.path / "state.json"
         manifest = {
             "stage": self.stage,
             "config_hash": config_hash,
+            "settings": read_json(state).get("settings") if state.exists() else None,
             "fingerprint": fingerprint,
             "inputs": inputs or {},
             "counts": counts or {},
@@ -380,6 +505,7 @@ class StageDir:
             **(extra or {}),
         }
         atomic_write_json(self.manifest_path, manifest)
+        release_locks(self.path)
         return manifest
 
 

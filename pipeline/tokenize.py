@@ -28,7 +28,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import RunConfig, section_hash
+from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import encode_chat, end_of_turn_ids
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint,
@@ -191,10 +191,11 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     fingerprint = tokenize_fingerprint(cfg, location, tokenizer)
     check_fingerprint({k: fingerprint[k] for k in ("target", "tokenizer", "enable_thinking")},
                       regen_manifest["fingerprint"], what="the regenerated data (regen stage)", producer="drafter regen")
-    config_hash = section_hash(cfg.target, {"max_len": cfg.regen.max_len, "min_loss_tokens": min_loss_tokens(cfg)},
-                               regen_manifest["config_hash"])
+    config_hash, settings = config_record(target=cfg.target, regen={"max_len": cfg.regen.max_len,
+                                                                    "min_loss_tokens": min_loss_tokens(cfg)},
+                                          regen_output=regen_manifest["config_hash"])
     stage = StageDir(cfg.run_dir, "tokenize")
-    if not stage.begin(config_hash, force=force, ranks=ranks):
+    if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
         return stage.manifest()
     units = sorted(f["name"][: -len(".parquet")] for f in regen_manifest["files"])
     mine = units_for_rank(units, ranks)

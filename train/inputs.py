@@ -62,6 +62,7 @@ def expected_feature_fingerprint(cfg: RunConfig, location: str, tokenizer, targe
         "layer_ids": configured_layer_ids(cfg.extract, text.num_hidden_layers),
         "layer_convention": LAYER_CONVENTION,
         "hidden_size": text.hidden_size,
+        "storage_dtype": cfg.extract.storage_dtype,
     }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pipeline.config import RunConfig, section_hash
+from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, summary
 from pipeline.runner import RankInfo, StageDir, input_ref
 from train.distributed import barrier, init_distributed, rank0_first
@@ -27,13 +27,14 @@ from train.trainer import Trainer
 log = get_logger("train")
 
 
-def train_config_hash(cfg: RunConfig, inputs: TrainInputs) -> str:
-    """The hash a finished train stage is compared with: drafter + train sections + the input fingerprint.
+def train_config_record(cfg: RunConfig, inputs: TrainInputs) -> tuple[str, dict]:
+    """(hash, settings) a finished train stage is compared with: drafter + train sections + the input fingerprint.
     Fields that change how the run is observed or scheduled, not the weights it produces, stay out of it (so a
     resumed run may use more workers or log more often)."""
     operational = dict(wandb=None, num_workers=0, log_every=0, eval_every=0, save_every=0, eval_max_samples=0,
                        compile=False, activation_checkpointing=False)
-    return section_hash(cfg.drafter, dataclasses.replace(cfg.train, **operational), inputs.fingerprint)
+    return config_record(drafter=cfg.drafter, train=dataclasses.replace(cfg.train, **operational),
+                         fingerprint=inputs.fingerprint)
 
 
 def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:
@@ -43,8 +44,8 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
         log.warning("--world-size %d ignored: the process group has %d ranks", ranks.world_size, dist.world_size)
     inputs = open_inputs(cfg)
     stage = StageDir(cfg.run_dir, "train")
-    config_hash = train_config_hash(cfg, inputs)
-    if not rank0_first(lambda: stage.begin(config_hash, force=force), dist.is_main):
+    config_hash, settings = train_config_record(cfg, inputs)
+    if not rank0_first(lambda: stage.begin(config_hash, force=force, settings=settings), dist.is_main):
         if dist.is_main:
             summary("train", f"already complete at {stage.path} (same config)")
         return stage.manifest()

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import RunConfig, section_hash, to_dict
+from pipeline.config import RunConfig, config_record, to_dict
 from pipeline.curate.chunks import default_workers, read_chunks, work_file
 from pipeline.curate.clean import DROP_REASONS
 from pipeline.curate.dedup import LSH_WEIGHTS, SHINGLE_WORDS, exact_duplicates, near_duplicates
@@ -43,14 +43,14 @@ OUTPUT_COLUMNS = [f.name for f in CONVERSATION_SCHEMA]
 log = get_logger("curate")
 
 
-def curate_config_hash(cfg: RunConfig) -> str:
-    """Hash of everything that shapes the output. `num_workers` and `max_error_rate` are left out: they
-    change how the work runs or whether it may finish, never what it writes (so a run that failed on
+def curate_config_record(cfg: RunConfig) -> tuple[str, dict]:
+    """(hash, settings) of everything that shapes the output. `num_workers` and `max_error_rate` are left out:
+    they change how the work runs or whether it may finish, never what it writes (so a run that failed on
     the error rate resumes with a higher limit)."""
     c = to_dict(cfg.curate)
     c.pop("num_workers")
     c.pop("max_error_rate")
-    return section_hash(c, {"seed": cfg.seed, "schema": SCHEMA_VERSION})
+    return config_record(curate=c, run={"seed": cfg.seed, "schema": SCHEMA_VERSION})
 
 
 def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
@@ -61,8 +61,8 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
     check_sources(cfg.curate)
     stage = StageDir(cfg.run_dir, "curate")
     work = StageDir(stage.path, "work")
-    chash = curate_config_hash(cfg)
-    if not stage.begin(chash, force=force):
+    chash, settings = curate_config_record(cfg)
+    if not stage.begin(chash, force=force, settings=settings):
         shutil.rmtree(work.path, ignore_errors=True)  # left over if a kill hit between manifest and cleanup
         m = stage.manifest()
         summary("curate", f"already complete: {m['counts']['train']} train + {m['counts']['eval']} eval "

@@ -37,7 +37,7 @@ from typing import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import RunConfig, section_hash
+from pipeline.config import RunConfig, config_record
 from pipeline.curate.schema import CONVERSATION_SCHEMA  # regen writes the curate schema back, answers replaced
 from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import (MalformedConversation, Skeleton, end_of_turn_ids, prompt_ids, skeleton,
@@ -153,10 +153,11 @@ def regen_fingerprint(cfg: RunConfig, location: str, tokenizer) -> dict:
     }
 
 
-def regen_config_hash(cfg: RunConfig, curate_manifest: dict) -> str:
-    """What decides the output: target, sampling, unit layout and the curated input."""
+def regen_config_record(cfg: RunConfig, curate_manifest: dict) -> tuple[str, dict]:
+    """(hash, settings) of what decides the output: target, sampling, unit layout and the curated input."""
     layout = {"shard_size": cfg.regen.shard_size, "max_samples": cfg.regen.max_samples}
-    return section_hash(cfg.target, sampling_fields(cfg), layout, curate_manifest["config_hash"])
+    return config_record(target=cfg.target, sampling=sampling_fields(cfg), regen=layout,
+                         curate_output=curate_manifest["config_hash"])
 
 
 def request_seed(base: int, conv_id: str, turn: int) -> int:
@@ -376,11 +377,11 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
     location = materialize_target(cfg.target, cfg.cache_dir)
     tokenizer = load_tokenizer(location, cfg.target)
     fingerprint = regen_fingerprint(cfg, location, tokenizer)
-    config_hash = regen_config_hash(cfg, curate_manifest)
+    config_hash, settings = regen_config_record(cfg, curate_manifest)
     if cfg.regen.backend == "none":
         log.warning("regen.backend is 'none': keeping the dataset's answers (off-policy data)")
 
-    if stage.begin(config_hash, force=force, ranks=ranks):
+    if stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
         units, total = plan_units(curate_train_files(curate), cfg.regen.shard_size, cfg.regen.max_samples)
         mine = units_for_rank(units, ranks)
         todo = [u for u in mine if not stage.unit_done(u.name)]

@@ -97,6 +97,16 @@ def test_refuses_tokenize_output_made_with_another_tokenizer(tmp_path):
     assert not (cfg.run_dir / "extract" / "manifest.json").exists()
 
 
+def test_a_finished_extraction_refuses_another_config_naming_the_changed_keys(tmp_path):
+    cfg = extract_config(tmp_path)
+    write_tokenize_stage(cfg, LENGTHS[:4])
+    run_extract(cfg)
+    changed = extract_config(tmp_path, "extract.shard_tokens=300", "extract.layer_ids=[0,2,4]")
+    with pytest.raises(StageError, match=r"another config, changed:\n  extract.shard_tokens: 600 -> 300\n"
+                                         r"  fingerprint.layer_ids: \[1, 3, 5\] -> \[0, 2, 4\]\npass --force"):
+        run_extract(changed)
+
+
 def test_bad_samples_are_counted_with_reasons_not_crashing(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

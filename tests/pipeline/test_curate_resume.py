@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -127,6 +128,39 @@ def test_finished_stage_reruns_as_a_noop_and_refuses_another_config(synthetic):
     assert files() == before
 
     changed = load_config(write_config(root, "noop", sources, total=7000, eval_size=50))
-    with pytest.raises(StageError, match="made with another config.*--force"):
+    with pytest.raises(StageError, match=r"made with another config, changed:\n  curate.total: 8000 -> 7000\n"
+                                         r"pass --force"):
         run_curate(changed)
     assert run_curate(changed, force=True)["counts"]["train"] == 7000
+
+
+@pytest.mark.slow
+def test_a_second_curate_on_the_same_run_is_refused_naming_the_first_and_a_killed_runs_lock_is_taken_over(synthetic):
+    root, data = synthetic
+    cfg_path = write_config(root, "twice", data["sources"])
+    stage = root / "runs" / "twice" / "curate"
+    first = start_cli(cfg_path)
+    lock = stage / "lock"
+    deadline = time.time() + 120
+    while not (lock.exists() and f'"pid": {first.pid}' in lock.read_text()):
+        assert first.poll() is None and time.time() < deadline, first.stderr.read().decode()[-2000:]
+        time.sleep(0.005)
+    os.killpg(first.pid, signal.SIGSTOP)  # the first run holds the lock, mid-way, for as long as the test needs
+    try:
+        second = subprocess.run([sys.executable, "-m", "drafter.cli", "curate", "--config", str(cfg_path)],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert f"stage 'curate' at {stage} is in use by pid {first.pid} on host {socket.gethostname()}" in second.stderr
+        assert "wait for that run to finish" in second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # now the holder dies without releasing its lock
+        first.wait()
+    assert not (stage / "manifest.json").exists()
+    third = start_cli(cfg_path)
+    out, err = third.communicate(timeout=300)
+    assert third.returncode == 0, err.decode()[-2000:]
+    assert f"taking over the lock of pid {first.pid}" in err.decode()
+    counts = read_json(stage / "manifest.json")["counts"]
+    assert (counts["train"], counts["eval"]) == (25000, 300)
+    ids = all_ids(stage.parent)
+    assert len(ids) == len(set(ids)) == 25300

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ from pipeline.runner import (
     AtomicFile,
     FingerprintMismatch,
     RankInfo,
+    StageBusy,
     StageDir,
     StageError,
     atomic_write_json,
@@ -71,6 +74,25 @@ def test_complete_stage_is_a_noop_with_the_same_config_and_refused_with_another(
         stage.begin("hash-b")
     assert stage.begin("hash-b", force=True) is True
     assert not stage.is_complete()
+
+
+def test_a_config_change_is_refused_with_the_changed_keys_old_and_new(tmp_path):
+    from pipeline.config import TrainConfig, config_record
+
+    stage = StageDir(tmp_path, "train")
+    old_hash, old = config_record(train=TrainConfig(lr=1e-3), inputs={"layer_ids": [1, 3, 5]})
+    new_hash, new = config_record(train=TrainConfig(lr=2e-3, num_anchors=8), inputs={"layer_ids": [1, 3, 5]})
+    stage.begin(old_hash, settings=old)
+    with pytest.raises(StageError, match=r"partial work from another config, changed:\n"
+                                         r"  train.lr: 0.001 -> 0.002\n  train.num_anchors: 512 -> 8\n"
+                                         r"pass --force to start over") as err:
+        stage.begin(new_hash, settings=new)
+    assert old_hash not in str(err.value)
+    stage.write_manifest(config_hash=old_hash, fingerprint={}, started=time.time())
+    assert stage.manifest()["settings"] == old
+    with pytest.raises(StageError, match=r"is complete but was made with another config, changed:\n"
+                                         r"  train.lr: 0.001 -> 0.002\n  train.num_anchors: 512 -> 8\n"):
+        stage.begin(new_hash, settings=new)
 
 
 def test_partial_work_from_another_config_is_refused(tmp_path):
@@ -178,3 +200,50 @@ def test_force_is_refused_for_a_rank_of_a_split_run(tmp_path):
     with pytest.raises(StageError, match="--force with several ranks"):
         stage.begin("h", force=True, ranks=RankInfo(1, 2))
     assert stage.begin("h", force=True, ranks=RankInfo(0, 1)) is True
+
+
+def _hold_stage(run_dir, stage: str, rank: int = 0, world_size: int = 1) -> subprocess.Popen:
+    """Another process that begins `stage` (taking its lock) and then sleeps."""
+    code = (f"import time\nfrom pipeline.runner import RankInfo, StageDir\n"
+            f"StageDir(r'{run_dir}', '{stage}').begin('h', ranks=RankInfo({rank}, {world_size}))\n"
+            "print('holding', flush=True); time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"holding"
+    return proc
+
+
+def test_a_second_process_on_a_stage_is_refused_naming_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    holder = _hold_stage(tmp_path, "train")
+    try:
+        with pytest.raises(StageBusy, match=rf"stage 'train' at {tmp_path / 'train'} is in use by pid {holder.pid} "
+                                            rf"on host {socket.gethostname()} .*wait for that run to finish"):
+            StageDir(tmp_path, "train").begin("h")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    stage = StageDir(tmp_path, "train")  # the kernel dropped the dead holder's lock: taken over
+    assert stage.begin("h") is True
+    stage.write_manifest(config_hash="h", fingerprint={}, started=time.time())  # releases the lock
+    assert (tmp_path / "train" / "lock").read_text() == ""
+    assert StageDir(tmp_path, "train").begin("h") is False
+
+
+def test_ranks_of_a_split_run_lock_their_own_slice(tmp_path):
+    holder = _hold_stage(tmp_path, "extract", rank=0, world_size=2)
+    try:
+        assert StageDir(tmp_path, "extract").begin("h", ranks=RankInfo(1, 2)) is True  # another rank: allowed
+        with pytest.raises(StageBusy, match=rf"\(rank 0\) is in use by pid {holder.pid}"):
+            StageDir(tmp_path, "extract").begin("h", ranks=RankInfo(0, 2))  # the same rank twice: refused
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
+def test_a_damaged_manifest_is_an_error_naming_the_file_and_the_fix(tmp_path):
+    stage = StageDir(tmp_path, "extract")
+    stage.begin("h")
+    stage.write_manifest(config_hash="h", fingerprint={}, started=time.time())
+    stage.manifest_path.write_text('{"stage": "extract", "config_')
+    with pytest.raises(StageError, match=rf"{stage.manifest_path} is not valid JSON .*delete it and run "
+                                         r"`drafter extract` again"):
+        stage.manifest()

@@ -50,8 +50,9 @@ def _samples(n: int, seed: int, lo: int = 48, hi: int = 160) -> list[dict]:
     return out
 
 
-def write_extract_stage(cfg, n: int = 32, seed: int = 0, storage: str = "float32", **fp_overrides) -> list[dict]:
-    """A finished extract stage for `cfg`: the tiny target's real tap features of synthetic samples."""
+def write_extract_stage(cfg, n: int = 32, seed: int = 0, **fp_overrides) -> list[dict]:
+    """A finished extract stage for `cfg`: the tiny target's real tap features of synthetic samples, stored in
+    `cfg.extract.storage_dtype`."""
     from transformers import AutoConfig
 
     from extract.layers import forward_taps
@@ -61,7 +62,7 @@ def write_extract_stage(cfg, n: int = 32, seed: int = 0, storage: str = "float32
 
     loc = materialize_target(cfg.target, cfg.cache_dir)
     fp = expected_feature_fingerprint(cfg, loc, load_tokenizer(loc, cfg.target), AutoConfig.from_pretrained(loc))
-    fp = {**fp, "storage_dtype": storage, **fp_overrides}
+    fp = {**fp, **fp_overrides}
     target = load_target(loc, cfg.target, device=torch.device("cpu"))
     samples = _samples(n, seed)
     for s in samples:
@@ -112,6 +113,17 @@ def test_train_refuses_features_extracted_from_other_layers(tmp_path):
     assert not (cfg.run_dir / "train" / "manifest.json").exists()
 
 
+def test_train_refuses_features_stored_in_another_dtype_than_the_config_says(tmp_path):
+    from pipeline.runner import FingerprintMismatch
+    from train.stage import run_train
+
+    write_extract_stage(make_config(tmp_path, overrides=FAST), n=4)  # bfloat16, as configs/tiny.yaml says
+    cfg = make_config(tmp_path, overrides=FAST + ["extract.storage_dtype=fp8"])
+    with pytest.raises(FingerprintMismatch, match="storage_dtype: this config wants 'fp8', extract has 'bfloat16'"):
+        run_train(cfg)
+    assert not (cfg.run_dir / "train" / "manifest.json").exists()
+
+
 def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_back(tmp_path):
     from safetensors.torch import load_file
 
@@ -147,7 +159,7 @@ def test_online_features_give_the_same_loss_curve_as_stored_features(tmp_path):
     the same loss at every step."""
     from train.stage import run_train
 
-    overrides = FAST + ["train.max_steps=3", "train.eval_every=0", "train.save_every=0"]
+    overrides = FAST + ["train.max_steps=3", "train.eval_every=0", "train.save_every=0", "extract.storage_dtype=float32"]
     offline = make_config(tmp_path / "offline", overrides=overrides)
     samples = write_extract_stage(offline, n=16)
     run_train(offline)
