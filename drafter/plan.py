@@ -40,13 +40,9 @@ def target_shape(cfg: RunConfig) -> TargetShape:
     """The target's shape: from KNOWN_TARGETS, else from its config (local dir, random target or HF cache)."""
     if cfg.target.model in KNOWN_TARGETS:
         return KNOWN_TARGETS[cfg.target.model]
-    from transformers import AutoConfig
+    from pipeline.target import open_target
 
-    from pipeline.target import materialize_target
-
-    loc = materialize_target(cfg.target, cfg.cache_dir)
-    c = AutoConfig.from_pretrained(loc, trust_remote_code=cfg.target.trust_remote_code)
-    c = getattr(c, "text_config", None) or c
+    c = open_target(cfg.target, cfg.cache_dir).text
     d, L, V, inter = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
     params = L * (4 * d * d + 3 * d * inter) + 2 * V * d
     return TargetShape(L, d, inter, V, float(params))

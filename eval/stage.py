@@ -42,13 +42,7 @@ from pipeline.runner import (
     sha256_file,
     units_for_rank,
 )
-from pipeline.target import (
-    load_target,
-    load_tokenizer,
-    materialize_target,
-    target_fingerprint,
-    tokenizer_fingerprint,
-)
+from pipeline.target import load_target, open_target, text_config
 
 log = get_logger("eval")
 
@@ -141,7 +135,7 @@ def check_drafter_fits_target(drafter_cfg: dict, target_config: Any, train_manif
     drafter_cfg: the drafter's z-lab config.json (hidden_size, vocab_size?, dflash_config.target_layer_ids,
     dflash_config.mask_token_id, num_target_layers?).
     """
-    text = getattr(target_config, "text_config", None) or target_config
+    text = text_config(target_config)
     n_layers, hidden, vocab = text.num_hidden_layers, text.hidden_size, text.vocab_size
     dcfg = drafter_cfg.get("dflash_config") or {}
     problems = []
@@ -318,13 +312,9 @@ def _log_wandb(cfg: RunConfig, report: dict, stage_path: Path) -> None:
 def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
     started = time.time()
     check_eval_config(cfg)
-    from transformers import AutoConfig
-
-    location = materialize_target(cfg.target, cfg.cache_dir)
-    tokenizer = load_tokenizer(location, cfg.target)
-    target_config = AutoConfig.from_pretrained(location, revision=cfg.target.revision,
-                                               trust_remote_code=cfg.target.trust_remote_code)
-    tok_fp = tokenizer_fingerprint(tokenizer)
+    target = open_target(cfg.target, cfg.cache_dir)
+    location, tokenizer, target_config = target.location, target.tokenizer, target.config
+    tok_fp = target.fingerprint["tokenizer"]
     dpath = drafter_dir(cfg)
     drafter_cfg = read_json(dpath / "config.json")
     train_manifest = train_manifest_for(dpath)
@@ -336,7 +326,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     else:
         log.warning("no train manifest beside %s: the drafter's tokenizer cannot be checked against the target's", dpath)
     d_sha = drafter_sha(dpath)
-    fingerprint = {"target": target_fingerprint(location, cfg.target), "tokenizer": tok_fp,
+    fingerprint = {**target.fingerprint,
                    "drafter": {"path": str(dpath), "sha": d_sha}, "enable_thinking": cfg.target.enable_thinking}
     config_hash, settings = config_record(eval=cfg.eval, target=cfg.target, fingerprint=fingerprint)
 
@@ -416,7 +406,7 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
     target = load_target(location, cfg.target)
     drafter, _ = _load_drafter(dpath, target, target.device)
     stop = _stop_token_ids(tokenizer, target)
-    text = getattr(target_config, "text_config", None) or target_config
+    text = text_config(target_config)
     max_prompt = int(getattr(text, "max_position_embeddings", 1 << 30)) - cfg.eval.max_new_tokens - block_size
     warm_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Warmup"}],
                                enable_thinking=cfg.target.enable_thinking)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from eval.tree import Tree
 from extract.layers import TapHooks
+from pipeline.target import text_config
 
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding")
 MASKABLE_ATTENTION = ("sdpa", "eager")
@@ -40,10 +41,6 @@ MASKABLE_ATTENTION = ("sdpa", "eager")
 
 class TreeUnsupportedError(ValueError):
     """The target cannot verify a tree (recurrent layers, or an attention backend without arbitrary masks)."""
-
-
-def text_config(config):
-    return getattr(config, "text_config", None) or config
 
 
 def recurrent_layer_types(config) -> list[str]:

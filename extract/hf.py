@@ -30,7 +30,7 @@ from extract.layers import call_decoder_layer, forward_taps, forward_taps_loop, 
 from extract.store import STORAGE_DTYPES, ShardWriter, encode_features
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
-from pipeline.target import load_target, resolve_device, resolve_dtype
+from pipeline.target import load_target, resolve_device, resolve_dtype, text_config
 
 log = get_logger("extract.hf")
 
@@ -129,7 +129,7 @@ def compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torc
         if reason is not None:
             raise RuntimeError(reason)
         layer_call = compiled_layer_call()
-        vocab = model.config.get_text_config().vocab_size
+        vocab = text_config(model.config).vocab_size
         gen = torch.Generator().manual_seed(0)
         started = time.perf_counter()
         for B, S in COMPILE_PROBES:
@@ -359,7 +359,7 @@ class HFExtractor:
         self.layer_ids = list(layer_ids)
         self.ecfg = ecfg
         self.forward = compiled_forward(self.model, self.layer_ids, ecfg.compile, self.device)
-        n, D = len(self.layer_ids), self.model.config.get_text_config().hidden_size
+        n, D = len(self.layer_ids), text_config(self.model.config).hidden_size
         row = n * D * STORAGE_DTYPES[ecfg.storage_dtype][2]
         self.sink = DiskSink(self.device, writer_threads=ecfg.writer_threads, staging_buffers=ecfg.staging_buffers,
                              buffer_bytes=ecfg.tokens_per_batch * row,

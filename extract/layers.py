@@ -29,6 +29,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from pipeline.target import text_config
+
 LAYER_CONVENTION = "dflash:output-of-layer"
 
 
@@ -126,8 +128,7 @@ def tap_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder-layer list of a HF causal LM or its base model (``model.model.layers`` and friends)."""
     config = getattr(model, "config", None)
-    text = getattr(config, "text_config", None) or config
-    n = getattr(text, "num_hidden_layers", None)
+    n = text_config(config).num_hidden_layers if config is not None else None
     for candidate in (model, getattr(model, "model", None), getattr(getattr(model, "model", None), "language_model", None)):
         layers = getattr(candidate, "layers", None)
         if isinstance(layers, nn.ModuleList) and (n is None or len(layers) == n):
@@ -238,8 +239,7 @@ def plain_decoder_refusal(model: nn.Module, layer_ids: Sequence[int]) -> str | N
     inside the base forward, say) is caught by comparing both on a probe batch (`extract.hf`).
     """
     base = base_model(model)
-    cfg = getattr(model, "config", None)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(model.config)
     if getattr(text, "_attn_implementation", None) != "sdpa":
         return f"attention implementation {getattr(text, '_attn_implementation', None)!r} is not 'sdpa'"
     if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding) or getattr(base, "rotary_emb", None) is None:

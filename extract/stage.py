@@ -188,25 +188,18 @@ class ExtractContext:
 
 def extract_context(cfg: RunConfig) -> ExtractContext:
     """Resolve the target, the taps and the fingerprint; refuse a tokenize output made for another target."""
-    from transformers import AutoConfig
-
-    from pipeline.target import load_tokenizer, materialize_target, target_fingerprint, tokenizer_fingerprint
+    from pipeline.target import open_target
 
     tok_stage = StageDir(cfg.run_dir, "tokenize")
     tok_manifest = tok_stage.manifest()
-    location = materialize_target(cfg.target, cfg.cache_dir)
-    tokenizer = load_tokenizer(location, cfg.target)
-    target_fp = target_fingerprint(location, cfg.target)
-    tok_fp = tokenizer_fingerprint(tokenizer)
-    check_fingerprint({"target": target_fp, "tokenizer": tok_fp}, tok_manifest.get("fingerprint", {}),
+    target = open_target(cfg.target, cfg.cache_dir)
+    check_fingerprint(target.fingerprint, tok_manifest.get("fingerprint", {}),
                       what=f"tokenize output {tok_stage.path}", producer="tokenize")
-    hf_cfg = AutoConfig.from_pretrained(location, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
-    text = getattr(hf_cfg, "text_config", None) or hf_cfg
+    text = target.text
     e = cfg.extract
     layer_ids = configured_layer_ids(e, text.num_hidden_layers)
     fingerprint = {
-        "target": target_fp,
-        "tokenizer": tok_fp,
+        **target.fingerprint,
         "layer_ids": layer_ids,
         "layer_convention": LAYER_CONVENTION,
         "hidden_size": int(text.hidden_size),
@@ -216,7 +209,7 @@ def extract_context(cfg: RunConfig) -> ExtractContext:
     config_hash, settings = config_record(
         target=target_out, fingerprint=fingerprint, tokenize_output=tok_manifest["config_hash"],
         extract={"backend": e.backend, "shard_tokens": e.shard_tokens, "max_samples": e.max_samples})
-    return ExtractContext(location, layer_ids, int(text.num_hidden_layers), int(text.hidden_size),
+    return ExtractContext(target.location, layer_ids, int(text.num_hidden_layers), int(text.hidden_size),
                           int(text.vocab_size), fingerprint, config_hash, settings, tok_stage, tok_manifest)
 
 

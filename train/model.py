@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.config import ConfigError
+from pipeline.target import text_config
 from train.blocks import FULL, SLIDING, BlockBatch, dense_block_mask, flex_block_mask
 
 INIT_STD = 0.02  # Qwen3 initializer_range
@@ -84,7 +85,7 @@ class DrafterArgs:
         has such a (padded, unused) row; otherwise a ConfigError (no silent fallback to pad/eos).
         """
         d = cfg.drafter
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        text = text_config(target_config)
         heads = d.num_attention_heads or text.num_attention_heads
         head_dim = d.head_dim or getattr(text, "head_dim", None) or text.hidden_size // heads
         num_target_layers = text.num_hidden_layers

@@ -45,8 +45,7 @@ from pipeline.regen.conversation import (MalformedConversation, Skeleton, end_of
 from pipeline.regen.generator import Generator, Sampling
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, input_ref,
                              units_for_rank)
-from pipeline.target import (load_tokenizer, materialize_target, target_fingerprint,
-                             tokenizer_fingerprint)
+from pipeline.target import OpenedTarget, open_target
 
 log = get_logger("regen")
 
@@ -143,10 +142,9 @@ def formatted(sk: Skeleton, templates: list[str] | None, k: int) -> Skeleton:
     return Skeleton(sk.system, [first, *sk.users[1:]])
 
 
-def regen_fingerprint(cfg: RunConfig, location: str, tokenizer) -> dict:
+def regen_fingerprint(cfg: RunConfig, target: OpenedTarget) -> dict:
     return {
-        "target": target_fingerprint(location, cfg.target),
-        "tokenizer": tokenizer_fingerprint(tokenizer),
+        **target.fingerprint,
         "enable_thinking": cfg.target.enable_thinking,
         "sampling": sampling_fields(cfg),
         "off_policy": cfg.regen.backend == "none",
@@ -374,9 +372,9 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
     curate = StageDir(cfg.run_dir, "curate")
     curate_manifest = curate.manifest()
     stage = StageDir(cfg.run_dir, "regen")
-    location = materialize_target(cfg.target, cfg.cache_dir)
-    tokenizer = load_tokenizer(location, cfg.target)
-    fingerprint = regen_fingerprint(cfg, location, tokenizer)
+    target = open_target(cfg.target, cfg.cache_dir)
+    tokenizer = target.tokenizer
+    fingerprint = regen_fingerprint(cfg, target)
     config_hash, settings = regen_config_record(cfg, curate_manifest)
     if cfg.regen.backend == "none":
         log.warning("regen.backend is 'none': keeping the dataset's answers (off-policy data)")
@@ -389,7 +387,7 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
                  len(units), len(mine), ranks.rank, ranks.world_size, len(todo), cfg.regen.backend)
         generator = None
         if todo and cfg.regen.backend != "none":
-            generator = build_generator(cfg, location, tokenizer, end_of_turn_ids(tokenizer, location))
+            generator = build_generator(cfg, target.location, tokenizer, end_of_turn_ids(tokenizer, target.location))
         bar = progress(total=len(todo), desc=f"regen rank {ranks.rank}", unit="shard")
         for unit in todo:
             rec = process_unit(unit, curate, stage, generator, tokenizer, cfg)

@@ -30,6 +30,7 @@ import torch
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
 from pipeline.regen.generator import Sampling, mask_padded_vocab, sample_next
+from pipeline.target import text_config
 
 log = get_logger("regen.static")
 
@@ -85,7 +86,7 @@ def attention_implementation(model, name: str | None):
 
 def supports_static_decode(config) -> bool:
     """True iff every decoder layer is plain full attention (no sliding window, no linear attention)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     types = getattr(text, "layer_types", None) or ["full_attention"]
     return all(t == "full_attention" for t in types) and not getattr(text, "use_sliding_window", False)
 

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.config import RegenConfig, TargetConfig
 from pipeline.regen.generator import Generation, Sampling, cut_at_stop
-from pipeline.target import build_vllm_engine
+from pipeline.target import build_vllm_engine, hf_config, text_config
 
 try:
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
@@ -62,10 +62,7 @@ class VLLMGenerator:
 
     @classmethod
     def load(cls, location: str, tcfg: TargetConfig, rcfg: RegenConfig, *, tokenizer, stop_ids, sampling):
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(location, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
-        padded = config.get_text_config().vocab_size > len(tokenizer)  # else the processor is not needed
+        padded = text_config(hf_config(location, tcfg)).vocab_size > len(tokenizer)  # else the processor is not needed
         llm = build_vllm_engine(
             location, tcfg, max_model_len=rcfg.max_model_len, gpu_memory_utilization=rcfg.gpu_memory_utilization,
             tensor_parallel_size=rcfg.tensor_parallel_size, enforce_eager=rcfg.enforce_eager, seed=rcfg.seed,
