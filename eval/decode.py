@@ -3,19 +3,22 @@
 Every method is the same round on a different tree (eval/tree.py layout; root = the bonus token):
 
     prefill   target on the prompt -> first bonus token (the first new token) and the prompt's tap features
-    round     draft       drafter.draft_logits(ctx features, bonus, start) -> [L, V]  (L = B-1; skipped for AR)
+    round     draft       the drafter's forward (eval/draft_forward.py): context K/V of the rows the last round
+                          committed + the block [bonus, MASK...] -> logits [L, V]  (L = B-1; skipped for AR)
               tree_build  AR: root only | chain: argmax of each row | DDTree: best-first top-`budget` prefixes;
                           then verify positions (start + depth) and the 4-D ancestor mask
               verify      one target forward over the 1+n tree rows (logits + taps)
               walk_commit target choice per row (argmax / one sample per row), device walk, ONE host read
-                          (accepted count, bonus, path tokens), KV compaction to the accepted path, drafter
-                          context = target features gathered at the accepted nodes (index_select with the path)
+                          (the round record, eval/round_record.py), KV compaction to the accepted path, the
+                          drafter's next context = target features gathered at the L+1 path nodes
     emits     accepted drafted tokens + the new bonus; tau = 1 + accepted (AR: 1)
 
 Lossless: at T = 0 the output equals AR greedy decoding token for token; at T > 0 each row is sampled from
 softmax(logits / T) with one uniform per row position (drawn for a fixed maximum row count per round from a
 seeded generator, so the stream does not depend on the tree's shape) and the same walk rule applies.
-The prefill is timed separately and excluded from `timings["decode"]`.
+The prefill (target and drafter) is timed separately and excluded from `timings["decode"]`. On the GPU every
+step of a round (drafter, tree build, verify, walk) replays a CUDA graph per shape bucket; `warm_up` captures them
+all before timing.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import torch
 from torch import Tensor
 
 from eval import triton_kernels
-from eval.target_cache import TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
+from eval.draft_forward import draft_forward
 from eval.round_record import RoundRecord, parse_record, record_size
+from eval.target_cache import TargetCache, TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
 from eval.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
 from eval.verify import ancestor_table
 from eval.walk import Walk, target_choices, walk_tree
@@ -56,9 +60,10 @@ class DecodeResult:
     accepted_drafts: list[int]  # tau - 1 per round
     draft_depths: list[int]  # deepest drafted depth offered per round (AR 0, chain B-1, DDTree the tree's depth)
     tree_sizes: list[int]  # drafted nodes verified per round (root excluded)
-    timings: dict[str, float] = field(default_factory=dict)  # prefill, decode, draft, tree_build, verify, walk_commit
+    timings: dict[str, float] = field(default_factory=dict)  # prefill, decode; + PHASES with phase timing
     stop_reason: str = "max_new_tokens"  # or "stop_token"
     verify_path: str = ""  # eval.target_cache TargetCache.describe(): the verify forward these timings come from
+    draft_path: str = ""  # eval.draft_forward DraftForward.describe(): the drafter's forward ('' for AR)
 
 
 class _Clock:
@@ -98,7 +103,8 @@ def decode(method: str, target, drafter, prompt_ids: Sequence[int] | Tensor, *, 
     """Decode one response with `method` ('ar' | 'chain' | 'ddtree'); see the module docstring.
 
     target: HF causal LM (sdpa/eager attention for 'ddtree'). drafter: train.model.DFlashDrafter with the target
-    head attached (unused for 'ar'). budget: DDTree node budget. tree_builder: 'device' (default) or 'heap' (the
+    head attached, run by eval.draft_forward (or an object implementing DraftForward's calls); unused for 'ar'.
+    budget: DDTree node budget. tree_builder: 'device' (default) or 'heap' (the
     CPU reference, identical trees). cache_impl: eval.target_cache.target_cache impl ('auto': CUDA graphs on GPU,
     dynamic KV on CPU). phase_timing: synchronize at phase boundaries to fill the per-phase timings.
     """
@@ -124,28 +130,61 @@ def decode(method: str, target, drafter, prompt_ids: Sequence[int] | Tensor, *, 
                        phase_timing)
 
 
+def _capacity(length: int, rows_max: int, L: int) -> int:
+    """Rows a decode up to `length` committed rows may ever hold: its last verify (rows_max rows) and the L+1
+    rows a compaction writes past the committed ones, + 1."""
+    return length + max(rows_max, L + 1) + 1
+
+
+@dataclass
+class _Decoder:
+    """What a decode of one (method, target, drafter, settings) uses: the target cache, the drafter's forward and
+    the round's device ops (each reused across decode calls, with their buffers and CUDA graphs)."""
+
+    cache: TargetCache
+    draft: object  # eval.draft_forward.DraftForward (or a drafter implementing its calls); None for AR
+    ops: "RoundOps"
+    rows_max: int  # verify rows of a round: 1 + drafted nodes
+
+    @classmethod
+    def of(cls, method, target, drafter, budget, tree_builder, cache_impl, temperature) -> "_Decoder":
+        device = target.get_input_embeddings().weight.device
+        vocab = target.get_output_embeddings().weight.shape[0]
+        L = 0 if method == "ar" else drafter.args.block_size - 1
+        taps = () if method == "ar" else tuple(drafter.args.target_layer_ids)
+        cache = target_cache(target, taps, cache_impl)
+        draft = None if method == "ar" else draft_forward(drafter, graphs=cache.graphs)
+        ops = round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device)
+        return cls(cache, draft, ops, 1 + ops.num_nodes)
+
+    def reset(self, length: int) -> None:
+        """Empty caches with room for `length` committed rows (buffers only grow: graphs survive)."""
+        capacity = _capacity(length, self.rows_max, self.ops.depth_limit)
+        self.cache.reset(capacity)
+        if self.draft is not None:
+            self.draft.reset(capacity)
+
+
 def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, temperature, seed, stop, tree_builder,
             cache_impl, phase_timing) -> DecodeResult:
     device = target.get_input_embeddings().weight.device
     prompt = _prompt_tensor(prompt_ids, device)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    L = 0 if method == "ar" else drafter.args.block_size - 1
-    rows_max = {"ar": 1, "chain": 1 + L, "ddtree": 1 + tree_size(budget or 0, L, vocab)}[method]
-    taps = () if method == "ar" else tuple(drafter.args.target_layer_ids)
-    cache = target_cache(target, taps, cache_impl)
+    dec = _Decoder.of(method, target, drafter, budget, tree_builder, cache_impl, temperature)
+    cache, draft, ops = dec.cache, dec.draft, dec.ops
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
 
     def uniforms() -> Tensor | None:  # one uniform per row position, fixed count per round
-        return None if generator is None else torch.rand(rows_max, generator=generator, device=device)
+        return None if generator is None else torch.rand(dec.rows_max, generator=generator, device=device)
 
     clock = _Clock(device, phase_timing)
     t0 = clock.now()
-    cache.reset(prompt.numel() + max_new_tokens + max(rows_max, L + 1) + 1)  # + the L+1 rows a compaction writes
+    dec.reset(prompt.numel() + max_new_tokens)
     out = cache.prefill(prompt)
     bonus_dev = target_choices(out.logits[-1:], temperature, uniforms())  # [1]
     bonus = int(bonus_dev)
-    context = out.features
-    draft_cache = drafter.new_cache() if method != "ar" else None
+    if draft is not None:
+        draft.prefill(out.features)
+    new_rows = None  # target features of the rows the last round committed (the drafter's new context)
     t1 = clock.now()
 
     output: list[int] = []
@@ -163,12 +202,9 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         return False
 
     done = emit([bonus])
-    ops = round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device)
     while not done:
         clock.start()
-        draft_logits = None
-        if method != "ar":
-            draft_logits = drafter.draft_logits(draft_cache, context.unsqueeze(0), bonus, cache.length)
+        draft_logits = None if draft is None else draft(new_rows, bonus_dev, cache.length)
         clock.lap("draft")
         tree, vin, ancestors = ops.build(draft_logits, bonus_dev)
         clock.lap("tree_build")
@@ -179,12 +215,11 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
         accepted, bonus = record.accepted, record.bonus
         if ops.compacts:  # the walk already moved the path's K/V rows to the front, advanced the device length
             cache.commit_compacted(accepted + 1)  # and gathered the path's features
-            if path_features is not None:
-                context = path_features[: accepted + 1]
+            new_rows = path_features
         else:
             cache.commit(walk.path, accepted + 1, contiguous=record.contiguous)
             if out.features is not None:
-                context = out.features.index_select(0, walk.path[: accepted + 1])
+                new_rows = out.features.index_select(0, walk.path)
         bonus_dev = walk.bonus
         result.accept_lengths.append(accepted + 1)
         result.accepted_drafts.append(accepted)
@@ -196,9 +231,32 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
 
     result.num_new_tokens = len(output)
     result.num_rounds = len(result.accept_lengths)
-    result.timings = {"prefill": t1 - t0, "decode": t2 - t1, **clock.totals}
+    result.timings = {"prefill": t1 - t0, "decode": t2 - t1, **(clock.totals if phase_timing else {})}
     result.verify_path = cache.describe()
+    result.draft_path = "" if draft is None else draft.describe()
     return result
+
+
+def warm_up(method: str, target, drafter, *, max_length: int, budget: int | None = None, temperature: float = 0.0,
+            tree_builder: str = "device", cache_impl: str = "auto") -> int:
+    """Capture, before anything is timed, every CUDA graph that decoding up to `max_length` committed rows (the
+    longest prompt + max_new_tokens) can use, so that timed decoding runs at steady state: the buffers are sized
+    for max_length once (they only grow, so no later decode reallocates them and drops graphs), then with CUDA
+    graphs one single-round decode runs at every context length where the target's verify or the drafter's step
+    enters a new key bucket (`TargetCache.bucket_lengths`, `DraftForward.bucket_lengths`).
+    Returns the number of decodes run (0 without CUDA graphs)."""
+    budget = budget if method == "ddtree" else None
+    dec = _Decoder.of(method, target, drafter, budget, tree_builder, cache_impl, temperature)
+    dec.reset(max_length + 2)  # room for the warm-up decodes below (2 tokens past their prompt)
+    if not dec.cache.graphs:
+        return 0
+    lengths = set(dec.cache.bucket_lengths(dec.rows_max, max_length))
+    if dec.draft is not None:
+        lengths |= set(dec.draft.bucket_lengths(max_length))
+    for length in sorted(lengths):  # `length` committed rows, the bonus, then exactly one round
+        decode(method, target, drafter, [0] * length, max_new_tokens=2, budget=budget, temperature=temperature,
+               tree_builder=tree_builder, cache_impl=cache_impl, phase_timing=False)
+    return len(lengths)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -108,6 +108,19 @@ class KVTargetCache(TargetCache):
             self.generation += 1
             self.kv = StaticKV(cfg.num_hidden_layers, heads, head_dim, capacity, self.forward.dtype, self.forward.device)
 
+    def bucket_lengths(self, rows: int, max_length: int) -> list[int]:
+        """One committed length per key bucket a verify of `rows` rows reaches up to max_length (static cache, after
+        reset(); [] for the dynamic cache)."""
+        if not self.static or self.kv is None:
+            return []
+        first, last = self.key_rows(1, rows), self.key_rows(max_length, rows)
+        return [min(max_length, max(1, kv_len - rows)) for kv_len in range(first, last + 1, KV_BUCKET)]
+
+    def key_rows(self, length: int, rows: int) -> int:
+        """Key rows a static verify of `rows` rows on `length` committed rows attends to: length + rows rounded up
+        to KV_BUCKET, at most the capacity (one verify graph per value)."""
+        return min(self.kv.capacity, -(-(length + rows) // KV_BUCKET) * KV_BUCKET)
+
     def describe(self) -> str:
         if not self.static:
             return "dynamic KV, HF forward"
@@ -159,7 +172,7 @@ class KVTargetCache(TargetCache):
     def verify(self, tree: Tree, vin: VerifyInputs) -> ForwardOutput:
         if not self.static:
             return self.forward(tree.tokens, vin.positions, vin.mask, self.dynamic)
-        kv_len = min(self.kv.capacity, -(-(self.length + tree.size) // KV_BUCKET) * KV_BUCKET)
+        kv_len = self.key_rows(self.length, tree.size)
         if self.fused is not None and not self._fused_checked:
             self._check_fused(kv_len, tree, vin)
         key = (tree.size, kv_len)

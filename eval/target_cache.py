@@ -121,6 +121,12 @@ class TargetCache:
     def reset(self, capacity: int) -> None:
         raise NotImplementedError
 
+    def bucket_lengths(self, rows: int, max_length: int) -> list[int]:
+        """Committed lengths (<= max_length), one per shape bucket a verify of `rows` rows reaches: where it first
+        needs a new step (a new CUDA graph under `graphs`), what a warm-up visits so that timed decoding captures
+        nothing; [] for a cache without shape buckets."""
+        return []
+
     def prefill(self, input_ids: Tensor) -> ForwardOutput:
         raise NotImplementedError
 

@@ -49,18 +49,14 @@ def random_drafter(target, seed: int = 0) -> DFlashDrafter:
                        vocab_size=cfg.vocab_size, block_size=BLOCK, mask_token_id=259, target_layer_ids=TAPS,
                        num_target_layers=cfg.num_hidden_layers)
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(args).eval()
+    drafter = DFlashDrafter(args).to(target.get_input_embeddings().weight.device).eval()
     drafter.attach_target_head(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     return drafter
 
 
-class OracleCache:
-    def __init__(self):
-        self.length = 0
-
-
 class OracleDrafter:
-    """The drafter protocol of train.model.DFlashDrafter, drafting from the target's known greedy continuation."""
+    """A drafter implementing eval.draft_forward.DraftForward's calls that drafts from the target's known greedy
+    continuation, and checks on the host that its context is the target's taps at exactly the committed rows."""
 
     def __init__(self, target, prompt: list[int], greedy: list[int], seed: int, decoy: float = 0.25, miss: float = 0.1,
                  host_checks: bool = True):
@@ -72,19 +68,33 @@ class OracleDrafter:
         self.seed, self.decoy, self.miss = seed, decoy, miss
         self.host_checks = host_checks  # False: no host reads and a pinned async upload (for sync counting)
         self.context_rows_checked = 0
+        self.length = 0  # context rows received
 
-    def new_cache(self):
-        return OracleCache()
+    def describe(self) -> str:
+        return "oracle"
 
-    def draft_logits(self, cache, new_context_features, bonus_token, start):
-        T_new = new_context_features.shape[1]
-        assert cache.length + T_new == start, "context bookkeeping: cache rows + new rows must reach start"
+    def reset(self, capacity: int) -> None:
+        self.length = 0
+
+    def prefill(self, features):
+        self._check_context(features, features.shape[0])
+        self.length = features.shape[0]
+
+    def _check_context(self, rows, n: int) -> None:
+        """rows[:n] must be the target's taps of the committed rows length..length+n-1."""
         if self.host_checks:
-            assert bonus_token == self.seq[start], "the bonus token is the committed token at `start`"
-            ref = self.features[cache.length:start]
-            assert torch.allclose(new_context_features[0], ref, atol=1e-4), "context must be the committed rows' taps"
-            self.context_rows_checked += T_new
-        cache.length = start
+            ref = self.features[self.length: self.length + n]
+            assert torch.allclose(rows[:n], ref, atol=1e-4), "context must be the committed rows' taps"
+            self.context_rows_checked += n
+
+    def __call__(self, new_rows, bonus, start):
+        if self.host_checks:
+            assert int(bonus) == self.seq[start], "the bonus token is the committed token at `start`"
+            assert new_rows is not None or start == self.length, "rows were committed but none were passed"
+        if new_rows is not None:
+            assert new_rows.shape[0] == BLOCK and start - self.length <= BLOCK
+            self._check_context(new_rows, start - self.length)
+        self.length = start
         gen = torch.Generator().manual_seed(self.seed * 100003 + start)
         logits = torch.randn(BLOCK - 1, self.vocab, generator=gen) * 0.5
         for k in range(1, BLOCK):
@@ -284,6 +294,44 @@ def test_cuda_graph_rounds_equal_ar_greedy_stay_on_graphs_and_sync_once_per_roun
             warnings.simplefilter("always")
             res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16, cache_impl="graphs",
                          phase_timing=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) <= res.num_rounds + 3, [str(w.message) for w in syncs[:5]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_warm_up_captures_every_graph_timed_decoding_uses_and_a_drafter_round_syncs_once():
+    """After `warm_up(max_length)`, decoding prompts up to that length (the random DFlash drafter, every method)
+    captures no new CUDA graph, nothing falls back to eager, the output is AR's, and a round with the drafter's
+    graph step still reads the host once."""
+    import warnings
+
+    from eval.decode import warm_up
+    from pipeline.cuda_graphs import GRAPH_LOG
+
+    target = tiny_target("qwen3", device="cuda")
+    drafter = random_drafter(target)
+    gen = torch.Generator().manual_seed(5)
+    batch = prompts(3, 12) + [torch.randint(3, 259, (300,), generator=gen).tolist()]  # spans several key buckets
+    max_new = 40
+    max_length = max(len(p) for p in batch) + max_new
+    fallbacks = len(GRAPH_LOG.fallbacks)
+    ar = {}
+    for method, budget in (("ar", None), ("chain", None), ("ddtree", 16)):
+        assert warm_up(method, target, drafter, max_length=max_length, budget=budget) >= 3
+        captured = GRAPH_LOG.captured
+        for i, prompt in enumerate(batch):
+            res = decode(method, target, drafter, prompt, max_new_tokens=max_new, budget=budget)
+            assert res.output_ids == ar.setdefault(i, res.output_ids), (method, i)
+            assert res.draft_path == ("" if method == "ar" else "static context, CUDA graphs")
+        assert GRAPH_LOG.captured == captured, f"{method}: timed decoding captured a graph the warm-up missed"
+    assert GRAPH_LOG.fallbacks[fallbacks:] == []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = decode("ddtree", target, drafter, batch[-1], max_new_tokens=max_new, budget=16, phase_timing=False)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]

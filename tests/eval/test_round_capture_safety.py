@@ -106,3 +106,30 @@ def test_a_graphs_first_call_leaves_in_place_state_as_one_run_does():
     assert torch.equal(x, torch.ones(4, device="cuda")) and torch.equal(out, x * 2)
     graph(torch.full((4,), 3.0, device="cuda"))
     assert not graph.disabled and torch.equal(x, torch.full((4,), 4.0, device="cuda"))
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+def test_draft_step_has_no_host_read_and_no_host_to_device_copy(layer_types):
+    """The drafter's step (eval/draft_forward.py: context append + block, every layer, LM head) on 'meta'."""
+    from eval.draft_forward import DraftForward
+    from train.model import DFlashDrafter, DrafterArgs
+
+    D, V, B = 64, 320, 8
+    args = DrafterArgs(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=128, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=V, block_size=B,
+                       mask_token_id=V - 1, target_layer_ids=[1, 3], num_target_layers=4, layer_types=layer_types,
+                       sliding_window=16)
+    dev = torch.device("meta")
+    with dev:
+        drafter = DFlashDrafter(args).eval()
+    drafter.attach_target_head(torch.empty(V, D, device=dev), torch.empty(V, D, device=dev))
+    step = DraftForward(drafter)
+    step.reset(3000)
+    bonus = torch.empty(1, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        step.prefill(torch.empty(700, 2 * D, device=dev))
+        step(None, bonus, 700)  # warm-up (per-shape device constants)
+        with HostTrafficChecker() as checker:
+            logits = step(torch.empty(B, 2 * D, device=dev), bonus, 705)
+    assert checker.ops > 50 and not checker.bad, checker.bad[:10]
+    assert logits.shape == (B - 1, V)

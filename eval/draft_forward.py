@@ -1,0 +1,204 @@
+"""The drafter's decode-time forward, rebuilt for the round: a static context cache and one fixed-shape step per key
+bucket, replayed as a CUDA graph on the GPU. The reference is train/model.py `DFlashDrafter.draft_logits` (growing
+per-layer caches, eager); this computes the same logits (tests/eval/test_draft_forward.py).
+
+Each round the drafter (docs/drafter.md, "KV injection") takes the target features of the rows the last round
+committed, stores their K/V as context rows, and runs the block [bonus, MASK x (B-1)] at positions
+start..start+B-1 against every context row and the block:
+
+    kv          [layers, 2, KVH, capacity, hd]   row p holds position p; rows 0..length-1 are the context
+    prefill(features [S, F])                     context rows 0..S-1 (eager: S varies per prompt)
+    step(new_rows [R, F], bonus [1], start)      context rows length..start-1 = K/V of new_rows[:start - length]
+                                                 (R >= start - length; all R rows are written, the ones at and past
+                                                 `start` are scratch that the block overwrites or the mask hides),
+                                                 then the block: its K/V at rows start..start+B-1, queries = the B
+                                                 block rows, keys = rows [0, kv_len) under the mask
+                                                   full layers:    key row k visible iff k < start + B
+                                                   sliding layers: k <= query position and k > position - window
+                                                 -> logits [B-1, V] of block slots 1..B-1 (slot k predicts start+k)
+
+kv_len = start + B rounded up to DRAFT_BUCKET (<= capacity), so the step's shapes are fixed by (R, kv_len). `length`
+and `start` also live on the device (0-dim int64 `past`, `start_dev`, filled by the host before each step: async
+fills, no sync): the step reads them there, so one capture per (R, kv_len) serves every round. With `graphs` (CUDA)
+each (R, kv_len) step is a pipeline.cuda_graphs.CudaGraphFn, checked against eager on its first replay. The logits
+land in one buffer shared by every bucket's step, so the tree-build graph that reads them never copies its input.
+
+The decoder passes the L+1 = B path rows its walk gathered (fixed shape) as `new_rows`; the first round of a prompt
+has no new rows (`start == length` after the prefill) and passes None.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
+from train.blocks import SLIDING
+from train.model import DecoderLayer, DFlashDrafter, apply_rope, rope_cos_sin
+
+DRAFT_BUCKET = 128  # attended key rows are rounded up to this (one step graph per bucket)
+CAPACITY_STEP = 2048  # the context buffer grows in these steps (graphs are kept while it does not grow)
+
+
+class DraftForward:
+    """The decode-time forward of one `DFlashDrafter` on a static context cache (module docstring)."""
+
+    def __init__(self, drafter: DFlashDrafter, *, graphs: bool = False):
+        if drafter.embed_weight is None:
+            raise RuntimeError("call attach_target_head(embed_weight, lm_head_weight) before decoding with a drafter")
+        self.drafter = drafter
+        self.args = drafter.args
+        self.block = drafter.args.block_size
+        weight = drafter.fc.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.graphs = graphs and self.device.type == "cuda"
+        self.kv: Tensor | None = None
+        self.length = 0  # context rows held (host)
+        self.past = torch.zeros((), dtype=torch.long, device=self.device)  # the step's `length` (rows before it)
+        self.start_dev = torch.zeros((), dtype=torch.long, device=self.device)  # the step's `start`
+        self.mask_ids = torch.full((self.block - 1,), drafter.args.mask_token_id, dtype=torch.long, device=self.device)
+        self.no_rows = torch.zeros(self.block, drafter.args.num_taps * drafter.args.hidden_size, dtype=self.dtype,
+                                   device=self.device)  # the new rows of a prompt's first round (none are new)
+        self.logits = torch.empty(self.block - 1, drafter.lm_head_weight.shape[0], dtype=drafter.lm_head_weight.dtype,
+                                  device=self.device)
+        self._steps: dict[tuple[int, int], object] = {}  # (R, kv_len) -> step fn / CUDA graph
+
+    def describe(self) -> str:
+        """How the draft step ran, for reports (like TargetCache.describe)."""
+        steps = [f for f in self._steps.values() if isinstance(f, CudaGraphFn)]
+        on_graphs = bool(steps) and not any(f.disabled for f in steps)
+        return "static context, " + ("CUDA graphs" if on_graphs else "eager")
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[3]
+
+    def reset(self, capacity: int) -> None:
+        """Empty context; room for `capacity` context rows plus a round's block and scratch rows. The buffer (and
+        the captured steps, which hold its address) is kept unless it must grow."""
+        need = capacity + 2 * self.block
+        if self.capacity < need:
+            a = self.args
+            rows = -(-need // CAPACITY_STEP) * CAPACITY_STEP
+            self.kv = None
+            self._steps.clear()
+            self.kv = torch.zeros(a.num_hidden_layers, 2, a.num_key_value_heads, rows, a.head_dim, dtype=self.dtype,
+                                  device=self.device)
+        self.length = 0
+
+    def bucket_lengths(self, max_length: int) -> list[int]:
+        """Context lengths (<= max_length), one per key bucket a step reaches: where it first needs a new step (a
+        new CUDA graph under `graphs`), what a warm-up visits so that timed decoding captures nothing."""
+        first, last = self.key_rows(1), self.key_rows(max_length)
+        return [min(max_length, max(1, kv_len - self.block)) for kv_len in range(first, last + 1, DRAFT_BUCKET)]
+
+    def key_rows(self, start: int) -> int:
+        """Key rows the step at `start` attends to: start + B rounded up to DRAFT_BUCKET, at most the capacity."""
+        return min(self.capacity, -(-(start + self.block) // DRAFT_BUCKET) * DRAFT_BUCKET)
+
+    # -- the forward ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, features: Tensor) -> None:
+        """Context rows 0..S-1 from the prompt's target features [S, F]."""
+        self.past.fill_(0)
+        self._write_context(features, self.past)
+        self.length = features.shape[0]
+
+    @torch.no_grad()
+    def __call__(self, new_rows: Tensor | None, bonus: Tensor, start: int) -> Tensor:
+        """Logits [B-1, V] of the block at `start` after appending new_rows[:start - length] as context (module
+        docstring). new_rows [R, F], or None when no row is new (a prompt's first round); bonus: int64 [1] or 0-dim
+        on the device (not read on the host)."""
+        new_rows = self.no_rows if new_rows is None else new_rows
+        new = start - self.length
+        if not 0 <= new <= new_rows.shape[0]:
+            raise ValueError(f"draft step: context holds {self.length} rows, start {start} needs {new} of "
+                             f"{new_rows.shape[0]} new rows")
+        if start + self.block > self.capacity - new_rows.shape[0]:
+            raise ValueError(f"draft step at {start}: the context buffer holds {self.capacity} rows; reset() it larger")
+        self.past.fill_(self.length)
+        self.start_dev.fill_(start)
+        kv_len = self.key_rows(start)
+        key = (new_rows.shape[0], kv_len)
+        step = self._steps.get(key)
+        if step is None:
+            step = functools.partial(self._step, kv_len)
+            if self.graphs:
+                step = CudaGraphFn(step, f"draft step R={key[0]} keys={kv_len}",
+                                   check=lambda g, e: relative_error(g, e) <= rounding_tolerance(self.dtype))
+            self._steps[key] = step
+        logits = step(new_rows, bonus.reshape(1))
+        self.length = start
+        return logits
+
+    def _step(self, kv_len: int, new_rows: Tensor, bonus: Tensor) -> Tensor:
+        """The fixed-shape step (no host value, nothing in place but K/V rows >= `past`, rewritten alike by a rerun):
+        append the new rows at `past`, then run the block at `start_dev`."""
+        self._write_context(new_rows, self.past)
+        d = self.drafter
+        start = self.start_dev
+        ids = torch.cat([bonus, self.mask_ids])
+        x = F.embedding(ids, d.embed_weight).to(self.dtype)  # [B, D]
+        rows = start + torch.arange(self.block, device=self.device)
+        cos, sin = rope_cos_sin(rows, self.args.head_dim, self.args.rope_theta, self.dtype)
+        masks = {t: self._block_mask(t, start, kv_len) for t in set(self.args.layer_types)}
+        for i, layer in enumerate(d.layers):
+            x = self._block_layer(layer, x, cos, sin, self.kv[i], rows, kv_len, masks[layer.layer_type])
+        return torch.mm(d.norm(x[1:]).to(self.logits.dtype), d.lm_head_weight.t(), out=self.logits)
+
+    def _write_context(self, features: Tensor, at: Tensor) -> None:
+        """K/V of context rows `features` [T, F] at rows/positions at..at+T-1 of every layer (at: 0-dim device)."""
+        ctx = self.drafter.fuse(features)
+        rows = at + torch.arange(features.shape[0], device=self.device)
+        cos, sin = rope_cos_sin(rows, self.args.head_dim, self.args.rope_theta, self.dtype)
+        for i, layer in enumerate(self.drafter.layers):
+            k, v = layer.self_attn.key_value(ctx, cos, sin)  # [KVH, T, hd]
+            self.kv[i, 0].index_copy_(1, rows, k)
+            self.kv[i, 1].index_copy_(1, rows, v)
+
+    def _block_mask(self, layer_type: str, start: Tensor, kv_len: int) -> Tensor:
+        """Additive mask [B, kv_len] of the block's queries over key rows 0..kv_len-1 (module docstring)."""
+        keys = torch.arange(kv_len, device=self.device)[None, :]
+        if layer_type == SLIDING:
+            q_pos = start + torch.arange(self.block, device=self.device)[:, None]
+            visible = (keys <= q_pos) & (keys > q_pos - self.args.sliding_window)
+        else:
+            visible = (keys < start + self.block).expand(self.block, kv_len)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(visible, zero, torch.finfo(self.dtype).min)
+
+    def _block_layer(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, rows: Tensor,
+                     kv_len: int, mask: Tensor) -> Tensor:
+        """One decoder layer over the block rows x [B, D] (train/model.py `DecoderLayer` with the context and
+        block K/V read from this layer's buffer kv [2, KVH, cap, hd], where the block's own K/V are written at
+        `rows`): attention with GQA broadcast by SDPA (no K/V copy)."""
+        attn, B = layer.self_attn, x.shape[0]
+        h = layer.input_layernorm(x)
+        q = apply_rope(attn.q_norm(attn.q_proj(h).view(B, attn.num_heads, attn.head_dim)).transpose(0, 1), cos, sin)
+        k, v = attn.key_value(h, cos, sin)
+        kv[0].index_copy_(1, rows, k)
+        kv[1].index_copy_(1, rows, v)
+        out = F.scaled_dot_product_attention(q[None], kv[0, :, :kv_len][None], kv[1, :, :kv_len][None],
+                                             attn_mask=mask, scale=attn.head_dim**-0.5, enable_gqa=True)[0]
+        x = x + attn.o_proj(out.transpose(0, 1).reshape(B, attn.num_heads * attn.head_dim))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def draft_forward(drafter, *, graphs: bool = False):
+    """The decode-time forward of `drafter`: one `DraftForward` per (DFlashDrafter, graphs), reused across decode
+    calls (its buffers and graphs persist). Any other drafter object is used as it is: it implements the same calls
+    (`args`, `reset`, `prefill`, `__call__`, `describe`), e.g. a drafter that drafts from a known continuation."""
+    if not isinstance(drafter, DFlashDrafter):
+        return drafter
+    per_drafter = _FORWARDS.setdefault(drafter, {})
+    if graphs not in per_drafter:
+        per_drafter[graphs] = DraftForward(drafter, graphs=graphs)
+    return per_drafter[graphs]
