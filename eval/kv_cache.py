@@ -28,7 +28,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache
 
 from eval.target_cache import (ForwardOutput, HFForward, TargetCache, TreeUnsupportedError, VerifyInputs,
-                               recurrent_layer_types, text_config, tree_unsupported_reason)
+                               recurrent_layer_types, tree_unsupported_reason)
 from eval.target_forward import VerifyForward, refusal
 from eval.tree import Tree
 from eval.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
@@ -36,6 +36,7 @@ from eval.verify import (ancestor_matrix, causal_attention_mask, tree_attention_
 from eval.walk import compact_path_rows, compact_rows
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
+from pipeline.target import text_config
 
 log = get_logger("eval.kv_cache")
 
