@@ -99,7 +99,7 @@ def run(a) -> dict | None:
         torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MAX)
     with tempfile.TemporaryDirectory() as scratch:  # the stage writes per-rank digest files; not kept here
         try:
-            digests = replica_digests(drafter, Path(scratch), dist.rank, world, a.zero_stage)
+            digests = replica_digests(drafter, Path(scratch), dist.rank, world, a.zero_stage == 3)
             identical = True
         except StageError as e:
             digests, identical = [str(e)], False

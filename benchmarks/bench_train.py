@@ -46,6 +46,10 @@ sys.path.insert(0, str(REPO))
 SHAPES = {
     "qwen3-8b": dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936,
                      taps=5, block=16, seq_len=3072, anchors=512, seqs=16, target_layers=36, mask_id=151669),
+    # SmolLM2-135M-Instruct's drafter as the H200 recipe trains it: 3 layers, 9/3 heads of 64, 5 taps of the 30-layer
+    # target, block 16; ~50 regenerated samples of ~320 tokens per 16K-token step, every loss position an anchor
+    "smollm2": dict(hidden=576, layers=3, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, taps=5,
+                    block=16, seq_len=320, anchors=512, seqs=50, target_layers=30, mask_id=49151),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=320, taps=3,
                  block=8, seq_len=256, anchors=16, seqs=4, target_layers=8, mask_id=300),
 }
@@ -178,7 +182,7 @@ def step_flops(args, micro_batches) -> float:
 
 
 def run_variant(name: str, shape: dict, seqs: int, device: torch.device, steps: int, warmup: int, zero_stage: int,
-                peak: float | None) -> Result:
+                peak: float | None, profile: bool = False) -> Result:
     from pipeline.config import TrainConfig
     from train.distributed import init_distributed
     from train.engine import TrainForward, build_engine, compile_layers
@@ -248,9 +252,28 @@ def run_variant(name: str, shape: dict, seqs: int, device: torch.device, steps: 
         loss = step()
     sync()
     dt = (time.perf_counter() - t0) / steps
+    if profile:
+        print_profile(step, sync, device)
     flops = step_flops(args, mbs)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return Result(name, seqs, 1e3 * dt / seqs, flops / dt / 1e12, (flops / dt / peak) if peak else None, mem, loss)
+
+
+def print_profile(step, sync, device: torch.device, rows: int = 30) -> None:
+    """One more step under torch.profiler: the ops with the most device (CUDA) or CPU self time, and the totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    wall = time.perf_counter() - t0
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = prof.key_averages()
+    print(events.table(sort_by=key, row_limit=rows), flush=True)
+    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e6
+    print(f"profiled step: {1e3 * wall:.1f} ms wall, {1e3 * busy:.1f} ms device busy", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,6 +352,7 @@ def main() -> int:
     p.add_argument("--max-batch", default=None, help="comma list of variants to search the largest micro-batch for")
     p.add_argument("--max-batch-limit", type=int, default=128)
     p.add_argument("--in-process", action="store_true", help="no subprocess per variant (default on CPU)")
+    p.add_argument("--profile", action="store_true", help="profile one more step per variant (torch.profiler table)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant subprocess")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -357,7 +381,7 @@ def main() -> int:
         results = []
         for v in variants:
             try:
-                r = run_variant(v, shape, seqs, device, steps, warmup, a.zero_stage, peak).__dict__
+                r = run_variant(v, shape, seqs, device, steps, warmup, a.zero_stage, peak, a.profile).__dict__
             except torch.cuda.OutOfMemoryError as e:
                 r = {"variant": v, "seqs": seqs, "ok": False, "error": "OOM: " + str(e).splitlines()[0]}
             results.append(r)

@@ -191,6 +191,10 @@ class TrainConfig:
     grad_accum: int = doc("micro-batches per optimizer step", 1)
     grad_clip: float = doc("gradient norm clip", 1.0)
     zero_stage: int = doc("DeepSpeed ZeRO stage (0-3)", 2)
+    engine: Literal["auto", "deepspeed", "torch"] = doc(
+        "'deepspeed' (ZeRO 0-3, any number of ranks), 'torch' (plain PyTorch, fp32 master weights, one process: "
+        "no DeepSpeed needed), 'auto' (deepspeed when installed, else torch)", "auto"
+    )
     precision: Literal["bf16", "fp32"] = doc("bf16 weights/activations with fp32 master weights, or fp32", "bf16")
     num_anchors: int = doc("anchors (blocks) sampled per sequence, re-drawn every epoch", 512)
     loss_gamma: Optional[float] = doc("decay exp(-(k-1)/gamma) (None = 7/5/4 for B=16/10/8)", None)

@@ -34,8 +34,9 @@ COMPLETE = "COMPLETE"
 STATE = "trainer_state.json"
 _TAG = re.compile(r"^step-(\d{8})$")
 
-# Fields of trainer_state.json that decide the data plan: resuming with other values would replay or skip data.
-PLAN_FIELDS = ("world_size", "micro_batch_tokens", "grad_accum", "seed", "num_train_samples")
+# Fields of trainer_state.json that must match to resume exactly: the data plan (other values would replay or skip
+# data) and the engine that wrote the checkpoint (DeepSpeed and the torch engine have different layouts).
+RESUME_FIELDS = ("world_size", "micro_batch_tokens", "grad_accum", "seed", "num_train_samples", "engine")
 
 
 def tag_for(step: int) -> str:
@@ -154,8 +155,8 @@ def save(engine, ckpt_dir: Path, state: dict, *, rank: int, device: torch.device
 
 
 def check_resumable(saved: dict, current: dict) -> None:
-    """Refuse to resume when the data plan would differ (names the field)."""
-    bad = [k for k in PLAN_FIELDS if k in current and saved.get(k) != current[k]]
+    """Refuse to resume when the data plan or the engine would differ (names the field)."""
+    bad = [k for k in RESUME_FIELDS if k in current and saved.get(k) != current[k]]
     if bad:
         lines = "\n".join(f"  {k}: checkpoint has {saved.get(k)!r}, this run has {current[k]!r}" for k in bad)
         raise StageError(

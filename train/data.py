@@ -184,7 +184,7 @@ class RunPlan:
 
     Samples no longer than one block (`<= block_size` tokens: no anchor fits) are dropped from both sides and
     counted in `too_short`. `state()` holds the fields a checkpoint must match to resume exactly
-    (train/checkpoint.py PLAN_FIELDS)."""
+    (train/checkpoint.py RESUME_FIELDS)."""
 
     lengths: np.ndarray  # int64 [num samples] tokens per sample
     train_idx: np.ndarray  # source indices trained on

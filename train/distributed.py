@@ -14,7 +14,6 @@ On CPU the backend is gloo, on GPU nccl.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -108,10 +107,8 @@ def export_dist_env(d: DistEnv) -> None:
 
 
 def init_distributed(timeout_minutes: int = 30) -> tuple[DistEnv, torch.device]:
-    """Resolve the environment, export it, pick this rank's device and initialize the process group."""
-    import deepspeed
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    """Resolve the environment, export it, pick this rank's device and initialize the process group (env://;
+    DeepSpeed, when the engine is DeepSpeed, uses this group)."""
     d = resolve_dist_env()
     export_dist_env(d)
     if torch.cuda.is_available():
@@ -120,7 +117,8 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[DistEnv, torch.device]:
     else:
         device = torch.device("cpu")
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+        torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                             timeout=timedelta(minutes=timeout_minutes))
         if d.is_main:
             log.info("process group: %d rank(s) from %s, rendezvous %s:%d, backend %s, device %s", d.world_size,
                      d.source, d.master_addr, d.master_port, torch.distributed.get_backend(), device)

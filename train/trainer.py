@@ -28,7 +28,7 @@ from pipeline.target import load_target
 from train import checkpoint
 from train.data import EVAL_EPOCH, MicroBatchDataset, RunPlan, batch_to, make_loader, rank_micro_batches
 from train.distributed import DistEnv, all_gather_objects, barrier, rank0_first
-from train.engine import TrainForward, build_engine, compile_layers, current_lr
+from train.engine import TrainForward, build_engine, compile_layers, current_lr, engine_kind
 from train.export import export_zlab, load_zlab
 from train.inputs import TrainInputs, target_head_weights
 from train.loss import default_gamma
@@ -64,6 +64,8 @@ class Trainer:
         except ValueError as e:
             raise StageError(str(e)) from e
         self.drafter, target = self._build_drafter()
+        self.engine_kind = engine_kind(train_cfg.engine, dist.world_size)
+        self.sharded = self.engine_kind == "deepspeed" and train_cfg.zero_stage == 3  # ranks hold parameter shards
         self.engine, _, _ = build_engine(TrainForward(self.drafter), train_cfg, total_steps=self.plan.total_steps,
                                          world_size=dist.world_size, device=device)
         self.features_of = _features_fn(target, self.args, device, next(self.engine.module.parameters()).dtype)
@@ -106,7 +108,7 @@ class Trainer:
         latest = checkpoint.latest_complete(self.ckpt_dir)
         if latest is not None:
             tag, saved = latest
-            checkpoint.check_resumable(saved, self.plan.state())
+            checkpoint.check_resumable(saved, self.resume_state())
             state = checkpoint.load(self.engine, self.ckpt_dir, tag, rank=self.dist.rank, device=self.device)
             self.position = {k: state.get(k, 0) for k in self.position}
             self.resumed, self.last_saved = True, self.position["global_step"]
@@ -117,15 +119,20 @@ class Trainer:
             self.logger = MetricsLogger(self.cfg, self.out_dir,
                                         resume_step=self.position["global_step"] if self.resumed else None)
             plan = self.plan
+            engine = f"DeepSpeed ZeRO-{self.train_cfg.zero_stage}" if self.engine_kind == "deepspeed" else "torch engine"
             log.info("drafter %.1fM trainable params; %d train / %d held-out samples (%d too short); %d steps; "
-                     "%d ranks; ZeRO-%d %s",
+                     "%d ranks; %s %s",
                      sum(getattr(p, "ds_numel", p.numel()) for p in self.drafter.parameters()) / 1e6,
                      len(plan.train_idx), len(plan.eval_idx), plan.too_short, plan.total_steps,
-                     self.dist.world_size, self.train_cfg.zero_stage, self.train_cfg.precision)
+                     self.dist.world_size, engine, self.train_cfg.precision)
+
+    def resume_state(self) -> dict:
+        """What a checkpoint must match to be resumed by this run (train/checkpoint.py RESUME_FIELDS)."""
+        return {**self.plan.state(), "engine": self.engine_kind}
 
     def save(self) -> None:
         """A complete checkpoint of the current position (collective)."""
-        checkpoint.save(self.engine, self.ckpt_dir, {**self.plan.state(), **self.position}, rank=self.dist.rank,
+        checkpoint.save(self.engine, self.ckpt_dir, {**self.resume_state(), **self.position}, rank=self.dist.rank,
                         device=self.device)
         self.last_saved = self.position["global_step"]
 
@@ -209,8 +216,7 @@ class Trainer:
         if self.last_saved != self.position["global_step"]:
             self.save()
         export_info = self.export(self.out_dir / "export")
-        replicas = replica_digests(self.drafter, self.out_dir, self.dist.rank, self.dist.world_size,
-                                   self.train_cfg.zero_stage)
+        replicas = replica_digests(self.drafter, self.out_dir, self.dist.rank, self.dist.world_size, self.sharded)
         last_train = None
         if self.logger is not None:
             rows = [r for r in self.logger.jsonl.rows() if r.get("kind") == "train"]
@@ -227,7 +233,7 @@ class Trainer:
     def export(self, out_dir: Path) -> dict | None:
         """Write the z-lab layout (rank 0), read it back with load_zlab and compare every tensor. Returns
         {"path", "files": [{name, bytes, sha256}], "verified": True} on rank 0, None elsewhere."""
-        with full_parameters(self.drafter, self.train_cfg.zero_stage):
+        with full_parameters(self.drafter, self.sharded):
             if not self.dist.is_main:
                 return None
             export_zlab(self.drafter, self.args, out_dir)
@@ -241,20 +247,20 @@ class Trainer:
         return {"path": str(out_dir), "files": files, "verified": True}
 
 
-def full_parameters(drafter: torch.nn.Module, zero_stage: int):
-    """Context in which `drafter` holds its full parameters (ZeRO-3 gathers its shards; a no-op otherwise)."""
-    if zero_stage != 3:
+def full_parameters(drafter: torch.nn.Module, sharded: bool):
+    """Context in which `drafter` holds its full parameters (gathers DeepSpeed ZeRO-3 shards; a no-op unsharded)."""
+    if not sharded:
         return contextlib.nullcontext()
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None)
 
 
-def replica_digests(drafter: torch.nn.Module, out_dir: Path, rank: int, world: int, zero_stage: int) -> list[str]:
+def replica_digests(drafter: torch.nn.Module, out_dir: Path, rank: int, world: int, sharded: bool) -> list[str]:
     """Every rank hashes the weights it holds and writes ranks/rank-XXXXX.json; a mismatch between data-parallel
     replicas (which ZeRO 0-2 keep in sync) fails the stage. ZeRO-3 ranks hash the gathered parameters. Returns the
     digests in rank order (collective)."""
-    with full_parameters(drafter, zero_stage):
+    with full_parameters(drafter, sharded):
         digest = checkpoint.weights_digest(drafter.state_dict())
     atomic_write_json(Path(out_dir) / "ranks" / f"rank-{rank:05d}.json",
                       {"rank": rank, "world_size": world, "weights_sha256": digest})

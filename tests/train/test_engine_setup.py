@@ -1,4 +1,5 @@
-"""DeepSpeed setup: the LR schedule, the DeepSpeed config, fp32 master weights under bf16, and the globally normalised loss under gradient accumulation (real DeepSpeed
+"""The engines (DeepSpeed, and the torch engine for one process): the LR schedule, the DeepSpeed config, fp32
+master weights under bf16, the torch engine stepping like DeepSpeed and resuming from its checkpoint, and the globally normalised loss under gradient accumulation (real DeepSpeed
 engines on CPU, one process)."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import torch
 from pipeline.config import TrainConfig
 from tests.train.test_stage_train import _dist_env  # noqa: F401  (autouse: rendezvous vars + 1 thread)
 from train.distributed import init_distributed
-from train.engine import TrainForward, build_engine, cosine_with_warmup, deepspeed_config, warmup_steps
+from train.engine import (TorchEngine, TrainForward, build_engine, cosine_with_warmup, current_lr, deepspeed_config,
+                          warmup_steps)
 from train.step import train_step
 
 
@@ -87,14 +89,15 @@ def _reference_grad_norm(micro_batches) -> float:
     return float(torch.stack([p.grad.norm() for p in drafter.parameters()]).norm())
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_accumulated_micro_batches_give_the_gradient_of_one_globally_normalised_batch(zero_stage):
+@pytest.mark.parametrize("engine_kind,zero_stage", [("deepspeed", 0), ("deepspeed", 2), ("torch", 0)])
+def test_accumulated_micro_batches_give_the_gradient_of_one_globally_normalised_batch(engine_kind, zero_stage):
     init_distributed()
     two, one = _micro_batches()
     expected = _reference_grad_norm(two)
     weights = {}
     for name, mbs in (("accumulated", two), ("packed", one)):
-        train_cfg = TrainConfig(zero_stage=zero_stage, precision="fp32", grad_accum=len(mbs), grad_clip=1e9, lr=1e-2)
+        train_cfg = TrainConfig(zero_stage=zero_stage, precision="fp32", grad_accum=len(mbs), grad_clip=1e9, lr=1e-2,
+                                engine=engine_kind)
         engine, _, _ = build_engine(TrainForward(_drafter()), train_cfg, total_steps=10, world_size=1,
                                     device=torch.device("cpu"))
         stats, grad_norm = train_step(engine, mbs, _features_of, gamma=None, chunk_rows=16, attention="dense",
@@ -108,11 +111,17 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_globally_normalised_
         torch.testing.assert_close(weights["accumulated"][k], weights["packed"][k], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_bf16_training_keeps_fp32_master_weights_and_optimizer_state(zero_stage):
+def _stepped_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch AdamW an engine steps (DeepSpeed wraps it as `basic_optimizer`)."""
+    return engine.optimizer if isinstance(engine, TorchEngine) else engine.basic_optimizer
+
+
+@pytest.mark.parametrize("engine_kind,zero_stage", [("deepspeed", 0), ("deepspeed", 1), ("deepspeed", 2),
+                                                    ("deepspeed", 3), ("torch", 0)])
+def test_bf16_training_keeps_fp32_master_weights_and_optimizer_state(engine_kind, zero_stage):
     init_distributed()
     _, one = _micro_batches()
-    train_cfg = TrainConfig(zero_stage=zero_stage, precision="bf16", grad_accum=1)
+    train_cfg = TrainConfig(zero_stage=zero_stage, precision="bf16", grad_accum=1, engine=engine_kind)
     engine, _, _ = build_engine(TrainForward(_drafter()), train_cfg, total_steps=10, world_size=1,
                                 device=torch.device("cpu"))
     assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
@@ -124,10 +133,70 @@ def test_bf16_training_keeps_fp32_master_weights_and_optimizer_state(zero_stage)
     stats, grad_norm = train_step(engine, one, features_of, gamma=None, chunk_rows=16, attention="dense",
                                   world_size=1, device=torch.device("cpu"))
     assert math.isfinite(stats.loss) and math.isfinite(grad_norm)
-    # what the torch AdamW actually stepped: DeepSpeed's fp32 master copies (flat partitions), with fp32 moments
-    stepped = [(p, s) for p, s in engine.basic_optimizer.state.items() if "exp_avg" in s]
+    # what the torch AdamW actually stepped: fp32 master copies (DeepSpeed: flat partitions), with fp32 moments
+    stepped = [(p, s) for p, s in _stepped_optimizer(engine).state.items() if "exp_avg" in s]
     assert stepped and all(p.dtype == torch.float32 and s["exp_avg"].dtype == torch.float32 for p, s in stepped)
     assert sum(p.numel() for p, _ in stepped) == sum(p.numel() for p in engine.module.parameters())
+
+
+def _run_steps(engine, steps: list[list[dict]], features_of=_features_of) -> list[tuple[float, float, float]]:
+    """(loss, grad norm, lr) of each optimizer step over `steps` (lists of micro-batches)."""
+    out = []
+    for mbs in steps:
+        lr = current_lr(engine)
+        stats, grad_norm = train_step(engine, mbs, features_of, gamma=None, chunk_rows=16, attention="dense",
+                                      world_size=1, device=torch.device("cpu"))
+        out.append((stats.loss, grad_norm, lr))
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torch_engine_takes_the_steps_of_the_deepspeed_engine(precision):
+    """Same drafter, data, clipping (active: a small max norm), accumulation and schedule: the same losses, grad
+    norms, learning rates and weights after three optimizer steps (bf16: within bf16 rounding)."""
+    init_distributed()
+    two, _ = _micro_batches()
+    cast = (lambda mb: (mb["features"].to(torch.bfloat16), mb["batch"])) if precision == "bf16" else _features_of
+    runs = {}
+    for kind in ("deepspeed", "torch"):
+        train_cfg = TrainConfig(zero_stage=2, precision=precision, grad_accum=2, grad_clip=0.5, lr=1e-2, engine=kind,
+                                warmup_ratio=0.5)
+        engine, _, _ = build_engine(TrainForward(_drafter()), train_cfg, total_steps=3, world_size=1,
+                                    device=torch.device("cpu"))
+        curve = _run_steps(engine, [two] * 3, cast)
+        runs[kind] = (curve, {k: v.float().clone() for k, v in engine.module.state_dict().items()})
+    tol = dict(rel=1e-5) if precision == "fp32" else dict(rel=2e-2)
+    for (ds_loss, ds_norm, ds_lr), (t_loss, t_norm, t_lr) in zip(runs["deepspeed"][0], runs["torch"][0]):
+        assert t_lr == ds_lr and t_loss == pytest.approx(ds_loss, **tol) and t_norm == pytest.approx(ds_norm, **tol)
+    assert runs["torch"][0][0][1] > 0.5, "clipping must be active for the comparison to cover it"
+    atol = 1e-6 if precision == "fp32" else 2e-2
+    for k, v in runs["deepspeed"][1].items():
+        torch.testing.assert_close(runs["torch"][1][k], v, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torch_engine_resumed_from_its_checkpoint_continues_bit_identically(tmp_path, precision):
+    init_distributed()
+    two, _ = _micro_batches()
+    cast = (lambda mb: (mb["features"].to(torch.bfloat16), mb["batch"])) if precision == "bf16" else _features_of
+    train_cfg = TrainConfig(precision=precision, grad_accum=2, lr=1e-2, engine="torch")
+
+    def engine():
+        return build_engine(TrainForward(_drafter()), train_cfg, total_steps=4, world_size=1,
+                            device=torch.device("cpu"))[0]
+
+    straight = engine()
+    reference = _run_steps(straight, [two] * 4, cast)
+    first = engine()
+    _run_steps(first, [two] * 2, cast)
+    first.save_checkpoint(str(tmp_path), tag="step-2")
+    resumed = engine()
+    assert resumed.load_checkpoint(str(tmp_path), tag="step-2")[0] == str(tmp_path / "step-2")
+    assert resumed.global_steps == 2
+    assert _run_steps(resumed, [two] * 2, cast) == reference[2:]
+    for k, v in straight.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[k], v), k
+    assert not any(f.suffix in (".pt", ".bin", ".pkl") for f in (tmp_path / "step-2").iterdir()), "no pickle files"
 
 
 def test_training_benchmark_runs_the_trainer_and_bare_steps_at_the_tiny_shape():

@@ -174,6 +174,51 @@ def test_online_features_give_the_same_loss_curve_as_stored_features(tmp_path):
         assert rb["acc"] == pytest.approx(ra["acc"], abs=1e-9)
 
 
+def test_torch_engine_run_resumed_from_its_last_complete_checkpoint_logs_the_uninterrupted_curve(tmp_path):
+    """Without DeepSpeed (train.engine=torch): a run that lost its last checkpoint and manifest resumes from the
+    step-3 checkpoint and logs exactly the straight run's steps 4-6 and held-out evals, ending with the same
+    weights."""
+    import shutil
+
+    from train.stage import run_train
+
+    cfg = make_config(tmp_path, overrides=FAST + ["train.engine=torch"])
+    write_extract_stage(cfg)
+    straight = run_train(cfg)
+    reference, reference_eval = rows(cfg.run_dir), rows(cfg.run_dir, "eval")
+    train_dir = cfg.run_dir / "train"
+    assert sorted(p.name for p in (train_dir / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    (train_dir / "manifest.json").unlink()
+    shutil.rmtree(train_dir / "checkpoints" / "step-00000006")
+    resumed = run_train(cfg)
+    assert [r["step"] for r in rows(cfg.run_dir)] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "grad_norm", "lr", "acc", "tau_hat"):
+        assert [r[key] for r in rows(cfg.run_dir)] == [r[key] for r in reference], key
+    assert [(r["step"], r["loss"]) for r in rows(cfg.run_dir, "eval")] == [(r["step"], r["loss"]) for r in reference_eval]
+    assert resumed["replica_digests"] == straight["replica_digests"]
+
+
+@pytest.mark.slow
+def test_train_runs_where_deepspeed_is_not_installed(tmp_path):
+    """A process in which `import deepspeed` fails (the GPU image without its wheel): train.engine=auto picks the
+    torch engine and the CLI trains, checkpoints and exports."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    overrides = FAST + [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}"]
+    write_extract_stage(make_config(tmp_path, overrides=FAST), n=16)
+    program = ("import sys; sys.modules['deepspeed'] = None; from drafter.cli import main; "
+               "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", program, "train", "--config", "configs/tiny.yaml", *overrides],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "torch engine" in done.stderr
+    manifest = json.loads((tmp_path / "runs" / "tiny" / "train" / "manifest.json").read_text())
+    assert manifest["counts"]["steps"] == 6 and manifest["export"]["verified"]
+
+
 def subprocess_env() -> dict:
     # not this process's rendezvous, nor its wandb-core service (a killed run would keep its run id "in use" there)
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and k != "WANDB_SERVICE"}
