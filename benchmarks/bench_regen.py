@@ -120,13 +120,13 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device):
 
 
 def run_vllm(args, location, tok, stop, prompts, limits):
-    from pipeline.config import RegenConfig, TargetConfig
+    from pipeline.config import RegenConfig, TargetConfig, VLLMConfig
     from pipeline.regen.vllm import VLLMGenerator
 
     tcfg = TargetConfig(model=location, dtype=args.dtype, device=args.device)
     rcfg = RegenConfig(backend="vllm", max_model_len=args.max_model_len,
-                       gpu_memory_utilization=args.gpu_memory_utilization,
-                       enforce_eager=not args.device.startswith("cuda"))
+                       vllm=VLLMConfig(gpu_memory_utilization=args.gpu_memory_utilization,
+                                       enforce_eager=not args.device.startswith("cuda")))
     gen = VLLMGenerator.load(location, tcfg, rcfg, tokenizer=tok, stop_ids=stop, sampling=Sampling())
     gen.generate(prompts[:4], [4] * min(4, len(prompts)))
     t0 = time.perf_counter()

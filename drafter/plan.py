@@ -77,7 +77,7 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         samples *= cfg.regen.samples_per_prompt  # regen writes n responses per conversation
     if mean_response_tokens is None:
         mean_response_tokens = 0.6 * cfg.regen.max_new_tokens
-    mean_tokens = min(mean_prompt_tokens + mean_response_tokens, cfg.regen.max_len)
+    mean_tokens = min(mean_prompt_tokens + mean_response_tokens, cfg.tokenize.max_len)
     measured = _measured_tokens(cfg)
     if measured:
         samples, total_tokens = measured

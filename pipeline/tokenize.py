@@ -14,8 +14,8 @@ end-of-turn id (what the target generated, e.g. `...<|im_end|>`), unsupervised a
 such as the newline after <|im_end|>). A turn cut by max_new_tokens (regen metadata finish 'length')
 keeps its end-of-turn id unsupervised: the target did not write it there.
 
-Then: truncate to `regen.max_len`; drop samples with fewer than `regen.min_loss_tokens`
-(default 2 * drafter.block_size) supervised tokens. Every drop is counted under its reason:
+Then: truncate to `tokenize.max_len`; drop samples with fewer than `tokenize.min_loss_tokens`
+(default 2 * drafter.block_size: `RunConfig.min_loss_tokens`) supervised tokens. Every drop is counted under its reason:
 input = written + dropped.<reason>.
 """
 
@@ -98,16 +98,12 @@ def turn_ended(row: dict) -> list[bool] | None:
     return [r == "stop" for r in reasons] if reasons else None
 
 
-def min_loss_tokens(cfg: RunConfig) -> int:
-    return cfg.regen.min_loss_tokens if cfg.regen.min_loss_tokens is not None else 2 * cfg.drafter.block_size
-
-
 def tokenize_fingerprint(cfg: RunConfig, target: OpenedTarget) -> dict:
     """What extract/train must agree with: the target, its tokenizer + template, thinking mode, max_len."""
     return {
         **target.fingerprint,
         "enable_thinking": cfg.target.enable_thinking,
-        "max_len": cfg.regen.max_len,
+        "max_len": cfg.tokenize.max_len,
     }
 
 
@@ -124,16 +120,16 @@ def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: R
     rows = pq.read_table(regen.shard_path(unit, "parquet")).to_pylist()
     out, drops, examples = [], Counter(), []
     truncated = 0
-    floor = min_loss_tokens(cfg)
+    floor, max_len = cfg.min_loss_tokens, cfg.tokenize.max_len
     for row in rows:
         try:
             ids, mask = assistant_loss_mask(tokenizer, row["messages"] or [], end_of_turn=end_of_turn,
                                             enable_thinking=cfg.target.enable_thinking, ended=turn_ended(row))
-            if len(ids) > cfg.regen.max_len:
-                ids, mask = ids[: cfg.regen.max_len], mask[: cfg.regen.max_len]
+            if len(ids) > max_len:
+                ids, mask = ids[:max_len], mask[:max_len]
                 truncated += 1
             if sum(mask) < floor:
-                raise Dropped("too_few_loss_tokens", f"{sum(mask)} supervised tokens < regen.min_loss_tokens {floor}")
+                raise Dropped("too_few_loss_tokens", f"{sum(mask)} supervised tokens < tokenize.min_loss_tokens {floor}")
         except Dropped as e:
             drops[e.reason] += 1
             if len(examples) < MAX_DROP_EXAMPLES:
@@ -189,8 +185,8 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     fingerprint = tokenize_fingerprint(cfg, target)
     check_fingerprint({k: fingerprint[k] for k in ("target", "tokenizer", "enable_thinking")},
                       regen_manifest["fingerprint"], what="the regenerated data (regen stage)", producer="drafter regen")
-    config_hash, settings = config_record(target=cfg.target, regen={"max_len": cfg.regen.max_len,
-                                                                    "min_loss_tokens": min_loss_tokens(cfg)},
+    config_hash, settings = config_record(target=cfg.target, tokenize={"max_len": cfg.tokenize.max_len,
+                                                                       "min_loss_tokens": cfg.min_loss_tokens},
                                           regen_output=regen_manifest["config_hash"])
     stage = StageDir(cfg.run_dir, "tokenize")
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, check_layer_types
 from pipeline.target import text_config
 from train.blocks import FULL, SLIDING, BlockBatch, dense_block_mask, flex_block_mask
 
@@ -54,13 +54,7 @@ class DrafterArgs:
     def __post_init__(self):
         if not self.layer_types:
             self.layer_types = [FULL] * self.num_hidden_layers
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
-        if bad:
-            raise ConfigError(f"layer_types: {bad[0]!r} is not {FULL!r} or {SLIDING!r}")
-        if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_window >= 1):
-            raise ConfigError("sliding_window: required (>= 1) when a layer is 'sliding_attention'")
+        check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "

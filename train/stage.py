@@ -14,10 +14,9 @@ export/ (z-lab DFlash layout), manifest.json (fingerprint = drafter args + the f
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
-from pipeline.config import RunConfig, config_record
+from pipeline.config import RunConfig, config_record, hashed_fields
 from pipeline.log import get_logger, summary
 from pipeline.runner import RankInfo, StageDir, input_ref
 from train.distributed import barrier, init_distributed, rank0_first
@@ -29,12 +28,9 @@ log = get_logger("train")
 
 def train_config_record(cfg: RunConfig, inputs: TrainInputs) -> tuple[str, dict]:
     """(hash, settings) a finished train stage is compared with: drafter + train sections + the input fingerprint.
-    Fields that change how the run is observed or scheduled, not the weights it produces, stay out of it (so a
-    resumed run may use more workers or log more often)."""
-    operational = dict(wandb=None, num_workers=0, log_every=0, eval_every=0, save_every=0, eval_max_samples=0,
-                       compile=False, activation_checkpointing=False)
-    return config_record(drafter=cfg.drafter, train=dataclasses.replace(cfg.train, **operational),
-                         fingerprint=inputs.fingerprint)
+    Fields that change how the run is observed or scheduled, not the weights it produces, are declared
+    `hashed=False` in pipeline/config.py and stay out of it (so a resumed run may use more workers or log more often)."""
+    return config_record(drafter=cfg.drafter, train=hashed_fields(cfg.train), fingerprint=inputs.fingerprint)
 
 
 def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:

@@ -29,7 +29,6 @@ from pipeline.config import ConfigError, CurateConfig, SourceConfig
 from pipeline.runner import StageError
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SCAN_BLOCK = 1 << 24
 
@@ -68,33 +67,12 @@ class RawRecord:
 
 
 def check_sources(cfg: CurateConfig) -> None:
-    """Config errors a type cannot express: names, duplicates, missing files, unsupported extensions."""
+    """What curate needs beyond a valid config (`CurateConfig.validate`): at least one source, and every local
+    source's files present with a supported extension."""
     if not cfg.sources:
         raise ConfigError("curate.sources: at least one source is required")
-    seen = set()
     for i, s in enumerate(cfg.sources):
-        key = f"curate.sources[{i}]"
-        if not _NAME.match(s.name or ""):
-            raise ConfigError(f"{key}.name: {s.name!r} must be a non-empty name of letters, digits, '_', '.', '-'")
-        if s.name in seen:
-            raise ConfigError(f"{key}.name: {s.name!r} is used by two sources")
-        seen.add(s.name)
-        if s.max_samples is not None and s.max_samples < 0:
-            raise ConfigError(f"{key}.max_samples: must be >= 0")
-        source_files(s, key)
-    for name in ("read_chunk", "shard_size", "minhash_perm"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"curate.{name}: must be >= 1")
-    if cfg.total is not None and cfg.total < 0:
-        raise ConfigError("curate.total: must be >= 0")
-    if cfg.eval_size < 0:
-        raise ConfigError("curate.eval_size: must be >= 0")
-    if not 0.0 < cfg.near_dedup_threshold <= 1.0:
-        raise ConfigError("curate.near_dedup_threshold: must be in (0, 1]")
-    if cfg.near_dedup and cfg.minhash_perm < 4:
-        raise ConfigError("curate.minhash_perm: must be >= 4 for near-dedup")
-    if not 0.0 <= cfg.max_error_rate <= 1.0:
-        raise ConfigError("curate.max_error_rate: must be in [0, 1]")
+        source_files(s, f"curate.sources[{i}]")
 
 
 def is_local(path: str) -> bool:

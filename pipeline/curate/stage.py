@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import RunConfig, config_record, to_dict
+from pipeline.config import RunConfig, config_record, hashed_fields
 from pipeline.curate.chunks import default_workers, read_chunks, work_file
 from pipeline.curate.clean import DROP_REASONS
 from pipeline.curate.dedup import LSH_WEIGHTS, SHINGLE_WORDS, exact_duplicates, near_duplicates
@@ -44,13 +44,10 @@ log = get_logger("curate")
 
 
 def curate_config_record(cfg: RunConfig) -> tuple[str, dict]:
-    """(hash, settings) of everything that shapes the output. `num_workers` and `max_error_rate` are left out:
-    they change how the work runs or whether it may finish, never what it writes (so a run that failed on
-    the error rate resumes with a higher limit)."""
-    c = to_dict(cfg.curate)
-    c.pop("num_workers")
-    c.pop("max_error_rate")
-    return config_record(curate=c, run={"seed": cfg.seed, "schema": SCHEMA_VERSION})
+    """(hash, settings) of everything that shapes the output: the curate section without its `hashed=False`
+    fields (`num_workers`, `max_error_rate`: they change how the work runs or whether it may finish, never what it
+    writes, so a run that failed on the error rate resumes with a higher limit)."""
+    return config_record(curate=hashed_fields(cfg.curate), run={"seed": cfg.seed, "schema": SCHEMA_VERSION})
 
 
 def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
@@ -82,6 +79,7 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
     with _phase(timings, "select"):
         unique = (exact_of < 0) & (near_of < 0)
         pools = [np.flatnonzero(unique & (pool.source_of_row == i)) for i in range(len(names))]
+        _check_eval_size(c.eval_size, sum(len(p) for p in pools))
         sel = select(pools, names, [s.weight for s in c.sources], total=c.total, eval_size=c.eval_size, seed=cfg.seed)
     _warn_repeats(sel, c.total)
     with _phase(timings, "write"):
@@ -193,6 +191,14 @@ def _check_error_rate(cfg: RunConfig, sidecars: dict[str, dict]) -> None:
             f"{cfg.curate.max_error_rate:.2%}); first ones:\n{lines}\n"
             f"Fix the inputs or raise curate.max_error_rate (finished chunks are kept and reused)."
         )
+
+
+def _check_eval_size(eval_size: int, unique: int) -> None:
+    """The held-out split must leave conversations to train on (what exists is known only after dedup)."""
+    if 0 < unique <= eval_size:
+        raise StageError(f"curate.eval_size={eval_size:,} but only {unique:,} unique conversations survived reading, "
+                         "cleaning and dedup, which leaves none to train on; lower curate.eval_size or add data "
+                         "(finished chunks are kept and reused)")
 
 
 def _warn_repeats(sel: Selection, total: int | None) -> None:

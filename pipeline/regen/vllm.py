@@ -64,8 +64,7 @@ class VLLMGenerator:
     def load(cls, location: str, tcfg: TargetConfig, rcfg: RegenConfig, *, tokenizer, stop_ids, sampling):
         padded = text_config(hf_config(location, tcfg)).vocab_size > len(tokenizer)  # else the processor is not needed
         llm = build_vllm_engine(
-            location, tcfg, max_model_len=rcfg.max_model_len, gpu_memory_utilization=rcfg.gpu_memory_utilization,
-            tensor_parallel_size=rcfg.tensor_parallel_size, enforce_eager=rcfg.enforce_eager, seed=rcfg.seed,
+            location, tcfg, rcfg.vllm, max_model_len=rcfg.max_model_len, seed=rcfg.seed,
             **({"logits_processors": [VocabLimitLogitsProcessor]} if padded else {}),
         )
         return cls(llm, vocab_limit=len(tokenizer), stop_ids=stop_ids, sampling=sampling)

@@ -11,7 +11,7 @@ import pytest
 from eval.prompts import HUMANEVAL_PREFIX, REASON_SUFFIX, chat_prompt_ids, load_benchmark
 from pipeline.config import BenchmarkConfig, ConfigError
 from pipeline.target import build_byte_tokenizer
-from tests.conftest import prompt_records
+from tests.conftest import make_config, prompt_records
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "data" / "prompts"
@@ -115,8 +115,8 @@ def test_an_unreadable_prompt_file_is_one_error_naming_it(tmp_path, suffix):
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="needs a `path`"):
-        load_benchmark(BenchmarkConfig(name="gsm8k", path="", num_samples=1))
+    with pytest.raises(ConfigError, match=r"eval.benchmarks\[0\].path: required"):
+        make_config(tmp_path, overrides=["eval.benchmarks=[{name: gsm8k, num_samples: 1}]"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_benchmark(BenchmarkConfig(name="gsm8k", path=str(tmp_path / "nope.jsonl"), num_samples=1))
 

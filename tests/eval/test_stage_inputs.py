@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoConfig
 
 from eval.target_cache import tree_unsupported_reason
-from eval.stage import Unit, check_drafter_fits_target, check_eval_config, drafter_dir, plan_units
+from eval.stage import Unit, check_drafter_fits_target, drafter_dir, plan_units, run_eval
 from pipeline.config import ConfigError, TargetConfig, load_config
 from pipeline.runner import StageError
 from pipeline.target import materialize_target
@@ -93,6 +93,6 @@ def test_missing_drafter_and_bad_eval_config_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a drafter directory"):
         drafter_dir(make_config(tmp_path, overrides=[f"eval.drafter={tmp_path}"]))
     with pytest.raises(ConfigError, match="eval.benchmarks: at least one"):
-        check_eval_config(make_config(tmp_path, overrides=["eval.benchmarks=[]"]))
-    with pytest.raises(ConfigError, match="eval.max_new_tokens"):
-        check_eval_config(make_config(tmp_path, overrides=["eval.max_new_tokens=0"]))
+        run_eval(make_config(tmp_path, overrides=["eval.benchmarks=[]"]))
+    with pytest.raises(ConfigError, match=r"eval.max_new_tokens: must be >= 1, got 0"):
+        make_config(tmp_path, overrides=["eval.max_new_tokens=0"])

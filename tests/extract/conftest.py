@@ -65,7 +65,7 @@ def write_tokenize_stage(cfg, lengths, *, seed: int = 0, shard_rows: int = 16, f
         pq.write_table(table, path)
         stage.finish_unit(f"{k // shard_rows:05d}", [path], written=len(rows))
     fp = {"target": target_fingerprint(loc, cfg.target), "tokenizer": tokenizer_fingerprint(tok),
-          "enable_thinking": cfg.target.enable_thinking, "max_len": cfg.regen.max_len}
+          "enable_thinking": cfg.target.enable_thinking, "max_len": cfg.tokenize.max_len}
     fp.update(fingerprint_overrides or {})
     stage.write_manifest(config_hash="fake-tokenize", fingerprint=fp, started=started,
                          counts={"written": len(lengths), "tokens": int(total)})

@@ -36,7 +36,7 @@ def test_vllm_cpu_extraction_matches_hf_per_layer(tmp_path):
     from pipeline.config import save_config
 
     cfg = extract_config(tmp_path, VLLM_TARGET, "extract.backend=vllm", "extract.storage_dtype=float32",
-                         "extract.gpu_memory_utilization=0.1", "extract.enforce_eager=true",
+                         "extract.vllm.gpu_memory_utilization=0.1", "extract.vllm.enforce_eager=true",
                          "extract.layer_ids=[0,3,7]", "extract.verify_min_cosine=0.99999")  # 7 = last layer: aux id L
     write_tokenize_stage(cfg, LENGTHS)
     path = tmp_path / "cfg.yaml"

@@ -36,8 +36,8 @@ def engines(tmp_path_factory):
 
 def _engines(tmp_path_factory):
     cfg = make_config(tmp_path_factory.mktemp("vllm"), overrides=[
-        RANDOM_INIT, "regen.backend=vllm", "regen.max_model_len=1024", "regen.gpu_memory_utilization=0.12",
-        "regen.enforce_eager=true", "regen.max_new_tokens=48", "regen.batch_size=8"])
+        RANDOM_INIT, "regen.backend=vllm", "regen.max_model_len=1024", "regen.vllm.gpu_memory_utilization=0.12",
+        "regen.vllm.enforce_eager=true", "regen.max_new_tokens=48", "regen.batch_size=8"])
     location = materialize_target(cfg.target, cfg.cache_dir)
     tok = load_tokenizer(location, cfg.target)
     stop = end_of_turn_ids(tok, location)

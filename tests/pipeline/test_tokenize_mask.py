@@ -94,7 +94,7 @@ def _curate_and_regen_dataset_answers(cfg, answers: list[str]) -> None:
 
 def test_samples_under_two_blocks_of_loss_tokens_are_dropped_and_long_ones_truncated(tmp_path):
     # byte tokenizer: an answer of n characters is n + 1 supervised tokens (with <|im_end|>); block_size 8 -> 16
-    cfg = make_config(tmp_path, overrides=["regen.backend=none", "drafter.block_size=8", "regen.max_len=64"])
+    cfg = make_config(tmp_path, overrides=["regen.backend=none", "drafter.block_size=8", "tokenize.max_len=64"])
     _curate_and_regen_dataset_answers(cfg, ["a" * 14, "b" * 15, "c" * 200])
     m = StageDir(cfg.run_dir, "tokenize").manifest()
     c = m["counts"]

@@ -34,7 +34,7 @@ def test_smollm2_loss_mask_decodes_to_exactly_the_generated_assistant_text(tmp_p
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on the shared 2-core machine two OpenMP threads ran 5-7x slower than one
     cfg = make_config(tmp_path, base="configs/smollm2-135m.yaml", overrides=[
-        "regen.max_new_tokens=32", "regen.max_samples=null", "regen.batch_size=4", "regen.min_loss_tokens=1"])
+        "regen.max_new_tokens=32", "regen.max_samples=null", "regen.batch_size=4", "tokenize.min_loss_tokens=1"])
     curate = StageDir(cfg.run_dir, "curate")
     rows = [{"id": f"demo/{i}", "source": "demo", "messages": m, "metadata": "{}"}
             for i, m in enumerate(_real_prompts())]

@@ -90,7 +90,7 @@ def write_tokenize_stage(cfg, samples: list[dict]) -> None:
         ("num_tokens", pa.int32()), ("num_loss_tokens", pa.int32())])), path)
     stage.finish_unit("00000", [path], written=len(rows))
     fp = {"target": target_fingerprint(loc, cfg.target), "tokenizer": tokenizer_fingerprint(load_tokenizer(loc, cfg.target)),
-          "enable_thinking": cfg.target.enable_thinking, "max_len": cfg.regen.max_len}
+          "enable_thinking": cfg.target.enable_thinking, "max_len": cfg.tokenize.max_len}
     stage.write_manifest(config_hash="test-tokenize", fingerprint=fp, started=time.time(), counts={"written": len(rows)})
 
 
