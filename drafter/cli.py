@@ -7,7 +7,7 @@
     drafter tokenize --config ...
     drafter extract  --config ... [--rank R --world-size W] | extract merge | extract verify
     drafter train    --config ...          (torchrun --nproc-per-node 8 -m drafter.cli train ... for many GPUs)
-    drafter eval     --config ...
+    drafter eval     --config ... [--rank R --world-size W], then: drafter eval --merge --config ...
     drafter report   runs/a/eval runs/b/eval --out runs/compare
     drafter run      --config ...          (every stage in order)
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("plan", *STAGES, "run"):
         _common(sub.add_parser(name, help=f"{name} stage" if name in STAGES else name))
-    for split_stage in ("regen", "extract"):
+    for split_stage in ("regen", "extract", "eval"):
         sub.choices[split_stage].add_argument(
             "--merge", action="store_true", help="after a split run (--world-size > 1): check every unit is done, write the manifest")
     ext = sub.choices["extract"]
@@ -121,6 +121,11 @@ def _dispatch(args) -> int:
         return 0 if run_verify(cfg, against=args.against)["passed"] else 1
     if args.command == "extract" and args.merge:
         from extract.stage import merge_ranks
+
+        merge_ranks(cfg)
+        return 0
+    if args.command == "eval" and args.merge:
+        from eval.stage import merge_ranks
 
         merge_ranks(cfg)
         return 0

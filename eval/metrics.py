@@ -115,9 +115,12 @@ def speedup(ar_records: Iterable[ResponseRecord], method_records: Iterable[Respo
     return ar / m if m and not (math.isnan(ar) or math.isnan(m)) else math.nan
 
 
-def phase_split(records: Iterable[ResponseRecord]) -> dict[str, dict[str, float]]:
-    """Seconds per decode phase summed over all rounds, and each phase's share of their sum."""
-    records = list(records)
+def phase_split(records: Iterable[ResponseRecord]) -> dict[str, dict[str, float]] | None:
+    """Seconds per decode phase summed over all rounds, and each phase's share of their sum; None when no record
+    was timed per phase (eval.phase_timing off): an unmeasured split is left out, never reported as zeros."""
+    records = [r for r in records if r.phase_seconds]
+    if not records:
+        return None
     seconds = {p: float(sum(r.phase_seconds.get(p, 0.0) for r in records)) for p in PHASES}
     total = sum(seconds.values())
     return {p: {"seconds": s, "share": s / total if total > 0 else math.nan} for p, s in seconds.items()}

@@ -113,7 +113,7 @@ def phase_table(report: dict) -> Table:
     phases = ("draft", "tree_build", "verify", "walk_commit")
     rows = []
     for c in report["cells"]:
-        if c["method"] == "ar":
+        if c["method"] == "ar" or not c.get("phases"):
             continue
         ph = c["phases"]
         rows.append([c["benchmark"], c["label"], *(
@@ -346,8 +346,9 @@ def report_blocks(report: dict) -> list[tuple[str, Any]]:
             ("png", plot_histograms(report)),
             ("h2", "Per-depth conditional acceptance P(accept k | reached k)"), ("table", depth_table(report)),
             ("png", plot_per_depth(report)),
-            ("h2", "Time split per phase (summed over rounds)"), ("table", phase_table(report)),
         ]
+    if any(c.get("phases") for c in report["cells"] if c["method"] != "ar"):  # only where phase timing was on
+        blocks += [("h2", "Time split per phase (summed over rounds)"), ("table", phase_table(report))]
     blocks += [("h2", "Skipped methods and prompts"), ("pre", _notes_text(report))]
     return blocks
 

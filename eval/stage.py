@@ -1,7 +1,7 @@
 """`drafter eval`: AR / chain / DDTree decoding of benchmark prompts with the target and the trained drafter,
 scored with eval.metrics and written as runs/<run>/eval/report.{json,md,html}.
 
-Units of work (the unit of resume, kill -9 safe through StageDir sidecars), in this order:
+Units of work (kill -9 safe through StageDir sidecars), in this order:
 
     <benchmark>.ar              AR once per prompt: the speedup baseline, measured in the same run
     <benchmark>.chain           DFlash: one drafted chain of B-1 tokens per round
@@ -9,7 +9,11 @@ Units of work (the unit of resume, kill -9 safe through StageDir sidecars), in t
 
 Each unit decodes every prompt of its benchmark (every turn of a multi-turn prompt: turn 2 is asked after the
 method's own turn-1 answer, which is the target's own answer because decoding is lossless) and writes one JSONL
-line per response (`eval.metrics.ResponseRecord`). Once every unit is done, whichever rank finishes last
+line per response (`eval.metrics.ResponseRecord`). Resume is per prompt: a finished prompt's responses are
+appended to the unit's journal (`pipeline.runner.Journal`, fsync'd), so after kill -9 no journaled prompt is
+decoded again; the unit's shard is written from its journal once every prompt is in. Before a unit's first timed
+prompt every CUDA graph its prompts can use is captured (`eval.decode.warm_up`), so timings are steady state.
+Units split over ranks (`--rank/--world-size`); whichever rank finishes last, or `drafter eval --merge`,
 aggregates the sidecar'd shards into the report and writes the manifest.
 
 The drafter is `eval.drafter` or this run's train export (`runs/<run>/train/export`). It is refused when its
@@ -34,6 +38,7 @@ from pipeline.config import ConfigError, RunConfig, config_record, to_dict
 from pipeline.log import get_logger, progress, summary
 from pipeline.runner import (
     AtomicFile,
+    Journal,
     RankInfo,
     StageDir,
     StageError,
@@ -176,7 +181,7 @@ def response_record(result: Any, *, prompt_id: str, turn: int, prompt_tokens: in
         num_new_tokens=int(result.num_new_tokens), num_rounds=int(result.num_rounds),
         accept_lengths=[int(x) for x in result.accept_lengths], draft_depths=[int(d) for d in result.draft_depths],
         decode_seconds=float(t["decode"]), prefill_seconds=float(t["prefill"]),
-        phase_seconds={p: float(t.get(p, 0.0)) for p in PHASES},
+        phase_seconds={p: float(t[p]) for p in PHASES if p in t},  # empty without phase timing
         output_ids=[int(i) for i in result.output_ids],
     )
 
@@ -203,6 +208,24 @@ def run_conversation(prompt: EvalPrompt, tokenizer, generate: Callable[[list[int
     return out
 
 
+ANSWER_SLACK = 8  # tokens an answer may gain when its decoded text is tokenized again inside the next turn's prompt
+
+
+def longest_context(prompts: list[EvalPrompt], tokenizer, *, enable_thinking: bool, max_new_tokens: int,
+                    limit: int) -> int:
+    """An upper bound of the committed rows any turn of `prompts` reaches while decoding (what the warm-up sizes
+    and captures for): the last turn's prompt, with every earlier answer counted as max_new_tokens + ANSWER_SLACK
+    tokens, plus max_new_tokens; at most `limit`."""
+    longest = 0
+    for p in prompts:
+        messages: list[dict] = []
+        for user in p.turns:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": ""}]
+        ids = chat_prompt_ids(tokenizer, messages[:-1], enable_thinking=enable_thinking)
+        longest = max(longest, len(ids) + len(p.turns) * (max_new_tokens + ANSWER_SLACK))
+    return min(longest, limit)
+
+
 # ----------------------------------------------------------------------------------------------
 # The stage
 # ----------------------------------------------------------------------------------------------
@@ -226,15 +249,25 @@ def _stop_token_ids(tokenizer, target) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _write_unit(stage: StageDir, unit: Unit, records: list[ResponseRecord], skipped: dict[str, int],
-                verify_paths: list[str]) -> None:
+def _write_unit(stage: StageDir, unit: Unit, prompts: list[EvalPrompt], journal: Journal, **notes) -> None:
+    """The unit's shard from its journal (one entry per prompt, written as each prompt finished), in prompt order;
+    then its sidecar; then the journal goes."""
+    entries = {e["prompt_id"]: e for e in journal.items}
+    records = [ResponseRecord.from_dict(r) for p in prompts for r in entries[p.id]["responses"]]
+    skipped: dict[str, int] = {}
+    for e in entries.values():
+        for reason, n in e["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
     path = stage.shard_path(unit.name, "jsonl")
     with AtomicFile(path) as tmp:
         with open(tmp, "w") as f:
             for r in records:
                 f.write(json.dumps(r.to_dict()) + "\n")
     stage.finish_unit(unit.name, [path], responses=len(records), new_tokens=sum(r.num_new_tokens for r in records),
-                      skipped=skipped, verify_paths=verify_paths)
+                      skipped=skipped, verify_paths=sorted({v for e in entries.values() for v in e["verify_paths"]}),
+                      draft_paths=sorted({v for e in entries.values() for v in e["draft_paths"] if v}), **notes)
+    journal.remove()
+    log.info("%s: %d responses, %d new tokens", unit.name, len(records), sum(r.num_new_tokens for r in records))
 
 
 def read_unit(stage: StageDir, unit: Unit) -> list[ResponseRecord]:
@@ -259,6 +292,7 @@ def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_si
             cell["ar_match"] = sum(matched) / len(matched) if matched else None
         cell["skipped"] = sidecars[u.name].get("skipped", {})
         cell["verify_paths"] = sidecars[u.name].get("verify_paths", [])  # the verify forward the timings come from
+        cell["draft_paths"] = sidecars[u.name].get("draft_paths", [])  # and the drafter's forward
         cells.append(cell)
     return {**header, "cells": cells}
 
@@ -378,46 +412,78 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     return manifest
 
 
+def merge_ranks(cfg: RunConfig) -> dict:
+    """After a split run (e.g. a SLURM array): refuse if any unit is missing, else write the report and manifest
+    (if the last rank has not): what a single-rank `run_eval` does when no unit is left to do."""
+    stage = StageDir(cfg.run_dir, "eval")
+    if not stage.is_complete():
+        units, _ = plan_units(cfg, tree_unsupported_reason(open_target(cfg.target, cfg.cache_dir).config))
+        missing = [u.name for u in units if not stage.unit_done(u.name)]
+        if missing:
+            raise StageError(f"eval --merge: {len(missing)} of {len(units)} units are not done "
+                             f"(e.g. {missing[:3]}); re-run the missing ranks first")
+    return run_eval(cfg)
+
+
 def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: dict[str, LoadedBenchmark],
                location: str, tokenizer, target_config, dpath: Path, block_size: int) -> None:
+    """Decode this rank's units, prompt by prompt: each finished prompt (all its turns) is appended to the unit's
+    journal, so a killed run resumes at the first prompt not journaled. Before a unit's first timed prompt,
+    `eval.decode.warm_up` captures every CUDA graph its prompts can need (steady-state timings)."""
     import torch
 
-    from eval.decode import decode
+    from eval.decode import decode, warm_up
+    from pipeline.cuda_graphs import GRAPH_LOG
 
     target = load_target(location, cfg.target)
     drafter, _ = _load_drafter(dpath, target, target.device)
     stop = _stop_token_ids(tokenizer, target)
-    text = text_config(target_config)
-    max_prompt = int(getattr(text, "max_position_embeddings", 1 << 30)) - cfg.eval.max_new_tokens - block_size
-    warm_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Warmup"}],
-                               enable_thinking=cfg.target.enable_thinking)
-    total = sum(len(benchmarks[u.benchmark].prompts) for u in units)
-    bar = progress(total=total, desc="eval", unit="prompt")
+    e, thinking = cfg.eval, cfg.target.enable_thinking
+    max_prompt = int(getattr(text_config(target_config), "max_position_embeddings", 1 << 30)) - e.max_new_tokens \
+        - block_size
+    warm_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Warmup"}], enable_thinking=thinking)
+    bar = progress(total=sum(len(benchmarks[u.benchmark].prompts) for u in units), desc="eval", unit="prompt")
     for unit in units:
-        verify_paths: set[str] = set()
+        prompts = benchmarks[unit.benchmark].prompts
+        journal = stage.journal(unit.name)
+        done = {entry["prompt_id"] for entry in journal.items}
+        todo = [p for p in prompts if p.id not in done]
+        bar.update(len(prompts) - len(todo))
+        paths: tuple[set, set] = (set(), set())
 
         @torch.inference_mode()
-        def generate(ids: list[int], max_new: int = cfg.eval.max_new_tokens):
+        def generate(ids: list[int], max_new: int = e.max_new_tokens):
             result = decode(unit.method, target, drafter, ids, max_new_tokens=max_new, budget=unit.budget,
-                            temperature=cfg.eval.temperature, seed=cfg.eval.seed, stop_token_ids=stop,
-                            phase_timing=cfg.eval.phase_timing)
-            verify_paths.add(result.verify_path)
+                            temperature=e.temperature, seed=e.seed, stop_token_ids=stop, phase_timing=e.phase_timing)
+            paths[0].add(result.verify_path)
+            paths[1].add(result.draft_path)
             return result
 
-        if cfg.eval.warmup_tokens > 0:
-            generate(warm_ids, min(cfg.eval.warmup_tokens, cfg.eval.max_new_tokens))
-        records: list[ResponseRecord] = []
-        skipped: dict[str, int] = {}
-        for prompt in benchmarks[unit.benchmark].prompts:
-            turns = run_conversation(prompt, tokenizer, generate, enable_thinking=cfg.target.enable_thinking,
-                                     max_prompt_tokens=max_prompt)
-            for turn, item in enumerate(turns):
+        if todo and e.warmup_tokens > 0:
+            with torch.inference_mode():
+                longest = longest_context(todo, tokenizer, enable_thinking=thinking, max_new_tokens=e.max_new_tokens,
+                                          limit=max_prompt + e.max_new_tokens)
+                warm_up(unit.method, target, drafter, max_length=longest, budget=unit.budget,
+                        temperature=e.temperature)
+            generate(warm_ids, min(e.warmup_tokens, e.max_new_tokens))
+        captured = GRAPH_LOG.captured
+        for prompt in todo:
+            paths[0].clear()
+            paths[1].clear()
+            responses, skipped = [], {}
+            for turn, item in enumerate(run_conversation(prompt, tokenizer, generate, enable_thinking=thinking,
+                                                         max_prompt_tokens=max_prompt)):
                 if isinstance(item, str):
                     skipped[item] = skipped.get(item, 0) + 1
                     continue
                 ids, result = item
-                records.append(response_record(result, prompt_id=prompt.id, turn=turn, prompt_tokens=len(ids)))
+                responses.append(response_record(result, prompt_id=prompt.id, turn=turn, prompt_tokens=len(ids)))
+            journal.append({"prompt_id": prompt.id, "responses": [r.to_dict() for r in responses],
+                            "skipped": skipped, "verify_paths": sorted(paths[0]), "draft_paths": sorted(paths[1])})
             bar.update(1)
-        _write_unit(stage, unit, records, skipped, sorted(verify_paths))
-        log.info("%s: %d responses, %d new tokens", unit.name, len(records), sum(r.num_new_tokens for r in records))
+        late = GRAPH_LOG.captured - captured
+        if late:
+            log.warning("%s: %d CUDA graphs were captured during timed decoding (a shape the warm-up did not reach); "
+                        "the rounds that captured them are in the timings", unit.name, late)
+        _write_unit(stage, unit, prompts, journal, graphs_captured_while_timed=late)
     bar.close()

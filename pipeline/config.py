@@ -342,11 +342,12 @@ class EvalConfig:
     temperature: float = doc("target sampling temperature (0 = greedy)", 0.0, ge=0)
     drafter: Optional[str] = doc("drafter dir in the z-lab layout (None = this run's train export)", None)
     seed: int = doc("sampling seed", 0)
-    warmup_tokens: int = doc("untimed warm-up decode of this many tokens before each method is timed (0 = none)", 16,
-                             ge=0)
+    warmup_tokens: int = doc(
+        "untimed warm-up before each method is timed: every CUDA graph its prompts can use is captured (GPU), then "
+        "one decode of this many tokens (0 = no warm-up)", 16, ge=0)
     phase_timing: bool = doc(
         "synchronize at phase boundaries to split decode time into draft/tree build/verify/walk (costs a little "
-        "speed on GPU; false for pure speed numbers, the split is then empty)", True
+        "speed on GPU; false for pure speed numbers, the report then has no split)", True
     )
 
     def validate(self, key: str) -> None:

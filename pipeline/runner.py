@@ -5,6 +5,7 @@ Layout of one stage:  <runs_dir>/<run>/<stage>/
     manifest.json            written last, atomically: the stage is complete iff it exists
     shards/<unit>.<ext>      one output per unit of work, written temp + rename
     shards/<unit>.done.json  sidecar written after the shard: counts, bytes, sha256, failures
+    work/<unit>.jsonl        `Journal` of a unit in progress (stages that resume inside a unit); removed when done
     ranks/rank-XXXXX.json    per-rank summary when the work was split over ranks
 
     lock, lock.rank-XXXXX      advisory lock (fcntl.flock) of the process running the stage (or one rank of it)
@@ -124,6 +125,42 @@ class AtomicFile:
         finally:
             os.close(fd)
         os.replace(self.tmp, self.path)
+
+
+class Journal:
+    """Progress inside one unit, for resume below unit granularity: an append-only JSONL file, one line per
+    finished item (a JSON object). `append` writes the line, flushes and fsyncs before it returns, so every item
+    appended before a kill -9 is read back by the next run; a torn last line (killed mid-write) is cut off when the
+    journal is opened. Remove it once the unit's shard and sidecar are written."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.items: list[dict] = self._recover()
+
+    def _recover(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1  # bytes after the last newline are a torn write
+        if end < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+                os.fsync(f.fileno())
+        try:
+            return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        except ValueError as e:
+            raise StageError(f"journal {self.path} is damaged ({e}): delete it to redo that unit") from e
+
+    def append(self, item: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "ab") as f:
+            f.write((json.dumps(item) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        self.items.append(item)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -439,6 +476,10 @@ class StageDir:
 
     def sidecar_path(self, unit: str) -> Path:
         return self.shards / f"{unit}.done.json"
+
+    def journal(self, unit: str) -> Journal:
+        """The progress journal of a unit in progress (items finished so far, read back after a kill)."""
+        return Journal(self.path / "work" / f"{unit}.jsonl")
 
     def unit_done(self, unit: str, verify: bool = False) -> dict | None:
         """The sidecar of a finished unit, or None. With `verify`, a shard whose sha256 differs is redone."""

@@ -95,6 +95,7 @@ def test_phase_split_sums_rounds_and_gives_shares():
     assert split["verify"]["share"] == pytest.approx(0.5)
     assert split["tree_build"]["share"] == pytest.approx(0.125)
     assert sum(v["share"] for v in split.values()) == pytest.approx(1.0)
+    assert phase_split([rec([2]), rec([3])]) is None  # phase timing off: no split at all, not a split of zeros
 
 
 def test_summarize_reports_every_number_of_a_cell():

@@ -16,7 +16,10 @@ from drafter.cli import main as drafter_main
 B = 8
 
 
-def records(taus_per_response, seconds_per_token):
+PHASES = {"draft": 0.1, "tree_build": 0.02, "verify": 0.3, "walk_commit": 0.05}
+
+
+def records(taus_per_response, seconds_per_token, phases=PHASES):
     out = []
     for i, taus in enumerate(taus_per_response):
         n = sum(taus)
@@ -24,15 +27,15 @@ def records(taus_per_response, seconds_per_token):
             prompt_id=f"p{i}", turn=0, prompt_tokens=20, num_new_tokens=n, num_rounds=len(taus),
             accept_lengths=list(taus), draft_depths=[B - 1] * len(taus), decode_seconds=n * seconds_per_token,
             prefill_seconds=0.01,
-            phase_seconds={"draft": 0.1, "tree_build": 0.02, "verify": 0.3, "walk_commit": 0.05},
+            phase_seconds=dict(phases),
         ))
     return out
 
 
-def make_report(run: str, chain_taus, tree_taus) -> dict:
-    ar = records([[1] * 12, [1] * 9], 0.02)
-    groups = {("ar", None): ar, ("chain", None): records(chain_taus, 0.01),
-              ("ddtree", 4): records(tree_taus, 0.008), ("ddtree", 16): records(tree_taus[::-1], 0.007)}
+def make_report(run: str, chain_taus, tree_taus, phases=PHASES) -> dict:
+    ar = records([[1] * 12, [1] * 9], 0.02, phases)
+    groups = {("ar", None): ar, ("chain", None): records(chain_taus, 0.01, phases),
+              ("ddtree", 4): records(tree_taus, 0.008, phases), ("ddtree", 16): records(tree_taus[::-1], 0.007, phases)}
     cells = []
     for bench in ("gsm8k", "mt_bench"):
         for (method, budget), recs in groups.items():
@@ -76,6 +79,18 @@ def test_report_files_are_written_with_every_number_and_a_self_contained_html(tm
     page = (tmp_path / "report.html").read_text()
     assert_self_contained(page)
     assert page.count("data:image/png;base64,") == 4  # τ bars, τ vs budget, histograms, per-depth
+
+
+def test_the_time_split_includes_the_drafter_and_is_left_out_when_phases_were_not_timed(tmp_path):
+    write_report(make_report("timed", [[3, 2]], [[5, 3]]), tmp_path / "timed")
+    md = (tmp_path / "timed" / "report.md").read_text()
+    split = md[md.index("Time split per phase"):]
+    assert "| benchmark | method | draft | tree build | verify | walk + commit |" in split
+    assert "| gsm8k | chain | 0.100 s (21%) |" in split  # the drafter's share of the 0.47 s round time
+    write_report(make_report("untimed", [[3, 2]], [[5, 3]], phases={}), tmp_path / "untimed")
+    data = json.loads((tmp_path / "untimed" / "report.json").read_text())
+    assert all(c["phases"] is None for c in data["cells"])
+    assert "Time split per phase" not in (tmp_path / "untimed" / "report.md").read_text()
 
 
 def test_compare_runs_puts_two_eval_dirs_side_by_side(tmp_path, capsys):

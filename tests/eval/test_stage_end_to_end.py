@@ -19,7 +19,7 @@ from transformers import AutoConfig
 
 from extract.layers import configured_layer_ids
 from eval.decode import decode
-from eval.stage import run_conversation, run_eval
+from eval.stage import merge_ranks, run_conversation, run_eval
 from eval.prompts import EvalPrompt, chat_prompt_ids
 from pipeline.config import load_config
 from pipeline.runner import FingerprintMismatch, StageDir, StageError
@@ -144,33 +144,50 @@ def test_a_drafter_trained_with_another_tokenizer_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_mid_eval_resumes_without_redoing_finished_units(tmp_path):
-    cfg = make_config(tmp_path, ["eval.max_new_tokens=48"])
+def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written(tmp_path):
+    """A real `drafter eval` subprocess is killed (SIGKILL) while a unit is half done: the rerun decodes neither a
+    finished unit nor a prompt already in a unit's journal (their records, timings included, come back unchanged)
+    and every response appears exactly once."""
+    overrides = [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, "eval.max_new_tokens=48",
+                 "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 5},"
+                 " {name: mt_bench, path: data/prompts/mt_bench.jsonl, num_samples: 1}]"]
+    cfg = load_config(REPO / "configs/tiny.yaml", overrides)
     export_random_drafter(cfg, cfg.run_dir / "train")
-    shards = cfg.run_dir / "eval" / "shards"
-    cmd = [sys.executable, "-m", "drafter.cli", "eval", "--config", "configs/tiny.yaml",
-           f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, "eval.max_new_tokens=48"]
+    shards, work = cfg.run_dir / "eval" / "shards", cfg.run_dir / "eval" / "work"
+    cmd = [sys.executable, "-m", "drafter.cli", "eval", "--config", "configs/tiny.yaml", *overrides]
     env = {**os.environ, "DRAFTER_NO_PROGRESS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 300
-    while not list(shards.glob("*.done.json")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
+
+    def half_done_unit() -> bool:  # a journal holds a finished prompt of a unit that is not done
+        return any(j.read_bytes().count(b"\n") >= 1 and not (shards / f"{j.stem}.done.json").exists()
+                   for j in work.glob("*.jsonl"))
+
+    while not half_done_unit() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert not (cfg.run_dir / "eval" / "manifest.json").exists(), "the eval finished before it could be killed"
     done_before = {p.name: p.read_bytes() for p in shards.glob("*.done.json")}
-    assert done_before, "no unit finished before the kill"
-    assert not (cfg.run_dir / "eval" / "manifest.json").exists()
-    assert len(done_before) < 8, "the eval finished before it could be killed"
+    journaled = {j.stem: [json.loads(line) for line in j.read_text().split("\n")[:-1]]  # complete lines only
+                 for j in work.glob("*.jsonl")}
+    assert any(journaled.values()), "no prompt was journaled before the kill"
 
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    done_after = {p.name: p.read_bytes() for p in shards.glob("*.done.json")}
-    assert len(done_after) == 8
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert len(list(shards.glob("*.done.json"))) == 8 and not list(work.glob("*.jsonl"))
     for name, content in done_before.items():
-        assert done_after[name] == content, f"{name} was redone after the kill"
+        assert (shards / name).read_bytes() == content, f"{name} was redone after the kill"
+    for unit, entries in journaled.items():
+        lines = [json.loads(line) for line in (shards / f"{unit}.jsonl").read_text().splitlines()]
+        for entry in entries:  # the journaled responses are in the shard as they were: never decoded again
+            assert [r for r in lines if r["prompt_id"] == entry["prompt_id"]] == entry["responses"], unit
+        keys = [(r["prompt_id"], r["turn"]) for r in lines]
+        assert len(keys) == len(set(keys)), f"{unit}: a response was written twice"
     assert not list((cfg.run_dir / "eval").rglob("*.tmp-*"))
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
-    assert sum(c["responses"] for c in report["cells"]) == 12
+    assert sum(c["responses"] for c in report["cells"]) == 4 * (5 + 2)
+    assert all(c["ar_match"] == 1.0 for c in report["cells"])
     assert re.search(r"\| gsm8k \| [\d.]+ \(", res.stdout)
 
 
@@ -183,7 +200,10 @@ def test_split_ranks_share_the_units_and_the_last_rank_writes_the_report(tmp_pat
     first = run_eval(cfg, force=False, ranks=RankInfo(0, 2))
     assert first == {"stage": "eval", "complete": False, "missing_units": ["gsm8k.chain"]}
     assert not (cfg.run_dir / "eval" / "report.json").exists()
+    with pytest.raises(StageError, match=r"eval --merge: 1 of 2 units are not done \(e.g. \['gsm8k.chain'\]\)"):
+        merge_ranks(cfg)
     manifest = run_eval(cfg, force=False, ranks=RankInfo(1, 2))
+    assert merge_ranks(cfg) == manifest  # the last rank wrote the report: merging again changes nothing
     assert manifest["num_units"] == 2 and manifest["counts"]["responses"] == 2
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
     assert report["cells"][1]["label"] == "chain" and report["cells"][1]["speedup"] > 0

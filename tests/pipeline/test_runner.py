@@ -14,6 +14,7 @@ import pytest
 from pipeline.runner import (
     AtomicFile,
     FingerprintMismatch,
+    Journal,
     RankInfo,
     StageBusy,
     StageDir,
@@ -24,6 +25,7 @@ from pipeline.runner import (
     read_json,
     units_for_rank,
 )
+from tests.conftest import REPO
 
 
 def test_atomic_write_never_leaves_a_partial_file_when_the_writer_is_killed(tmp_path):
@@ -45,6 +47,31 @@ def test_atomic_write_never_leaves_a_partial_file_when_the_writer_is_killed(tmp_
     assert leftovers  # debris exists ...
     StageDir(tmp_path.parent, tmp_path.name).begin("h")  # ... and begin() removes it
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_journal_keeps_every_appended_item_across_kill_9_and_cuts_a_torn_last_line(tmp_path):
+    path = tmp_path / "work" / "unit.jsonl"
+    code = (
+        "import time\n"
+        "from pipeline.runner import Journal\n"
+        f"j = Journal(r'{path}')\n"
+        "for i in range(3):\n"
+        "    j.append({'key': i, 'payload': 'x' * 100})\n"
+        "with open(j.path, 'ab') as f:\n"  # what a kill in the middle of the fourth write leaves
+        "    f.write(b'{\"key\": 3, \"pay'); f.flush()\n"
+        "print('written', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout.readline().strip() == b"written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    journal = Journal(path)
+    assert [item["key"] for item in journal.items] == [0, 1, 2]
+    assert path.read_bytes().endswith(b"}\n")  # the torn line is gone from the file too
+    journal.append({"key": 3})
+    assert [item["key"] for item in Journal(path).items] == [0, 1, 2, 3]
+    journal.remove()
+    assert not path.exists() and Journal(path).items == []
 
 
 def test_atomic_file_discards_the_temp_on_error(tmp_path):
