@@ -238,7 +238,7 @@ def run_rank(a) -> dict:
 def merge(a) -> dict:
     """The stage's merge, the exactly-once check of the merged index, aggregate tokens/s. Returns the result."""
     from extract.stage import _finalize
-    from extract.store import FeatureReader, verify_checksums
+    from extract.store import FeatureReader, check_store
 
     work = Path(a.work_dir).resolve()
     s = read_settings(work)
@@ -258,7 +258,7 @@ def merge(a) -> dict:
     unit_names = {u.name for u in units}
     ranks_disjoint = all(n == 1 for n in owners.values()) and set(owners) == unit_names
     first = reader.sample(0)
-    problems = verify_checksums(stage.path, full=False)  # sizes of every shard + index (a full re-hash reads it all)
+    problems = check_store(stage.path, full=False)  # sizes and headers of every shard + index (no re-hash)
     exactly_once = not dup and not missing and not extra and len(reader) == len(index.ids)
     tokens = sum(r["tokens"] for r in timing)
     span = max(r["end"] for r in timing) - min(r["start"] for r in timing) if timing else float("nan")
@@ -274,7 +274,7 @@ def merge(a) -> dict:
         "bytes": manifest["total_bytes"], "write_Bps": manifest["total_bytes"] / span if span > 0 else None,
         "duplicates": dup[:5], "missing": missing[:5], "unexpected": extra[:5],
         "exactly_once": exactly_once, "ranks_disjoint_and_cover": ranks_disjoint,
-        "features_finite": bool(torch.isfinite(first["features"].float()).all()), "file_problems": problems[:5],
+        "features_finite": bool(torch.isfinite(first["features"].float()).all()), "file_problems": [f"{p}: {why}" for p, why in problems.items()][:5],
     }
     res["passed"] = bool(exactly_once and ranks_disjoint and res["features_finite"] and not problems
                          and len(timing) == s["world_size"] and tokens == manifest["counts"]["tokens"])

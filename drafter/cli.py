@@ -5,7 +5,7 @@
     drafter regen    --config configs/smollm2-135m.yaml regen.max_samples=64   (regenerate, then tokenize)
     drafter regen    --config ... --rank R --world-size W, then: drafter regen --merge --config ...
     drafter tokenize --config ...
-    drafter extract  --config ... [--rank R --world-size W] | extract merge | extract verify
+    drafter extract  --config ... [--rank R --world-size W] | --merge | --verify [--seed S] | --repair
     drafter train    --config ...          (torchrun --nproc-per-node 8 -m drafter.cli train ... for many GPUs)
     drafter eval     --config ... [--rank R --world-size W], then: drafter eval --merge --config ...
     drafter report   runs/a/eval runs/b/eval --out runs/compare
@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
             "--merge", action="store_true", help="after a split run (--world-size > 1): check every unit is done, write the manifest")
     ext = sub.choices["extract"]
     ext.add_argument("--verify", action="store_true", help="compare features against a fresh HF forward")
+    ext.add_argument("--seed", type=int, default=0, help="with --verify: seed of the sample draw (another seed, "
+                                                         "other samples)")
+    ext.add_argument("--repair", action="store_true", help="re-extract only the shards that fail their checks "
+                                                           "(size, header, sha256) and rebuild the index + manifest")
     ext.add_argument("--against", choices=["hf", "vllm", "stored"], default="stored",
                      help="with --verify: what to compare with HF ('stored' = the finished extraction)")
     rep = sub.add_parser("report", help="compare two or more eval runs side by side")
@@ -118,7 +122,12 @@ def _dispatch(args) -> int:
     if args.command == "extract" and args.verify:
         from extract.verify import run_verify
 
-        return 0 if run_verify(cfg, against=args.against)["passed"] else 1
+        return 0 if run_verify(cfg, against=args.against, seed=args.seed)["passed"] else 1
+    if args.command == "extract" and args.repair:
+        from extract.stage import repair_extract
+
+        repair_extract(cfg)
+        return 0
     if args.command == "extract" and args.merge:
         from extract.stage import merge_ranks
 

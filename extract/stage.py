@@ -10,6 +10,10 @@ Steps (the stage contract of docs/design.md):
   4. one rank: write index.parquet + manifest.  Several ranks: ``drafter extract --merge`` does that once
      every unit is done.
 
+``drafter extract --repair`` (`repair_extract`) re-extracts only the units whose shard fails its checks and
+rebuilds the index and manifest; a finished extraction whose files fail their size/header checks is refused
+with a message that says so.
+
 kill -9 at any point loses at most the unit in flight: its temp file is removed on the next start and
 the unit is redone; finished units are skipped by their sidecars.
 """
@@ -25,12 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from extract.layers import LAYER_CONVENTION, configured_layer_ids
-from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, finalize_store
+from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, check_store, damaged, finalize_store
 from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
 from pipeline.runner import (
-    AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint, human_bytes, input_ref,
-    units_for_rank,
+    AtomicFile, RankInfo, StageDir, StageError, acquire_lock, atomic_write_json, check_fingerprint, human_bytes,
+    input_ref, read_json, release_locks, units_for_rank,
 )
 
 log = get_logger("extract")
@@ -255,6 +259,9 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
     ctx = extract_context(cfg)
     stage = StageDir(cfg.run_dir, "extract")
     if not stage.begin(ctx.config_hash, force=force, ranks=ranks, settings=ctx.settings):
+        problems = check_store(stage.path, full=False)
+        if problems:
+            raise damaged(stage.path, problems)
         log.info("extract is already complete with this config: %s", stage.path)
         return stage.manifest()
     index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
@@ -435,13 +442,14 @@ def merge_ranks(cfg: RunConfig) -> dict:
     if stage.is_complete():
         m = stage.manifest()
         if m.get("config_hash") == ctx.config_hash:
+            problems = check_store(stage.path, full=False)
+            if problems:
+                raise damaged(stage.path, problems)
             log.info("extract is already merged: %s", stage.path)
             return m
     state = stage.path / "state.json"
     if not state.exists():
         raise StageError(f"nothing to merge at {stage.path}: run `drafter extract` (all ranks) first")
-    from pipeline.runner import read_json
-
     if read_json(state).get("config_hash") != ctx.config_hash:
         raise StageError(f"{stage.path} holds work from another config; re-run extract with this config (--force)")
     index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
@@ -451,3 +459,55 @@ def merge_ranks(cfg: RunConfig) -> dict:
     started = min([started] + [p.stat().st_mtime for p in (stage.path / "ranks").glob("rank-*.json")])
     log.info("merging %d units from %d rank summaries", len(units), len(ranks))
     return _finalize(cfg, ctx, stage, index, units, started)
+
+
+def repair_extract(cfg: RunConfig) -> dict:
+    """`drafter extract --repair`: re-extract exactly the units whose shard fails its checks (missing, another size,
+    or another sha256 than its sidecar: every byte is read), then rebuild index.parquet and the manifest.
+
+    Good shards are not written (their bytes and mtimes stay); a repaired shard is byte-identical to what a clean
+    run writes (units are a pure function of the tokenized input and the config). Nothing to repair: a no-op.
+    """
+    started = time.time()
+    ctx = extract_context(cfg)
+    stage = StageDir(cfg.run_dir, "extract")
+    state = stage.path / "state.json"
+    if not state.exists():
+        raise StageError(f"nothing to repair at {stage.path}: run `drafter extract` first")
+    if read_json(state).get("config_hash") != ctx.config_hash:
+        raise StageError(f"{stage.path} was extracted with another config: repair with the config it was made with, "
+                         "or redo it with --force")
+    acquire_lock(stage.path / "lock", f"stage 'extract' at {stage.path}")
+    try:
+        index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
+        keep, _, _ = screen_index(index)
+        units = plan_units(index.lengths, keep, cfg.extract.shard_tokens)
+        bad = [u for u in progress(units, desc="extract repair: sha256", unit="shard")
+               if stage.unit_done(u.name, verify=True) is None]
+        try:
+            store_problems = check_store(stage.path, full=False) if stage.is_complete() else {stage.manifest_path: "missing"}
+        except StageError as e:  # a damaged manifest
+            store_problems = {stage.manifest_path: str(e)}
+        if not bad and not store_problems:
+            summary("extract", f"nothing to repair: every shard matches its sha256, index and manifest are intact "
+                               f"({stage.path})")
+            return stage.manifest()
+        for u in bad:
+            log.warning("shard %s.%s fails its checks: re-extracting it", u.name, SHARD_EXT)
+        for path, why in store_problems.items():
+            log.warning("%s: %s", path, why)
+        stage.manifest_path.unlink(missing_ok=True)  # incomplete (readers refuse it) until the repair is done
+        if bad:
+            backend = make_backend(cfg, ctx, max_len=max(int(index.lengths[u.rows[0]]) for u in bad))
+            try:
+                bar = progress(total=sum(u.tokens for u in bad), desc="extract repair", unit="tok")
+                extract_units(stage, ctx, cfg, backend, index, bad, bar)
+                bar.close()
+            finally:
+                backend.close()
+        manifest = _finalize(cfg, ctx, stage, index, units, started)  # index + manifest
+    finally:
+        release_locks(stage.path)
+    summary("extract", f"repaired {len(bad)} shard(s)" + (f" ({', '.join(u.name for u in bad)})" if bad else "")
+            + " and rebuilt the index and manifest")
+    return manifest

@@ -387,15 +387,24 @@ class ShardWriter:
 
 
 def read_shard_header(path: Path) -> tuple[dict, int]:
-    """(safetensors header dict, absolute offset of the data section) of a shard."""
+    """(safetensors header dict, absolute offset of the data section) of a shard whose header parses and whose
+    regions end exactly at the end of the file (a truncated or extended shard is refused here, never reshaped)."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if n <= 0 or n > 100 << 20:
             raise StageError(f"{path}: not a feature shard (header length {n})")
-        header = json.loads(f.read(n))
-    meta = header.get("__metadata__", {})
+        raw = f.read(n)
+        size = os.fstat(f.fileno()).st_size
+    try:
+        header = json.loads(raw)
+        meta = header.get("__metadata__", {})
+        end = max((spec["data_offsets"][1] for name, spec in header.items() if name != "__metadata__"), default=0)
+    except (ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
+        raise StageError(f"{path}: damaged shard header ({type(e).__name__}: {e})") from e
     if meta.get("format") != FORMAT_VERSION:
         raise StageError(f"{path}: format {meta.get('format')!r}, this code reads {FORMAT_VERSION!r}")
+    if 8 + n + end != size:
+        raise StageError(f"{path}: {size} bytes, its header describes {8 + n + end} (truncated or damaged)")
     return header, 8 + n
 
 
@@ -452,17 +461,27 @@ class FeatureReader:
     Features are zero-copy views of the memory-mapped shard for bf16/fp32 storage; fp8 is dequantized
     to ``fp8_dtype`` (bf16 by default).  Pass ``dtype`` to ``sample`` to get a converted copy instead.
     Shards are opened lazily, so a reader can be created before DataLoader workers fork.
+
+    With ``check`` (the default) nothing damaged is ever served: opening the reader checks the index and every
+    shard's size and header (`check_store` without hashing), and a shard's sha256 is verified when it is first
+    opened in this process (`verify_shard_sha256`); each failure is a StageError naming the file and the fix.
     """
 
-    def __init__(self, path: str | Path, *, fp8_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, path: str | Path, *, fp8_dtype: torch.dtype = torch.bfloat16, check: bool = True):
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
-            raise StageError(f"{self.path} has no {MANIFEST}: the extraction is not finished (run `drafter extract`)")
+            raise StageError(f"{self.path} has no {MANIFEST}: the extraction is not finished (run `drafter extract`, "
+                             "or `drafter extract --merge` after a split run)")
         self.manifest = read_json(manifest_path)
         self.fingerprint: dict = self.manifest["fingerprint"]
         self.fp8_dtype = fp8_dtype
         self.shard_names: list[str] = list(self.manifest["storage"]["shards"])
+        self.check = check
+        if check:
+            problems = check_store(self.path, full=False)
+            if problems:
+                raise damaged(self.path, problems)
         index = read_index(self.path / INDEX_FILE)
         self.ids: list[str] = index["id"]
         self.shard_of: np.ndarray = index["shard"]
@@ -484,9 +503,32 @@ class FeatureReader:
         return len(self.fingerprint["layer_ids"]) * int(self.fingerprint["hidden_size"])
 
     def shard(self, k: int) -> Shard:
+        """Shard ``k``, opened on first use; with ``check`` its sha256 is verified first (`verify_shard_sha256`)."""
         if k not in self._shards:
-            self._shards[k] = Shard(self.path / "shards" / self.shard_names[k])
+            path = self.path / "shards" / self.shard_names[k]
+            if self.check:
+                verify_shard_sha256(path, self._expected_sha256(path.name))
+            self._shards[k] = Shard(path)
         return self._shards[k]
+
+    def _expected_sha256(self, name: str) -> str:
+        return next(f["sha256"] for f in self.manifest["files"] if f["name"] == name)
+
+    def verify_shards_in_background(self) -> threading.Thread:
+        """Hash every shard on a daemon thread, off the critical path, before a reader needs it: DataLoader workers
+        forked afterwards find it verified (the record is per process and inherited by fork); a shard a reader
+        needs sooner is hashed by that reader. A mismatch is raised by the first open of that shard."""
+
+        def run():
+            for name in self.shard_names:
+                try:
+                    verify_shard_sha256(self.path / "shards" / name, self._expected_sha256(name))
+                except StageError:
+                    pass  # recorded: the open of this shard raises it, in this process and in forked workers
+
+        thread = threading.Thread(target=run, name="verify-shards", daemon=True)
+        thread.start()
+        return thread
 
     def sample(self, i: int, dtype: torch.dtype | None = None) -> dict:
         """Sample ``i`` (index order = tokenize order): {"id", "input_ids", "loss_mask", "features" [S, n*D]}."""
@@ -557,7 +599,7 @@ def read_index(path: Path) -> dict:
     import pyarrow.parquet as pq
 
     if not Path(path).exists():
-        raise StageError(f"{path} is missing: the extraction was not merged (run `drafter extract --merge`)")
+        raise StageError(f"{path} is missing: {REPAIR} rebuilds it")
     t = pq.read_table(path)
     out = {c: t.column(c).to_numpy().astype(np.int64) for c in INDEX_COLUMNS if c != "id"}
     out["id"] = t.column("id").to_pylist()
@@ -569,25 +611,73 @@ def read_index(path: Path) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def verify_checksums(path: str | Path, *, full: bool = True) -> list[str]:
-    """Problems with a finished extraction's files: missing, wrong size, or (``full``) wrong sha256.
+REPAIR = "run `drafter extract --repair` with this run's config (it re-extracts only the damaged shards)"
 
-    Compares every file listed in the manifest (shards; the index too) with its recorded size and sha256.
-    Returns human-readable problem lines; an empty list means every byte is as written.
+# (path, size, mtime_ns) -> None when the sha256 matched, else the problem: per process, inherited by forked workers
+_SHA256_CHECKED: dict[tuple[str, int, int], str | None] = {}
+_SHA256_LOCK = threading.Lock()  # one hash per shard per process, whichever thread asks first
+
+
+def _fresh_lock_after_fork() -> None:
+    """A worker forked while another thread hashed would inherit the lock held forever: give it its own."""
+    global _SHA256_LOCK
+    _SHA256_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+
+
+def verify_shard_sha256(path: Path, expected: str) -> None:
+    """Stream the shard through sha256 once per process (a later call, or a forked worker, reuses the result) and
+    raise a StageError naming the shard and the fix when it differs from ``expected`` (the manifest's)."""
+    st = os.stat(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _SHA256_CHECKED:
+        with _SHA256_LOCK:
+            if key not in _SHA256_CHECKED:
+                bad = sha256_file(path) != expected
+                _SHA256_CHECKED[key] = f"{path}: sha256 differs from the manifest (corrupted)" if bad else None
+    if _SHA256_CHECKED[key] is not None:
+        raise StageError(f"{_SHA256_CHECKED[key]}; {REPAIR}")
+
+
+def damaged(path: Path, problems: dict[Path, str]) -> StageError:
+    """The one error for an extraction whose files fail their checks: every problem, then the fix."""
+    lines = [f"{p}: {why}" for p, why in problems.items()]
+    shown = "\n  ".join(lines[:10]) + (f"\n  ... and {len(lines) - 10} more" if len(lines) > 10 else "")
+    return StageError(f"the features at {path} are damaged:\n  {shown}\n{REPAIR}")
+
+
+def check_store(path: str | Path, *, full: bool = True) -> dict[Path, str]:
+    """What is wrong with each file of a finished extraction that fails its checks (empty when all is well).
+
+    Every file listed in the manifest: present, the recorded size; a shard's header parses, its regions end at
+    the end of the file and its tap layout is the manifest's; with ``full`` also the sha256 (reads every byte).
     """
     path = Path(path)
     manifest = read_json(path / MANIFEST)
-    problems = []
+    problems: dict[Path, str] = {}
+    fp = manifest["fingerprint"]
+    layout = (len(fp["layer_ids"]), int(fp["hidden_size"]), fp["storage_dtype"])
     entries = [(path / "shards" / f["name"], f) for f in manifest.get("files", []) if not f["name"].endswith(".json")]
     if "index" in manifest.get("storage", {}):
         entries.append((path / INDEX_FILE, manifest["storage"]["index"]))
     for p, f in entries:
         if not p.exists():
-            problems.append(f"{p}: missing")
+            problems[p] = "missing"
         elif p.stat().st_size != f["bytes"]:
-            problems.append(f"{p}: {p.stat().st_size} bytes, manifest says {f['bytes']}")
+            problems[p] = f"{p.stat().st_size} bytes, the manifest says {f['bytes']} (truncated or damaged)"
         elif full and sha256_file(p) != f["sha256"]:
-            problems.append(f"{p}: sha256 differs from the manifest (corrupted)")
+            problems[p] = "sha256 differs from the manifest (corrupted)"
+        elif p.suffix == f".{SHARD_EXT}":
+            try:
+                meta = read_shard_header(p)[0]["__metadata__"]
+                got = (int(meta["num_taps"]), int(meta["hidden_size"]), meta["storage_dtype"])
+            except (StageError, KeyError, ValueError) as e:
+                problems[p] = str(e).removeprefix(f"{p}: ")
+                continue
+            if got != layout:
+                problems[p] = f"holds (taps, hidden, dtype) {got}, the manifest says {layout}"
     return problems
 
 

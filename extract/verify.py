@@ -1,88 +1,135 @@
 """`drafter extract --verify`: are the features what the canonical convention says they are?
 
 Compares, per tapped layer, features from one of
-  * ``stored`` — the finished extraction (after checking its fingerprint and, with
-    ``extract.verify_checksums``, every shard's sha256),
-  * ``hf`` / ``vllm`` — a fresh run of that backend on a few tokenized samples (into a scratch shard),
+  * ``stored`` — the finished extraction (after checking its fingerprint and its files: sizes, headers and, with
+    ``extract.verify_checksums``, every shard's sha256; a damaged shard is a finding, its samples are not read),
+  * ``hf`` / ``vllm`` — a fresh run of that backend on tokenized samples (into a scratch shard),
 against an unbatched HF forward of the same tokens through `extract.layers.forward_taps` (tap l =
-output of decoder layer l).  Reports per layer the mean and min per-token cosine, the max abs error and
-the relative error (max abs error / max |reference|).  Fails when a layer's mean cosine is below
-``extract.verify_min_cosine``, a value is NaN/Inf, or a shard's checksum differs.
+output of decoder layer l).
+
+Which samples: at least one from every shard (for ``hf``/``vllm``: every planned unit), so every rank's slice is
+checked, then more drawn at random up to ``extract.verify_samples``; the draw is seeded (``--seed``: another seed,
+another draw) and the report names every sample it checked (id, shard, row, rank).
+
+Reports per layer the mean and min per-token cosine, the max abs error and the relative error (max abs error /
+max |reference|).  Fails when a layer's mean cosine is below ``extract.verify_min_cosine``, any token's cosine is
+below ``extract.verify_min_token_cosine``, a value is NaN/Inf, or a file fails its checks.
 
 An off-by-one layer set (e.g. vLLM aux ids passed without the +1) shows up as a cosine equal to the one
-between adjacent layers (~0.95 on real models), far below the default 0.999.
+between adjacent layers (~0.95 on real models), far below the default 0.999 mean; the same offset on about one
+percent of the tokens leaves the mean above 0.999 but not the per-token minimum (0.99 by default; fp8 storage keeps
+every token above 0.999).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from extract.layers import forward_taps
 from extract.stage import (
-    ExtractContext, extract_context, make_backend, read_samples, read_tokenized_index, screen_index,
+    ExtractContext, extract_context, make_backend, plan_units, read_samples, read_tokenized_index, screen_index,
 )
-from extract.store import SHARD_EXT, FeatureReader, Shard, ShardWriter, verify_checksums
+from extract.store import SHARD_EXT, Shard, ShardWriter, check_store
 from pipeline.config import RunConfig
 from pipeline.log import get_logger, summary
-from pipeline.runner import StageDir, StageError, atomic_write_json, check_fingerprint
+from pipeline.runner import StageDir, StageError, atomic_write_json, check_fingerprint, read_json
 from pipeline.target import load_target, resolve_device, resolve_dtype
 
 log = get_logger("extract.verify")
 
 
-def pick(n_total: int, n: int) -> list[int]:
-    """``n`` evenly spaced indices of ``range(n_total)`` (deterministic; first and last included)."""
-    if n_total <= n:
-        return list(range(n_total))
-    return sorted({int(round(x)) for x in np.linspace(0, n_total - 1, n)})
+def draw_samples(group_sizes: Sequence[int], n: int, seed: int) -> list[tuple[int, int]]:
+    """Sorted ``(group, row)`` pairs: one random row of every non-empty group, then rows drawn uniformly at random
+    from the rest until there are ``n`` (or no rows left). A pure function of the sizes, ``n`` and ``seed``."""
+    sizes = np.asarray(group_sizes, dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    rng = np.random.default_rng(seed)
+    first = [int(offsets[g] + rng.integers(size)) for g, size in enumerate(sizes) if size > 0]
+    rest = np.setdiff1d(np.arange(offsets[-1]), first)
+    extra = rng.choice(rest, min(max(0, n - len(first)), len(rest)), replace=False)
+    chosen = np.sort(np.concatenate((np.asarray(first, dtype=np.int64), extra.astype(np.int64))))
+    groups = np.searchsorted(offsets, chosen, side="right") - 1
+    return [(int(g), int(i - offsets[g])) for g, i in zip(groups, chosen)]
+
+
+def token_cosines(candidate: torch.Tensor, reference: torch.Tensor, num_taps: int) -> torch.Tensor:
+    """Per-token, per-tap cosine ``[T, n]`` of ``[T, n*D]`` features (any dtypes; compared in fp32)."""
+    c = candidate.float().reshape(candidate.shape[0], num_taps, -1)
+    r = reference.float().reshape(reference.shape[0], num_taps, -1)
+    return torch.nn.functional.cosine_similarity(c, r, dim=-1, eps=1e-12)
 
 
 def layer_report(candidate: torch.Tensor, reference: torch.Tensor, layer_ids: list[int]) -> list[dict]:
     """Per-layer agreement of ``[T, n*D]`` features (any dtypes; compared in fp32)."""
     n = len(layer_ids)
+    cos = token_cosines(candidate, reference, n)
     c = candidate.float().reshape(candidate.shape[0], n, -1)
     r = reference.float().reshape(reference.shape[0], n, -1)
     rows = []
     for j, l in enumerate(layer_ids):
         a, b = c[:, j], r[:, j]
-        finite = bool(torch.isfinite(a).all())
-        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-12)
         err = (a - b).abs().max().item()
-        rows.append({"layer": l, "cos_mean": cos.mean().item(), "cos_min": cos.min().item(), "max_abs": err,
-                     "rel": err / max(b.abs().max().item(), 1e-30), "finite": finite})
+        rows.append({"layer": l, "cos_mean": cos[:, j].mean().item(), "cos_min": cos[:, j].min().item(),
+                     "max_abs": err, "rel": err / max(b.abs().max().item(), 1e-30),
+                     "finite": bool(torch.isfinite(a).all())})
     return rows
 
 
-def format_table(rows: list[dict], threshold: float) -> str:
-    lines = [f"{'layer':>6} {'cos mean':>10} {'cos min':>10} {'max abs':>11} {'rel':>9}  ok"]
+def layer_passes(row: dict, min_mean: float, min_token: float) -> bool:
+    """The verdict on one layer (or one sample's layer): finite, mean cosine and every token's cosine high enough."""
+    return row["finite"] and row["cos_mean"] >= min_mean and row["cos_min"] >= min_token
+
+
+def format_table(rows: list[dict], min_mean: float, min_token: float) -> str:
+    lines = [f"{'layer':>6} {'cos mean':>10} {'cos min':>10} {'max abs':>11} {'rel':>9}  ok "
+             f"(mean >= {min_mean}, every token >= {min_token})"]
     for r in rows:
-        ok = r["finite"] and r["cos_mean"] >= threshold
+        ok = layer_passes(r, min_mean, min_token)
         lines.append(f"{r['layer']:>6} {r['cos_mean']:>10.6f} {r['cos_min']:>10.6f} {r['max_abs']:>11.4g} {r['rel']:>9.2e}  "
                      f"{'yes' if ok else 'NO'}")
     return "\n".join(lines)
 
 
-def _stored_samples(cfg: RunConfig, ctx: ExtractContext) -> tuple[list[dict], list[str]]:
+def _shard_ranks(stage: StageDir) -> dict[str, int]:
+    """Shard name -> the rank that wrote it, from the rank summaries (a single run: every shard is rank 0's)."""
+    out = {}
+    for p in sorted((stage.path / "ranks").glob("rank-*.json")):
+        info = read_json(p)
+        out.update({f"{u}.{SHARD_EXT}": info["rank"] for u in info.get("units", [])})
+    return out
+
+
+def _stored_samples(cfg: RunConfig, ctx: ExtractContext, seed: int) -> tuple[list[dict], dict]:
+    """Samples drawn from every shard that passes its checks, and the problems of those that do not."""
     stage = StageDir(cfg.run_dir, "extract")
-    reader = FeatureReader(stage.path)
-    check_fingerprint(ctx.fingerprint, reader.fingerprint, what=f"extraction {stage.path}", producer="extract")
-    problems = verify_checksums(stage.path, full=cfg.extract.verify_checksums)
-    samples = [reader.sample(i, torch.float32) for i in pick(len(reader), cfg.extract.verify_samples)]
+    manifest = stage.manifest()
+    check_fingerprint(ctx.fingerprint, manifest["fingerprint"], what=f"extraction {stage.path}", producer="extract")
+    problems = check_store(stage.path, full=cfg.extract.verify_checksums)
+    names = [n for n in manifest["storage"]["shards"] if stage.shards / n not in problems]
+    shards = [Shard(stage.shards / n) for n in names]
+    ranks = _shard_ranks(stage)
+    samples = []
+    for k, row in draw_samples([len(sh) for sh in shards], cfg.extract.verify_samples, seed):
+        s = shards[k].sample(row, torch.float32)
+        samples.append({**s, "shard": names[k], "row": row, "rank": ranks.get(names[k], 0)})
     return samples, problems
 
 
-def _backend_samples(cfg: RunConfig, ctx: ExtractContext, backend: str) -> list[dict]:
-    """Run ``backend`` on a few tokenized samples into a scratch shard; read them back."""
+def _backend_samples(cfg: RunConfig, ctx: ExtractContext, backend: str, seed: int) -> list[dict]:
+    """Run ``backend`` on samples drawn from every planned unit into a scratch shard; read them back."""
     index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
     keep, _, _ = screen_index(index)
-    rows_all = np.flatnonzero(keep)
-    rows = [int(rows_all[i]) for i in pick(len(rows_all), cfg.extract.verify_samples)]
-    rows.sort(key=lambda r: (-int(index.lengths[r]), r))  # writers take samples longest first
+    units = plan_units(index.lengths, keep, cfg.extract.shard_tokens)
+    picks = {units[k].rows[row]: (units[k].name, row)
+             for k, row in draw_samples([len(u.rows) for u in units], cfg.extract.verify_samples, seed)}
+    rows = sorted(picks, key=lambda r: (-int(index.lengths[r]), r))  # writers take samples longest first
     data = read_samples(index, np.asarray(rows))
     scratch = Path(tempfile.mkdtemp(prefix="verify-", dir=cfg.run_dir))
     try:
@@ -98,46 +145,66 @@ def _backend_samples(cfg: RunConfig, ctx: ExtractContext, backend: str) -> list[
             writer.close()
             engine.close()
         shard = Shard(path)
-        samples = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in shard.sample(i, torch.float32).items()}
-                   for i in range(len(shard))]
+        samples = []
+        for i, r in enumerate(rows):
+            s = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in shard.sample(i, torch.float32).items()}
+            unit, row = picks[r]
+            samples.append({**s, "shard": f"{unit}.{SHARD_EXT} (planned)", "row": row, "rank": None})
         del shard
         return samples
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run_verify(cfg: RunConfig, *, against: str = "stored") -> dict:
+def run_verify(cfg: RunConfig, *, against: str = "stored", seed: int = 0) -> dict:
     """Compare features with a fresh unbatched HF forward; returns a report with ``passed``."""
     ctx = extract_context(cfg)
-    problems: list[str] = []
+    problems: dict = {}
     if against == "stored":
-        samples, problems = _stored_samples(cfg, ctx)
+        samples, problems = _stored_samples(cfg, ctx, seed)
     elif against in ("hf", "vllm"):
-        samples = _backend_samples(cfg, ctx, against)
+        samples = _backend_samples(cfg, ctx, against, seed)
     else:
         raise StageError(f"extract verify: --against must be stored, hf or vllm, not {against!r}")
-    if not samples:
+    if not samples and not problems:
         raise StageError("extract verify: no samples to compare")
-    device = resolve_device(cfg.target.device)
-    model = load_target(ctx.location, cfg.target, device=device, dtype=resolve_dtype(cfg.target.dtype, device))
-    cand, ref = [], []
-    for s in samples:
-        ids = s["input_ids"].to(device)[None]
-        ref.append(forward_taps(model, ids, ctx.layer_ids)[0].float().cpu())
-        cand.append(s["features"].float())
-    layers = layer_report(torch.cat(cand), torch.cat(ref), ctx.layer_ids)
-    threshold = cfg.extract.verify_min_cosine
-    bad_layers = [r["layer"] for r in layers if not r["finite"] or r["cos_mean"] < threshold]
+    min_mean, min_token = cfg.extract.verify_min_cosine, cfg.extract.verify_min_token_cosine
+    layers, checked = [], []
+    if samples:
+        device = resolve_device(cfg.target.device)
+        model = load_target(ctx.location, cfg.target, device=device, dtype=resolve_dtype(cfg.target.dtype, device))
+        cand, ref = [], []
+        for s in samples:
+            cand.append(s["features"].float())
+            ref.append(forward_taps(model, s["input_ids"].to(device)[None], ctx.layer_ids)[0].float().cpu())
+            per_layer = layer_report(cand[-1], ref[-1], ctx.layer_ids)
+            checked.append({"id": s["id"], "shard": s["shard"], "row": s["row"], "rank": s["rank"],
+                            "tokens": len(cand[-1]), "cos_min": min(r["cos_min"] for r in per_layer),
+                            "failed_layers": [r["layer"] for r in per_layer if not layer_passes(r, min_mean, min_token)]})
+        layers = layer_report(torch.cat(cand), torch.cat(ref), ctx.layer_ids)
+    bad_layers = [r["layer"] for r in layers if not layer_passes(r, min_mean, min_token)]
+    failed = [c for c in checked if c["failed_layers"]]
     passed = not bad_layers and not problems
-    report = {"passed": passed, "against": against, "samples": len(samples), "tokens": int(sum(len(c) for c in cand)),
-              "layer_ids": ctx.layer_ids, "min_cosine": threshold, "layers": layers, "failed_layers": bad_layers,
-              "checksum_problems": problems, "storage_dtype": cfg.extract.storage_dtype}
-    table = format_table(layers, threshold)
-    print(table)
-    for p in problems:
-        print(f"checksum: {p}")
+    report = {"passed": passed, "against": against, "seed": seed, "samples": len(samples),
+              "tokens": int(sum(c["tokens"] for c in checked)), "layer_ids": ctx.layer_ids,
+              "min_cosine": min_mean, "min_token_cosine": min_token, "layers": layers, "failed_layers": bad_layers,
+              "checked": checked, "failed_samples": failed,
+              "file_problems": {str(p): why for p, why in problems.items()}, "storage_dtype": cfg.extract.storage_dtype}
+    if layers:
+        print(format_table(layers, min_mean, min_token))
+    ranks = sorted({c["rank"] for c in checked if c["rank"] is not None})
+    print(f"checked {len(checked)} samples (seed {seed}) from {len({c['shard'] for c in checked})} shards"
+          + (f", ranks {ranks}" if ranks else "") + ": "
+          + ", ".join(f"{c['id']} ({c['shard']}#{c['row']})" for c in checked[:40])
+          + (f", ... ({len(checked) - 40} more)" if len(checked) > 40 else ""))
+    for c in failed[:20]:
+        print(f"FAILED sample {c['id']} ({c['shard']}#{c['row']}, rank {c['rank']}): layers {c['failed_layers']}, "
+              f"lowest token cosine {c['cos_min']:.4f}")
+    for p, why in problems.items():
+        print(f"damaged: {p}: {why}")
     out = StageDir(cfg.run_dir, "extract").path / f"verify-{against}.json"
-    atomic_write_json(out, report)
-    verdict = "PASSED" if passed else f"FAILED (layers {bad_layers}, {len(problems)} checksum problems)"
+    atomic_write_json(out, json.loads(json.dumps(report, default=str)))
+    verdict = "PASSED" if passed else (f"FAILED (layers {bad_layers}, {len(failed)} samples, {len(problems)} damaged "
+                                       "files" + ("; run `drafter extract --repair`" if problems else "") + ")")
     summary("extract verify", f"{against} vs HF forward on {len(samples)} samples: {verdict} -> {out}")
     return report

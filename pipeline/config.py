@@ -234,8 +234,12 @@ class ExtractConfig:
     tokens_per_batch: int = doc("token budget of one forward (length-sorted batches)", 16384, ge=1)
     shard_tokens: int = doc("tokens per feature shard (the unit of resume)", 1 << 20, ge=1)
     max_samples: Optional[int] = doc("extract only the first N tokenized samples", None, ge=1)
-    verify_samples: int = doc("samples compared by `extract verify`", 8, ge=1)
-    verify_min_cosine: float = doc("`extract verify` fails below this per-layer cosine", 0.999, ge=-1, le=1)
+    verify_samples: int = doc("samples compared by `extract verify`: one of every shard (every rank's slice), "
+                              "the rest drawn at random (`--seed`)", 8, ge=1)
+    verify_min_cosine: float = doc("`extract verify` fails when a layer's mean per-token cosine is below this", 0.999,
+                                   ge=-1, le=1)
+    verify_min_token_cosine: float = doc("`extract verify` fails when any token's cosine in a layer is below this",
+                                         0.99, ge=-1, le=1)
     verify_checksums: bool = doc("`extract verify` also re-hashes every shard against its sha256 (reads all bytes)", True)
     vllm: VLLMConfig = doc("the vLLM engine of the 'vllm' backend", factory=VLLMConfig)
     writer_threads: int = doc("threads writing feature bytes to disk in parallel (pwrite into the shard)", 4, ge=1)

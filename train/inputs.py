@@ -88,7 +88,10 @@ def open_inputs(cfg: RunConfig) -> TrainInputs:
         check_fingerprint(expected, features, what=f"extracted features at {stage.path}", producer="extract")
         open_source = functools.partial(FeatureReader, stage.path)
     args = DrafterArgs.from_run_config(cfg, target_config, len(tokenizer), layer_ids=features["layer_ids"])
-    return TrainInputs(location, args, stage, open_source, open_source(), features)
+    source = open_source()  # offline: checks the index and every shard's size and header (extract/store.py)
+    if not cfg.train.online:
+        source.verify_shards_in_background()  # every shard's sha256 before a worker opens it, off the critical path
+    return TrainInputs(location, args, stage, open_source, source, features)
 
 
 # ----------------------------------------------------------------------------------------------

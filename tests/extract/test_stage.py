@@ -16,7 +16,7 @@ import torch
 
 from extract.layers import forward_taps
 from extract.stage import check_disk_space, merge_ranks, run_extract
-from extract.store import FeatureReader, bytes_per_token, verify_checksums
+from extract.store import FeatureReader, bytes_per_token, check_store
 from extract.verify import run_verify
 from pipeline.runner import FingerprintMismatch, RankInfo, StageError, read_json
 from pipeline.target import load_target, materialize_target
@@ -83,7 +83,7 @@ def test_corrupted_shard_fails_verify(tmp_path):
         f.write(bytes([b[0] ^ 0x55]))
     report = run_verify(cfg, against="stored")
     assert not report["passed"]
-    assert len(report["checksum_problems"]) == 1 and shard.name in report["checksum_problems"][0]
+    assert list(report["file_problems"]) == [str(shard)] and "sha256" in report["file_problems"][str(shard)]
 
 
 def test_refuses_tokenize_output_made_with_another_tokenizer(tmp_path):
@@ -185,4 +185,4 @@ def test_kill_9_then_rerun_resumes_with_nothing_lost_or_duplicated(tmp_path):
     assert reader.ids == [f"fake/{i}" for i in range(len(lengths))]
     assert reader.lengths.tolist() == lengths
     assert manifest["counts"]["written"] == len(lengths)
-    assert verify_checksums(cfg.run_dir / "extract") == []
+    assert check_store(cfg.run_dir / "extract") == {}

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from extract.store import (
-    FeatureReader, ShardWriter, Shard, bytes_per_token, decode_fp8, encode_features, encode_fp8,
-    verify_checksums, write_feature_store,
+    FeatureReader, ShardWriter, Shard, bytes_per_token, check_store, decode_fp8, encode_features, encode_fp8,
+    write_feature_store,
 )
 
 
@@ -126,14 +126,14 @@ def test_fp8_scale_handles_all_zero_rows():
 
 def test_corrupted_shard_is_detected_by_its_checksum(tmp_path):
     path = write_feature_store(tmp_path / "extract", _samples(), fingerprint=_fp(), shard_tokens=50)
-    assert verify_checksums(path) == []
+    assert check_store(path) == {}
     victim = path / "shards/00001.safetensors"
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF  # one flipped byte, same size
     victim.write_bytes(bytes(data))
-    problems = verify_checksums(path)
-    assert len(problems) == 1 and "00001.safetensors" in problems[0] and "sha256" in problems[0]
-    assert verify_checksums(path, full=False) == []  # size-only check cannot see it; the full check does
+    problems = check_store(path)
+    assert list(problems) == [victim] and "sha256" in problems[victim]
+    assert check_store(path, full=False) == {}  # sizes and headers cannot see it; the full check does
 
 
 def test_reader_refuses_an_unfinished_extraction(tmp_path):
