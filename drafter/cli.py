@@ -18,6 +18,9 @@ Stage code is imported lazily so `curate` and `config-reference` start fast and 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import re
 import sys
 
 from pipeline.config import ConfigError, RunConfig, load_config
@@ -47,12 +50,16 @@ def _stage_fn(name: str):
 def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:
     """Run one stage. Every stage function has the signature fn(cfg, *, force, ranks) -> manifest dict.
 
-    The resolved config is saved beside the stage's output (`runs/<run>/<stage>/config.yaml`) once it finishes.
+    The resolved config is saved beside the stage's output (`runs/<run>/<stage>/config.yaml`) when the stage ran;
+    the re-run of a finished stage is a no-op that writes nothing (it works on a read-only copy of the run).
     """
     from pipeline.config import save_config
 
+    manifest_path = cfg.run_dir / name / "manifest.json"
+    before = manifest_path.stat().st_mtime_ns if manifest_path.exists() else None
     manifest = _stage_fn(name)(cfg, force=force, ranks=ranks or RankInfo())
-    save_config(cfg, cfg.run_dir / name / "config.yaml")
+    if before is None or not manifest_path.exists() or manifest_path.stat().st_mtime_ns != before:
+        save_config(cfg, cfg.run_dir / name / "config.yaml")  # a finished stage's re-run writes nothing
     return manifest
 
 
@@ -92,9 +99,45 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except (ConfigError, StageError, FileNotFoundError) as e:
-        print(f"drafter {args.command}: error: {e}", file=sys.stderr)
+    except (ConfigError, StageError) as e:
+        print(f"drafter {args.command}: error: {error_message(e)}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"drafter {args.command}: error: {os_error_message(e)}", file=sys.stderr)
+        return 2
+
+
+# what to do about the errors a full, read-only or foreign disk raises
+OS_ERROR_FIXES = {
+    errno.ENOSPC: "free space there, or point runs_dir to a larger disk; then run the same command again (finished "
+                  "units are kept)",
+    errno.EDQUOT: "the disk quota is used up: free space, or point runs_dir elsewhere; then run the same command "
+                  "again (finished units are kept)",
+    errno.EROFS: "that filesystem is mounted read-only: make it writable, or point runs_dir elsewhere",
+    errno.EACCES: "this user may not write there: fix the permissions, or point runs_dir elsewhere",
+    errno.EPERM: "this user may not write there: fix the permissions, or point runs_dir elsewhere",
+}
+
+
+def os_error_message(e: OSError) -> str:
+    """One line: what the OS refused, the path, and what to do (no space, read-only, permission)."""
+    if e.errno is None:
+        return error_message(e)
+    where = ", ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    text = os.strerror(e.errno) + (f": {where}" if where else "")
+    fix = OS_ERROR_FIXES.get(e.errno)
+    return f"{text} — {fix}" if fix else text
+
+
+def error_message(e: BaseException) -> str:
+    """The message of a stage error; one raised in a DataLoader worker arrives wrapped in the worker's traceback,
+    of which only the original message is kept."""
+    text = str(e)
+    if "Original Traceback" in text:
+        last = re.search(rf"\n(?:[\w.]+\.)?{type(e).__name__}: (.*)\Z", text, re.S)
+        if last:
+            text = last.group(1).strip()
+    return text
 
 
 def _dispatch(args) -> int:

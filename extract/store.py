@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.runner import MANIFEST, StageError, read_json, sha256_file
+from pipeline.runner import MANIFEST, StageError, read_json, sha256_file, with_path
 
 FORMAT_VERSION = "dflash-features/1"
 INDEX_FILE = "index.parquet"
@@ -292,8 +292,11 @@ class ShardWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self.fd, L.total_bytes)
-        pwrite_all(self.fd, prefix, 0)
+        try:
+            os.ftruncate(self.fd, L.total_bytes)
+            pwrite_all(self.fd, prefix, 0)
+        except OSError as e:
+            raise with_path(e, self.path) from e
         self._scales = np.zeros((L.num_tokens, num_taps), np.float32) if storage_dtype == "fp8" else None
         self._scales_set = False
         self._sha = hashlib.sha256(prefix) if stream_hash else None
@@ -315,6 +318,8 @@ class ShardWriter:
         try:
             pwrite_all(self.fd, raw, offset)
             start_writeback(self.fd, offset, memoryview(raw).nbytes)
+        except OSError as e:  # ENOSPC, EIO: name the shard
+            raise with_path(e, self.path) from e
         finally:
             with self._io:
                 self._inflight -= 1
@@ -365,9 +370,14 @@ class ShardWriter:
         if self._scales is not None and self._scales_set:
             tail_start = L.offset("features") + L.regions["features"].nbytes
             tail = bytes(L.offset("scales") - tail_start) + self._scales.tobytes()
-            pwrite_all(fd, tail, tail_start)
-        os.fsync(fd)
-        os.close(fd)
+        try:
+            if tail:
+                pwrite_all(fd, tail, tail_start)
+            os.fsync(fd)
+        except OSError as e:
+            raise with_path(e, self.path) from e
+        finally:
+            os.close(fd)
         if self._sha is None or self._hashed_bytes != L.regions["features"].nbytes:
             return None
         if self._scales is not None:

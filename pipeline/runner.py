@@ -81,16 +81,28 @@ def _is_debris(tmp: Path) -> bool:
     return int(pid) == os.getpid()
 
 
+def with_path(e: OSError, path: Path) -> OSError:
+    """``e`` itself when it names a file, else the same error naming ``path`` (a failed write — ENOSPC, EIO —
+    raises an OSError that names no file; pyarrow's carries the errno but not the path)."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return type(e)(e.errno, os.strerror(e.errno), str(path))
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that readers see the old file or the whole new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise with_path(e, path) from e
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -118,10 +130,14 @@ class AtomicFile:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and with_path(exc, self.path) is not exc:
+                raise with_path(exc, self.path) from exc
             return
         fd = os.open(self.tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
+        except OSError as e:
+            raise with_path(e, self.path) from e
         finally:
             os.close(fd)
         os.replace(self.tmp, self.path)
@@ -190,6 +206,18 @@ def read_json(path: Path) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 _HELD_LOCKS: dict[Path, int] = {}  # lock files this process holds -> their descriptor (taking one again is a no-op)
+
+
+def _forget_locks_after_fork() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the lock descriptors: the lock stays with the
+    parent alone (flock belongs to the open file, not the descriptor), so a worker orphaned by a kill -9 of its
+    parent cannot keep the stage locked."""
+    for fd in _HELD_LOCKS.values():
+        os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_after_fork)
 
 
 def acquire_lock(path: Path, what: str) -> None:

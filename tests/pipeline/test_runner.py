@@ -255,6 +255,23 @@ def test_a_second_process_on_a_stage_is_refused_naming_the_holder_and_a_dead_hol
     assert StageDir(tmp_path, "train").begin("h") is False
 
 
+def test_a_forked_child_of_a_killed_holder_does_not_keep_the_lock(tmp_path):
+    code = (f"import os, time\nfrom pipeline.runner import StageDir\n"
+            f"StageDir(r'{tmp_path}', 'train').begin('h')\n"
+            "child = os.fork()\n"
+            "if child == 0:\n    time.sleep(120); os._exit(0)\n"
+            "print(child, flush=True); time.sleep(120)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    child = int(holder.stdout.readline())
+    try:
+        holder.send_signal(signal.SIGKILL)  # the parent dies; its forked child (a DataLoader worker, say) lives on
+        holder.wait()
+        os.kill(child, 0)
+        assert StageDir(tmp_path, "train").begin("h") is True
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_ranks_of_a_split_run_lock_their_own_slice(tmp_path):
     holder = _hold_stage(tmp_path, "extract", rank=0, world_size=2)
     try:
