@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from extract.stage import merge_ranks, repair_extract, run_extract
 from extract.store import FeatureReader, check_store
 from extract.verify import run_verify
 from pipeline.runner import StageError, sha256_file
-from tests.conftest import make_config
+from tests.conftest import CACHE, REPO, make_config
 from tests.extract.conftest import write_tokenize_stage
 
 LENGTHS = np.random.default_rng(7).integers(24, 200, size=24).tolist()
@@ -90,6 +92,23 @@ def test_train_refuses_damaged_features_naming_the_file_and_the_repair(clean, tm
             run_extract(cfg)
         with pytest.raises(StageError, match=r"(?s)damaged.*--repair"):
             merge_ranks(cfg)  # not "already merged"
+
+
+@pytest.mark.slow
+def test_through_the_cli_a_corrupt_shard_met_in_a_data_loader_worker_is_one_line(clean, tmp_path):
+    from tests.train.test_stage_train import subprocess_env
+
+    cfg = copy_run(clean, tmp_path)
+    shard = sorted((cfg.run_dir / "extract" / "shards").glob("*.safetensors"))[1]
+    flip_byte(shard)
+    overrides = ["extract.tokens_per_batch=600", "extract.shard_tokens=600", *TRAIN, "train.num_workers=1"]
+    done = subprocess.run([sys.executable, "-m", "drafter.cli", "train", "--config", "configs/tiny.yaml",
+                           f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"drafter train: error: {shard}: sha256 differs from the manifest (corrupted); run `drafter extract --repair` "
+        "with this run's config (it re-extracts only the damaged shards)")
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
