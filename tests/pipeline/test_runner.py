@@ -258,9 +258,8 @@ def test_a_second_process_on_a_stage_is_refused_naming_the_holder_and_a_dead_hol
 def test_a_forked_child_of_a_killed_holder_does_not_keep_the_lock(tmp_path):
     code = (f"import os, time\nfrom pipeline.runner import StageDir\n"
             f"StageDir(r'{tmp_path}', 'train').begin('h')\n"
-            "child = os.fork()\n"
-            "if child == 0:\n    time.sleep(120); os._exit(0)\n"
-            "print(child, flush=True); time.sleep(120)\n")
+            "if os.fork() == 0:\n    print(os.getpid(), flush=True); time.sleep(120); os._exit(0)\n"  # forked: running
+            "time.sleep(120)\n")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     child = int(holder.stdout.readline())
     try:
