@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.kv_cache import KVTargetCache  # noqa: E402
 from eval.target_cache import target_cache  # noqa: E402
-from eval.decode import decode, round_ops  # noqa: E402
+from eval.decode import decode, round_ops, warm_up  # noqa: E402
 from eval.tree import build_tree, build_tree_heap  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402
 from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
@@ -255,8 +255,7 @@ def verify_only(cache, target, drafter, prompt, budget, iters, device) -> float:
 
 def end_to_end(method, target, drafter, prompt, budget, new_tokens, impl) -> tuple[float, float]:
     """(seconds per round, mean tau) of a real decode (phase timing off: one sync per round)."""
-    decode(method, target, drafter, prompt.tolist(), max_new_tokens=8, budget=budget, cache_impl=impl,
-           phase_timing=False)  # warm-up / capture
+    warm_up(method, target, drafter, max_length=prompt.numel() + new_tokens, budget=budget, cache_impl=impl)
     res = decode(method, target, drafter, prompt.tolist(), max_new_tokens=new_tokens, budget=budget, cache_impl=impl,
                  phase_timing=False)
     return res.timings["decode"] / max(res.num_rounds, 1), sum(res.accept_lengths) / max(res.num_rounds, 1)

@@ -231,7 +231,7 @@ def longest_context(prompts: list[EvalPrompt], tokenizer, *, enable_thinking: bo
 # ----------------------------------------------------------------------------------------------
 
 
-def _load_drafter(path: Path, target, device):
+def load_drafter(path: Path, target, device):
     """The drafter from its z-lab export with the target's embedding and LM head attached (frozen)."""
     from train.export import load_zlab
 
@@ -436,7 +436,7 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
     from pipeline.cuda_graphs import GRAPH_LOG
 
     target = load_target(location, cfg.target)
-    drafter, _ = _load_drafter(dpath, target, target.device)
+    drafter, _ = load_drafter(dpath, target, target.device)
     stop = _stop_token_ids(tokenizer, target)
     e, thinking = cfg.eval, cfg.target.enable_thinking
     max_prompt = int(getattr(text_config(target_config), "max_position_embeddings", 1 << 30)) - e.max_new_tokens \
