@@ -37,8 +37,12 @@ API (N nodes; all tensors on one device; host syncs only in the torch versions):
     tree_gated_delta_rule(q [N, HK, dk], k, v [N, HV, dv], g [N, HV], beta [N, HV], parents, depths,
                           initial_state [HV, dk, dv]) -> o [N, HV, dv]
     path_gated_delta_state(k, v, g, beta, path [n], initial_state) -> S_{path[-1]} [HV, dk, dv] fp32
-    tree_gated_delta_net(layer, hidden [1, N, D], tree, conv_state [1, C, K], recurrent_state [1, HV, dk, dv])
+                          (or with a leading stack of layers on every argument)
+    tree_walk(tree, layer) -> the Triton walk's order and scratch, once per tree for all layers (None on CPU)
+    tree_gated_delta_net(layer, hidden [1, N, D], tree, conv_state [1, C, K], recurrent_state [1, HV, dk, dv], walk)
         -> (out [1, N, D], TreeLayerRecord)        record.commit(path, conv_state, recurrent_state): in place
+    commit_path(layer, rows stacked over B layers, path, conv_states [B, C, K], recurrent_states [B, HV, dk, dv]):
+        the same commit for B layers at once (eval/recurrent_cache.py commits a target's layers with it)
 """
 
 from __future__ import annotations
@@ -93,10 +97,11 @@ def _activation(u: Tensor, activation: str | None) -> Tensor:
 
 
 def path_conv_state(x_path: Tensor, conv_state: Tensor) -> Tensor:
-    """The committed window after the path's conv inputs x_path [n, C]: the last K columns of
-    cat([conv_state [C, K], x_path^T]) -> [C, K] (what HF's cache holds after those n tokens)."""
-    K = conv_state.shape[1]
-    return torch.cat([conv_state, x_path.transpose(0, 1).to(conv_state.dtype)], dim=1)[:, -K:]
+    """The committed window after the path's conv inputs x_path [..., n, C]: the last K columns of
+    cat([conv_state [..., C, K], x_path^T]) -> [..., C, K] (what HF's cache holds after those n tokens; `...` = a
+    stack of layers or none)."""
+    K = conv_state.shape[-1]
+    return torch.cat([conv_state, x_path.transpose(-1, -2).to(conv_state.dtype)], dim=-1)[..., -K:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,8 +119,8 @@ def _value_heads(x: Tensor, num_v_heads: int) -> Tensor:
 
 
 def _decay_and_update(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
-    """One token of the gated delta rule on a batch: state [B, HV, dk, dv] fp32, k [B, HV, dk] (normalised),
-    v [B, HV, dv], g/beta [B, HV] fp32 -> the new state (HF's order of operations)."""
+    """One token of the gated delta rule on a batch: state [..., HV, dk, dv] fp32, k [..., HV, dk] (normalised),
+    v [..., HV, dv], g/beta [..., HV] fp32 -> the new state (HF's order of operations)."""
     state = state * g.exp()[..., None, None]
     kv_mem = (state * k.unsqueeze(-1)).sum(-2)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
@@ -144,14 +149,16 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
 
 
 def path_gated_delta_state(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor) -> Tensor:
-    """The state S [HV, dk, dv] fp32 of node path[-1]: the recurrence run along path [n] (root first, each entry
-    the parent of the next) from initial_state; node rows as in `tree_gated_delta_rule`."""
-    kn = _value_heads(k[path], v.shape[1])
-    v32, g32, beta32 = v[path].float(), g[path].float(), beta[path].float()
-    state = initial_state.float().unsqueeze(0)
+    """The state S [..., HV, dk, dv] fp32 of node path[-1]: the recurrence run along path [n] (root first, each
+    entry the parent of the next) from initial_state [..., HV, dk, dv]; node rows as in `tree_gated_delta_rule`
+    with an optional leading stack of layers (k [..., N, HK, dk], v [..., N, HV, dv], g, beta [..., N, HV])."""
+    rows = lambda x, dim: x.index_select(dim, path).float()  # noqa: E731
+    kn = _value_heads(rows(k, -3), v.shape[-2])
+    v32, g32, beta32 = rows(v, -3), rows(g, -2), rows(beta, -2)
+    state = initial_state.float()
     for t in range(path.shape[0]):
-        state = _decay_and_update(state, kn[t: t + 1], v32[t: t + 1], g32[t: t + 1], beta32[t: t + 1])
-    return state[0]
+        state = _decay_and_update(state, kn[..., t, :, :], v32[..., t, :, :], g32[..., t, :], beta32[..., t, :])
+    return state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,10 +176,31 @@ def _kernels(device):
 
 
 def _split_heads(u: Tensor, layer) -> tuple[Tensor, Tensor, Tensor]:
-    """conv outputs [N, C] -> q, k [N, HK, dk], v [N, HV, dv] (views)."""
+    """conv outputs [..., N, C] -> q, k [..., N, HK, dk], v [..., N, HV, dv] (views)."""
     q, k, v = torch.split(u, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    return (q.unflatten(1, (layer.num_k_heads, layer.head_k_dim)), k.unflatten(1, (layer.num_k_heads, layer.head_k_dim)),
-            v.unflatten(1, (layer.num_v_heads, layer.head_v_dim)))
+    return (q.unflatten(-1, (layer.num_k_heads, layer.head_k_dim)),
+            k.unflatten(-1, (layer.num_k_heads, layer.head_k_dim)), v.unflatten(-1, (layer.num_v_heads, layer.head_v_dim)))
+
+
+@torch.no_grad()
+def commit_path(layer, conv_inputs: Tensor, conv_outputs: Tensor, g: Tensor, beta: Tensor, path: Tensor,
+                conv_states: Tensor, recurrent_states: Tensor) -> None:
+    """Advance B stacked Gated-DeltaNet layers of `layer`'s shape, in place, over the accepted root path `path` [n]
+    (node ids, path[0] = 0, each the parent of the next), from their node rows (`TreeLayerRecord` fields with a
+    leading layer axis: conv_inputs / conv_outputs [B, N, C], g / beta [B, N, HV]): conv_states [B, C, K] <- the last
+    K conv inputs along the path (committed ones first), recurrent_states [B, HV, dk, dv] <- S_{path[-1]} recomputed
+    along the path (n steps). The result is the cache HF leaves after running those n tokens from the committed
+    state. On CUDA: one launch for the states of all B layers (eval/tree_recurrent_triton.py)."""
+    _, k, v = _split_heads(conv_outputs, layer)
+    new_windows = path_conv_state(conv_inputs.index_select(1, path), conv_states)
+    kernels = _kernels(path.device)
+    state = None
+    if kernels is not None:  # writes the new states over the committed ones
+        state = triton_kernels.run(kernels.path_gated_delta_state, k, v, g, beta, path, recurrent_states,
+                                   recurrent_states)
+    if state is None:
+        recurrent_states.copy_(path_gated_delta_state(k, v, g, beta, path, recurrent_states))
+    conv_states.copy_(new_windows)
 
 
 @dataclass
@@ -185,32 +213,34 @@ class TreeLayerRecord:
     g: Tensor  # [N, HV] fp32 log-decay
     beta: Tensor  # [N, HV] fp32
 
-    @torch.no_grad()
     def commit(self, path: Tensor, conv_state: Tensor, recurrent_state: Tensor) -> None:
-        """Advance the layer's committed cache state, in place, over the accepted root path `path` [n] (node ids,
-        path[0] = 0, each the parent of the next): conv_state [1, C, K] <- the last K conv inputs along the path
-        (committed ones first), recurrent_state [1, HV, dk, dv] <- S_{path[-1]} recomputed along the path (n steps).
-        The result is the cache HF leaves after running those n tokens from the committed state."""
-        _, k, v = _split_heads(self.conv_outputs, self.layer)
-        new_window = path_conv_state(self.conv_inputs[path], conv_state[0])
-        kernels = _kernels(path.device)
-        state = None
-        if kernels is not None:  # writes the new state over the committed one
-            state = triton_kernels.run(kernels.path_gated_delta_state, k, v, self.g, self.beta, path,
-                                       recurrent_state[0], recurrent_state[0])
-        if state is None:
-            recurrent_state[0].copy_(path_gated_delta_state(k, v, self.g, self.beta, path, recurrent_state[0]))
-        conv_state[0].copy_(new_window)
+        """Advance the layer's committed cache state, in place, over the accepted root path `path` [n]:
+        conv_state [1, C, K], recurrent_state [1, HV, dk, dv] (HF's cache tensors) become what HF leaves after
+        running those n tokens from the committed state (`commit_path` with one layer)."""
+        commit_path(self.layer, self.conv_inputs[None], self.conv_outputs[None], self.g[None], self.beta[None], path,
+                    conv_state, recurrent_state)
+
+
+def tree_walk(tree: Tree, layer) -> tuple[tuple[Tensor, Tensor], Tensor] | None:
+    """What the Triton walk of `tree` needs, computed once per tree and shared by every Gated-DeltaNet layer of
+    `layer`'s shape: (`walk_order` (order, fork), scratch [L+1, HV, dk, dv] fp32, one state per depth). None where
+    the torch version runs (no CUDA / Triton): it needs neither. Fixed shapes, no host read."""
+    kernels = _kernels(tree.parents.device)
+    if kernels is None:
+        return None
+    scratch = torch.empty(tree.depth_limit + 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+                          dtype=torch.float32, device=tree.parents.device)
+    return kernels.walk_order(tree.parents, tree.depths, tree.depth_limit), scratch
 
 
 @torch.no_grad()
 def tree_gated_delta_net(layer, hidden_states: Tensor, tree: Tree, conv_state: Tensor, recurrent_state: Tensor,
-                         walk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, TreeLayerRecord]:
+                         walk: tuple[tuple[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, TreeLayerRecord]:
     """HF `Qwen3_5GatedDeltaNet` `layer` over the tree's N nodes: hidden_states [1, N, D] (the layer's input, after
     its input norm) -> (output [1, N, D], the record that commits a node). conv_state [1, C, K] and recurrent_state
     [1, HV, dk, dv] are the layer's committed cache tensors (HF's `conv_states[0]` / `recurrent_states[0]`); they
     are read, not changed. The layer's own modules do the projections, the gated norm and the output projection.
-    walk: eval/tree_recurrent_triton.py `walk_order(tree)`, computed once per tree for all layers (CUDA path)."""
+    walk: `tree_walk(tree, layer)`, computed once per tree for all layers (CUDA path; made here when None)."""
     for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
                  "out_proj"):
         if not hasattr(layer, name):
@@ -234,9 +264,9 @@ def tree_gated_delta_net(layer, hidden_states: Tensor, tree: Tree, conv_state: T
         u = tree_causal_conv1d(mixed, conv_state[0], weight, tree.parents, tree.depths, layer.activation)
     q, k, v = _split_heads(u, layer)
     if kernels is not None:
-        walk = walk if walk is not None else kernels.walk_order(tree.parents, tree.depths, tree.depth_limit)
+        order, scratch = walk if walk is not None else tree_walk(tree, layer)
         o = triton_kernels.run(kernels.tree_gated_delta_rule, q, k, v, g, beta, tree.parents, tree.depths,
-                               recurrent_state[0], walk, tree.depth_limit)
+                               recurrent_state[0], order, tree.depth_limit, scratch)
     if o is None:
         o = tree_gated_delta_rule(q, k, v, g, beta, tree.parents, tree.depths, recurrent_state[0])
     core = layer.norm(o.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))

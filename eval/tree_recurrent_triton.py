@@ -5,7 +5,8 @@
     tree_gated_delta_rule    `tree_gated_delta_rule`: one program per (value block, value head) walks ALL nodes in
                              depth-first order (`walk_order`) with the state block [d_k, BV] in registers
     path_gated_delta_state   `path_gated_delta_state`: the same kernel along one root path, writing the final state
-                             (the commit; in place over the committed state is allowed)
+                             (the commit; in place over the committed state is allowed), for a stack of layers in
+                             one launch (a layer grid axis: the commit of every Gated-DeltaNet layer of a target)
 
 The walk. In depth-first pre-order a node usually follows its parent, whose post-update state is still in the
 registers; otherwise its parent has an earlier child and was stored in `scratch[depth(parent)]` (a node with two or
@@ -96,13 +97,22 @@ if triton is not None:
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _gated_delta_walk_kernel(q, k, v, stride_q, stride_k, stride_v, g, beta, parents, depths, fork, order, M,
-                                 h0, scratch, out, ht, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TREE: tl.constexpr):
-        """Value block iv of value head hv, steps t < M over nodes order[t] (order[0] = root 0). TREE: the verify
-        walk (module docstring): reload from scratch when the parent is not the previous node, write o, store forks.
-        Not TREE: order is one root path; write the last state to ht. State block h [BK, BV] fp32 = S[:, block]."""
-        iv, hv = tl.program_id(0), tl.program_id(1)
+    def _gated_delta_walk_kernel(q, k, v, stride_q, stride_k, stride_v, layer_k, layer_v, layer_gb, layer_h, g, beta,
+                                 parents, depths, fork, order, M, h0, scratch, out, ht, scale, HK: tl.constexpr,
+                                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                                 BV: tl.constexpr, TREE: tl.constexpr):
+        """Value block iv of value head hv of layer il, steps t < M over nodes order[t] (order[0] = root 0). TREE: the
+        verify walk (module docstring; one layer): reload from scratch when the parent is not the previous node,
+        write o, store forks. Not TREE: order is one root path; write the last state to ht. State block h [BK, BV]
+        fp32 = S[:, block]. layer_*: element strides between layers of k, v, g/beta and h0/ht (the commit of every
+        Gated-DeltaNet layer in one launch)."""
+        iv, hv, il = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        k += il * layer_k
+        v += il * layer_v
+        g += il * layer_gb
+        beta += il * layer_gb
+        h0 += il * layer_h
+        ht += il * layer_h
         hk = hv // (HV // HK)
         dk = tl.arange(0, BK)
         dv = iv * BV + tl.arange(0, BV)
@@ -157,14 +167,18 @@ def tree_causal_conv1d(x: Tensor, conv_state: Tensor, weight: Tensor, parents: T
 
 
 def _walk(q, k, v, g, beta, parents, depths, fork, order, steps, h0, scratch, out, ht, tree: bool) -> None:
-    HK, DK = k.shape[1:]
-    HV, DV = v.shape[1:]
+    """q, k [B, N, HK, dk], v [B, N, HV, dv] (B layers; rows and layers at any stride), g, beta [B, N, HV],
+    h0 / ht [B, HV, dk, dv] fp32 contiguous: one program per (value block, value head, layer)."""
+    B = k.shape[0]
+    HK, DK = k.shape[2:]
+    HV, DV = v.shape[2:]
     for t in (q, k, v):
-        assert t.stride(2) == 1 and t.stride(1) == t.shape[2], "rows [N, heads, dim]: heads packed, dim contiguous"
-    _gated_delta_walk_kernel[(triton.cdiv(DV, BV), HV)](
-        q, k, v, q.stride(0), k.stride(0), v.stride(0), g.float().contiguous(), beta.float().contiguous(), parents,
-        depths, fork, order, steps, h0, scratch, out, ht, DK ** -0.5, HK=HK, HV=HV, DK=DK, DV=DV, BK=_pow2(DK), BV=BV,
-        TREE=tree, num_warps=1)
+        assert t.stride(3) == 1 and t.stride(2) == t.shape[3], "rows [N, heads, dim]: heads packed, dim contiguous"
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    _gated_delta_walk_kernel[(triton.cdiv(DV, BV), HV, B)](
+        q, k, v, q.stride(1), k.stride(1), v.stride(1), k.stride(0), v.stride(0), g.stride(0), HV * DK * DV, g, beta,
+        parents, depths, fork, order, steps, h0, scratch, out, ht, DK ** -0.5, HK=HK, HV=HV, DK=DK, DV=DV,
+        BK=_pow2(DK), BV=BV, TREE=tree, num_warps=1)
 
 
 def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor, depths: Tensor,
@@ -180,16 +194,20 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     if scratch is None:
         scratch = torch.empty(depth_limit + 1, HV, DK, DV, dtype=torch.float32, device=v.device)
     out = torch.empty(N, HV, DV, dtype=v.dtype, device=v.device)
-    _walk(q, k, v, g, beta, parents, depths, fork, order, N, initial_state, scratch, out, initial_state,  # ht unwritten
-          True)
+    _walk(q[None], k[None], v[None], g[None], beta[None], parents, depths, fork, order, N, initial_state, scratch, out,
+          initial_state, True)  # one layer; ht unwritten
     return out
 
 
 def path_gated_delta_state(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor,
                            out: Tensor | None = None) -> Tensor:
-    """eval/tree_recurrent.py `path_gated_delta_state` in one launch: the state [HV, dk, dv] fp32 of path[-1] after
-    the root path `path` [n] from initial_state (fp32 contiguous); written into `out` (may BE initial_state)."""
+    """eval/tree_recurrent.py `path_gated_delta_state` in one launch: the state [..., HV, dk, dv] fp32 of path[-1]
+    after the root path `path` [n] from initial_state (fp32 contiguous), for one layer (k [N, HK, dk], ...) or a
+    stack of layers (k [B, N, HK, dk], v [B, N, HV, dv], g, beta [B, N, HV], initial_state [B, HV, dk, dv]);
+    written into `out` (may BE initial_state)."""
     out = torch.empty_like(initial_state) if out is None else out
+    if k.dim() == 3:
+        k, v, g, beta = k[None], v[None], g[None], beta[None]
     unread = path  # q, parents, depths, fork, scratch and o are not read on a root path
     _walk(k, k, v, g, beta, unread, unread, unread, path, path.shape[0], initial_state, out, out, out, False)
     return out

@@ -106,7 +106,36 @@ def check_tree_gated_delta_equals_torch(device: str = "cpu"):
         assert torch.equal(in_place, got_state), name
 
 
-CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch"]
+def check_stacked_path_state_equals_each_layer(device: str = "cpu"):
+    """The commit of B stacked layers in one launch (a layer grid axis) leaves every layer's state exactly as the
+    one-layer kernel does, and as the torch version with the same leading layer axis; in place over the committed
+    states too. Rows are views of one [B, N, C] block per layer stack, as the cache keeps them."""
+    from eval import tree_recurrent, tree_recurrent_triton
+
+    gen = torch.Generator().manual_seed(5)
+    B, HK, HV, dk, dv = (3, 2, 4, 12, 10) if device == "cpu" else (48, 16, 48, 128, 128)
+    tree = tree_of(SHAPES["branches at several depths"])
+    N = tree.size
+    mixed = torch.randn(B, N, 2 * HK * dk + HV * dv, generator=gen).to(device=device, dtype=torch.bfloat16)
+    _, k, v = mixed.split([HK * dk, HK * dk, HV * dv], -1)
+    k, v = k.unflatten(-1, (HK, dk)), v.unflatten(-1, (HV, dv))
+    g = (-torch.rand(B, N, HV, generator=gen) * 0.7).to(device)
+    beta = torch.rand(B, N, HV, generator=gen).to(device)
+    states = torch.randn(B, HV, dk, dv, generator=gen).to(device)
+    path = torch.tensor([0, 2, 4, 8, 11], device=device)  # a root path with siblings skipped on the way
+    got = tree_recurrent_triton.path_gated_delta_state(k, v, g, beta, path, states)
+    ref = tree_recurrent.path_gated_delta_state(k, v, g, beta, path, states)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for b in range(B):
+        one = tree_recurrent_triton.path_gated_delta_state(k[b], v[b], g[b], beta[b], path, states[b])
+        assert torch.equal(got[b], one), b
+    in_place = states.clone()
+    tree_recurrent_triton.path_gated_delta_state(k, v, g, beta, path, in_place, in_place)
+    assert torch.equal(in_place, got)
+
+
+CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch",
+          "check_stacked_path_state_equals_each_layer"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernels are checked compiled (below)")
@@ -123,7 +152,8 @@ def test_kernel_equals_its_torch_reference_on_cuda(check):
 
 # The launchers' argument types; constants at the Qwen3.6-27B shape and at the tests' tiny shape.
 I, I64 = "i32", "*i64"
-WALK = dict(q="*bf16", k="*bf16", v="*bf16", stride_q=I, stride_k=I, stride_v=I, g="*fp32", beta="*fp32",
+WALK = dict(q="*bf16", k="*bf16", v="*bf16", stride_q=I, stride_k=I, stride_v=I, layer_k=I, layer_v=I, layer_gb=I,
+            layer_h=I, g="*fp32", beta="*fp32",
             parents=I64, depths=I64, fork="*i8", order=I64, M=I, h0="*fp32", scratch="*fp32", out="*bf16",
             ht="*fp32", scale="fp32")
 COMPILED = [
