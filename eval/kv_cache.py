@@ -28,7 +28,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache
 
 from eval.target_cache import (ForwardOutput, HFForward, TargetCache, TreeUnsupportedError, VerifyInputs,
-                               recurrent_layer_types, tree_unsupported_reason)
+                               recurrent_layer_types)
 from eval.target_forward import VerifyForward, refusal
 from eval.tree import Tree
 from eval.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
@@ -79,7 +79,8 @@ class KVTargetCache(TargetCache):
     def __init__(self, target, tap_ids: Sequence[int], *, static: bool = False, graphs: bool = False,
                  fused: bool = False):
         if recurrent_layer_types(target.config):
-            raise TreeUnsupportedError(tree_unsupported_reason(target.config))
+            raise TreeUnsupportedError(f"recurrent layers {recurrent_layer_types(target.config)}: a hybrid target "
+                                       "needs eval.recurrent_cache.HybridTargetCache")
         self.forward = HFForward(target, tap_ids)
         self.static = self.device_commit = static
         self.graphs = graphs and static and self.forward.device.type == "cuda"
@@ -246,14 +247,23 @@ class KVTargetCache(TargetCache):
             if not contiguous:
                 compact_rows(self.kv.kv, 4, self.length, keep)
         else:
-            end = self.length + n
-            for layer in self.dynamic.layers:
-                if not contiguous:
-                    compact_rows(layer.keys, 2, self.length, keep)
-                    compact_rows(layer.values, 2, self.length, keep)
-                layer.keys = layer.keys[:, :, :end]
-                layer.values = layer.values[:, :, :end]
+            keep_dynamic_rows(self.dynamic.layers, self.length, keep, contiguous)
         self._set_length(self.length + n)
+
+
+def keep_dynamic_rows(layers, length: int, keep: Tensor, contiguous: bool) -> None:
+    """HF dynamic-cache layers with K/V [1, KVH, rows, hd]: rows length + keep[j] become rows length + j and every
+    row after them is dropped (no move when `contiguous`, i.e. keep == arange(n)). Layers without K/V (linear
+    attention) are skipped."""
+    end = length + keep.shape[0]
+    for layer in layers:
+        if getattr(layer, "keys", None) is None:
+            continue
+        if not contiguous:
+            compact_rows(layer.keys, 2, length, keep)
+            compact_rows(layer.values, 2, length, keep)
+        layer.keys = layer.keys[:, :, :end]
+        layer.values = layer.values[:, :, :end]
 
 
 def _logits_close(graph_out, eager_out) -> bool:

@@ -16,8 +16,11 @@ Implementations, one module per kind:
   * `eval.kv_cache.KVTargetCache`: targets with only (full or sliding) attention layers: dynamic (HF
     `DynamicCache`, the reference path) or static (one preallocated K/V buffer, optionally the fused verify forward
     of eval/target_forward.py and CUDA graphs).
-  * `eval.recurrent_cache.RecurrentTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers;
-    chain rollback by state copy + re-run, trees verified path by path (docs/tree.md, "Hybrid (recurrent) targets").
+  * `eval.recurrent_cache.HybridTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers: one
+    forward over the tree's rows, attention layers under the tree mask, Gated-DeltaNet layers walked along the
+    tree; the accepted node's state committed without a re-run (docs/tree.md, "Hybrid (recurrent) targets").
+    `eval.recurrent_cache.PathBatchedTargetCache` (impl 'paths') is its reference: every root->leaf path verified
+    as its own batch row.
 
 Targets must run with attn_implementation "sdpa" or "eager" for tree masks (never flash_attention_2).
 """
@@ -49,10 +52,8 @@ def recurrent_layer_types(config) -> list[str]:
 
 
 def tree_unsupported_reason(config) -> str | None:
-    """Why DDTree cannot verify on a target with this HF config, or None. (Hybrid targets verify trees path by
-    path, `RecurrentTargetCache`, which needs no tree mask.)"""
-    if recurrent_layer_types(config):
-        return None
+    """Why DDTree cannot verify on a target with this HF config, or None. (Hybrid targets: `HybridTargetCache`
+    walks the recurrent layers along the tree; its attention layers take the mask through HF's dict of masks.)"""
     impl = getattr(config, "_attn_implementation", None)
     if impl is not None and impl not in MASKABLE_ATTENTION:
         return f"target attention '{impl}' cannot take a 4-D tree mask; load the target with attn_implementation='sdpa'"
@@ -160,28 +161,30 @@ class TargetCache:
 # ----------------------------------------------------------------------------------------------
 
 _CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-IMPLS = ("auto", "dynamic", "static", "fused", "graphs")
+IMPLS = ("auto", "dynamic", "static", "fused", "graphs", "paths")
 
 
 def target_cache(target, tap_ids: Sequence[int] = (), impl: str = "auto") -> TargetCache:
     """The target's cache object. impl: 'dynamic' (reference, HF forward), 'static' (HF forward on the static
     buffer), 'fused' (static + eval.target_forward, eager), 'graphs' (fused with compiled pointwise ops where the
     target allows, else HF's forward, + CUDA graphs; CUDA only), or 'auto' (graphs on CUDA, dynamic on CPU).
-    Hybrid targets always get the recurrent cache."""
+    Hybrid targets get `HybridTargetCache` for every impl but 'paths' (the path-batched reference, hybrids only)."""
     if impl not in IMPLS:
         raise ValueError(f"cache impl must be one of {IMPLS}, got {impl!r}")
     device = target.get_input_embeddings().weight.device
+    recurrent = bool(recurrent_layer_types(target.config))
+    if impl == "paths" and not recurrent:
+        raise ValueError("cache impl 'paths' (path-batched tree verify) is for hybrid targets only")
     if impl == "auto":
         impl = "graphs" if device.type == "cuda" else "dynamic"
-    recurrent = bool(recurrent_layer_types(target.config))
-    key = ("recurrent" if recurrent else impl, tuple(tap_ids))
+    key = (("paths" if impl == "paths" else "hybrid") if recurrent else impl, tuple(tap_ids))
     per_target = _CACHES.setdefault(target, {})
     if key not in per_target:
         from eval.kv_cache import KVTargetCache  # the implementations import this module's interface
-        from eval.recurrent_cache import RecurrentTargetCache
+        from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache
 
         if recurrent:
-            per_target[key] = RecurrentTargetCache(target, tap_ids)
+            per_target[key] = (PathBatchedTargetCache if impl == "paths" else HybridTargetCache)(target, tap_ids)
         else:
             per_target[key] = KVTargetCache(target, tap_ids, static=impl in ("static", "fused", "graphs"),
                                             graphs=impl == "graphs", fused=impl in ("fused", "graphs"))

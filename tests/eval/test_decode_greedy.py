@@ -218,23 +218,27 @@ def test_stop_token_in_the_middle_of_an_accepted_path_truncates_after_it(qwen3):
     assert first.output_ids == full.output_ids[:1] and first.num_rounds == 0
 
 
-def test_hybrid_target_ar_chain_and_path_batched_ddtree_equal_greedy():
-    """Gated-DeltaNet hybrid: chain rolls recurrent state back; DDTree verifies each root->leaf path as its own
-    batch row (no state leaks between branches) and re-runs the accepted path, so greedy output stays AR's."""
+def test_hybrid_target_ar_chain_and_ddtree_equal_greedy_tree_aware_and_path_batched():
+    """Gated-DeltaNet hybrid: the default cache walks the recurrent layers along the tree in one forward and commits
+    the accepted node's state from the kept rows (a cut chain commits a prefix); the path-batched reference
+    verifies each root->leaf path as its own row and re-runs the accepted path. Both give AR's greedy output, with
+    budgets up to 64 (trees branching at several depths) and deep accepted paths through siblings."""
     hybrid = tiny_target("qwen3_5_text")
     assert tree_unsupported_reason(hybrid.config) is None
     for i, prompt in enumerate(prompts(2, 6)):
         greedy = naive_greedy(hybrid, prompt, 24 + BLOCK)
         ar = decode("ar", hybrid, None, prompt, max_new_tokens=24)
         assert ar.output_ids == greedy[:24]
+        assert ar.verify_path.startswith("hybrid: dynamic KV under the tree mask")
         oracle = OracleDrafter(hybrid, prompt, greedy, seed=i)
         chain = decode("chain", hybrid, oracle, prompt, max_new_tokens=24)
         assert chain.output_ids == greedy[:24]
-        assert any(1 < t < BLOCK for t in chain.accept_lengths)  # partial acceptances: state rollback exercised
-        for budget in (2, 16):
-            tree = decode("ddtree", hybrid, oracle, prompt, max_new_tokens=24, budget=budget)
-            assert tree.output_ids == greedy[:24], budget
-        assert max(tree.accept_lengths) > 3  # deep paths through siblings (decoys): non-chain paths committed
+        assert any(1 < t < BLOCK for t in chain.accept_lengths)  # partial acceptances: a prefix committed
+        for impl in ("auto", "paths"):
+            for budget in (2, 16, 64):
+                tree = decode("ddtree", hybrid, oracle, prompt, max_new_tokens=24, budget=budget, cache_impl=impl)
+                assert tree.output_ids == greedy[:24], (impl, budget)
+            assert max(tree.accept_lengths) > 3  # deep paths through siblings (decoys): non-chain paths committed
         assert oracle.context_rows_checked > 0  # the drafter got the taps of exactly the committed rows
 
 
@@ -336,3 +340,32 @@ def test_warm_up_captures_every_graph_timed_decoding_uses_and_a_drafter_round_sy
         torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) <= res.num_rounds + 3, [str(w.message) for w in syncs[:5]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton tree walk runs on CUDA (GPU machine)")
+def test_hybrid_rounds_on_cuda_equal_ar_greedy_and_sync_once_per_round():
+    """A hybrid on CUDA (fp32): the tree-aware verify (Triton conv + walk) and commit (one launch for every
+    Gated-DeltaNet layer) give AR's greedy output, and a DDTree round reads the device once (the walk's record)."""
+    import warnings
+
+    target = tiny_target("qwen3_5_text", device="cuda")
+    for i, prompt in enumerate(prompts(2, 12)):
+        greedy = naive_greedy(target, prompt, 40 + BLOCK)
+        oracle = OracleDrafter(target, prompt, greedy, seed=i)
+        ar = decode("ar", target, None, prompt, max_new_tokens=40)
+        assert ar.output_ids == greedy[:40]
+        assert decode("chain", target, oracle, prompt, max_new_tokens=40).output_ids == ar.output_ids
+        for budget in (16, 64):
+            res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=budget)
+            assert res.output_ids == ar.output_ids, (i, budget)
+    oracle = OracleDrafter(target, prompt, greedy, seed=0, host_checks=False)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16, phase_timing=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    # the prefill (HF's forward and the first bonus token) and the timers may sync a few times; a round once
+    assert len(syncs) <= res.num_rounds + 5, [str(w.message) for w in syncs[:5]]

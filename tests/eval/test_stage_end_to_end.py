@@ -112,7 +112,7 @@ def test_mt_bench_second_turn_is_asked_after_the_targets_own_first_answer(cfg):
     assert run_conversation(prompt, tok, gen, enable_thinking=False, max_prompt_tokens=10) == ["prompt_too_long"]
 
 
-def test_hybrid_target_runs_ar_chain_and_path_batched_ddtree(tmp_path):
+def test_hybrid_target_runs_ar_chain_and_tree_aware_ddtree(tmp_path):
     cfg = make_config(tmp_path, ["target.model=random:qwen3_5_text", "eval.budgets=[4]",
                                  "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
     export_random_drafter(cfg, cfg.run_dir / "train")
@@ -122,7 +122,7 @@ def test_hybrid_target_runs_ar_chain_and_path_batched_ddtree(tmp_path):
     assert all(c["ar_match"] == 1.0 for c in report["cells"][1:])
     assert report["skipped_methods"] == [] and manifest["skipped_methods"] == []
     assert all(c["verify_paths"] and c["verify_paths"][0].startswith("hybrid:") for c in report["cells"])
-    assert "trees path-batched" in (cfg.run_dir / "eval" / "report.md").read_text()
+    assert "tree-walked Gated-DeltaNet layers" in (cfg.run_dir / "eval" / "report.md").read_text()
 
 
 def test_a_drafter_for_another_target_is_refused_before_decoding(tmp_path):

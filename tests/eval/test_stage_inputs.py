@@ -68,10 +68,11 @@ def test_a_drafter_for_another_target_is_refused_naming_the_field(over, field):
 
 def test_ddtree_is_refused_with_a_reason_only_where_no_tree_can_be_verified():
     assert tree_unsupported_reason(target_config("random:qwen3")) is None
-    assert tree_unsupported_reason(target_config("random:qwen3_5_text")) is None  # hybrids: path-batched
-    flash = target_config("random:qwen3")
-    flash._attn_implementation = "flash_attention_2"  # no arbitrary 4-D masks
-    assert "cannot take a 4-D tree mask" in tree_unsupported_reason(flash)
+    assert tree_unsupported_reason(target_config("random:qwen3_5_text")) is None  # hybrids: walked along the tree
+    for name in ("random:qwen3", "random:qwen3_5_text"):  # a hybrid's attention layers take the tree mask too
+        flash = target_config(name)
+        flash._attn_implementation = "flash_attention_2"  # no arbitrary 4-D masks
+        assert "cannot take a 4-D tree mask" in tree_unsupported_reason(flash)
 
 
 def test_units_cover_every_benchmark_method_and_budget(tmp_path):

@@ -1,0 +1,132 @@
+"""eval/recurrent_cache.py: the tree-aware hybrid verify equals the path-batched reference, round after round.
+
+Both caches run the same random-init qwen3_5-style hybrid (Gated-DeltaNet + attention layers) on the same trees:
+the tree-aware one in ONE forward over the tree's rows (attention under the tree mask, Gated-DeltaNet layers walked
+along the tree), the reference with every root->leaf path as its own batch row through HF's forward. Every node's
+logits and taps must agree, and after committing an accepted path (the tree-aware one from its kept rows, the
+reference by re-running the path through HF) so must the committed conv windows, recurrent states, K/V rows and the
+next round's outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache
+from eval.target_cache import target_cache
+from eval.tree import Tree
+from tests.eval.test_decode_greedy import TAPS, prompts, tiny_target
+from tests.eval.test_tree_recurrent import SHAPES, root_path, tree_of
+from tests.eval.test_walk_device import random_tree
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return tiny_target("qwen3_5_text")
+
+
+def trees(gen: torch.Generator, vocab: int, device) -> list[Tree]:
+    """Hand-made shapes (several branches at several depths, a star, a chain) with random tokens, then random
+    trees of up to 40 nodes and depth 7."""
+    out = []
+    for parents in SHAPES.values():
+        t = tree_of(parents)
+        out.append(Tree(torch.randint(vocab, (t.size,), generator=gen), t.parents, t.depths, t.num_nodes,
+                        t.depth_limit, "tree"))
+    for _ in range(4):
+        out.append(random_tree(gen, int(torch.randint(2, 40, (1,), generator=gen)),
+                               int(torch.randint(1, 8, (1,), generator=gen)), vocab))
+    return [Tree(*(x.to(device) for x in (t.tokens, t.parents, t.depths)), t.num_nodes, t.depth_limit, t.kind)
+            for t in out]
+
+
+def attention_rows(cache) -> list[torch.Tensor]:
+    return [layer.keys for layer in cache.cache.layers if getattr(layer, "keys", None) is not None]
+
+
+def check_tree_aware_verify_equals_path_batched(target, tol: float) -> None:
+    device = target.get_input_embeddings().weight.device
+    gen = torch.Generator().manual_seed(0)
+    fast, ref = HybridTargetCache(target, TAPS), PathBatchedTargetCache(target, TAPS)
+    prompt = torch.tensor(prompts(1, 3)[0], device=device)
+    for cache in (fast, ref):
+        cache.reset(256)
+        cache.prefill(prompt)
+    non_chain_commits = 0
+    for r, tree in enumerate(trees(gen, target.config.vocab_size, device)):
+        got = fast.verify(tree, fast.verify_inputs(tree))
+        want = ref.verify(tree, ref.verify_inputs(tree))
+        scale = float(want.logits.abs().max())
+        torch.testing.assert_close(got.logits, want.logits, rtol=tol, atol=tol * scale, msg=f"round {r}: logits")
+        torch.testing.assert_close(got.features, want.features, rtol=tol, atol=tol * float(want.features.abs().max()),
+                                   msg=f"round {r}: taps")
+        # accept the root path of the last node (deep, and past siblings in most shapes)
+        path = root_path(tree, tree.size - 1)
+        contiguous = path == list(range(len(path)))
+        non_chain_commits += not contiguous
+        path_t = torch.tensor(path + [0] * (tree.depth_limit + 1 - len(path)), device=device)
+        for cache in (fast, ref):
+            cache.commit(path_t, len(path), contiguous)
+        assert fast.length == ref.length
+        torch.testing.assert_close(fast.conv_states, ref.conv_states, rtol=tol, atol=tol, msg=f"round {r}: conv")
+        torch.testing.assert_close(fast.recurrent_states, ref.recurrent_states, rtol=tol,
+                                   atol=tol * float(ref.recurrent_states.abs().max()), msg=f"round {r}: states")
+        for a, b in zip(attention_rows(fast), attention_rows(ref)):
+            assert a.shape == b.shape and a.shape[2] == fast.length
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()), msg=f"round {r}: K rows")
+    assert non_chain_commits >= 3
+
+
+def test_tree_aware_verify_and_commit_equal_the_path_batched_reference_round_after_round(hybrid):
+    check_tree_aware_verify_equals_path_batched(hybrid, 1e-4)
+
+
+def test_hybrid_targets_get_the_tree_aware_cache_by_default_and_the_reference_on_request(hybrid):
+    assert type(target_cache(hybrid, TAPS)) is HybridTargetCache
+    assert type(target_cache(hybrid, TAPS, "graphs")) is HybridTargetCache  # no static/graph path for hybrids
+    assert type(target_cache(hybrid, TAPS, "paths")) is PathBatchedTargetCache
+    with pytest.raises(ValueError, match="hybrid targets only"):
+        target_cache(tiny_target("qwen3"), TAPS, "paths")
+
+
+def test_hf_cache_holds_views_of_the_stacked_states_so_hf_decode_steps_advance_them(hybrid):
+    """After the prefill every Gated-DeltaNet layer's HF state is a view of the stacked buffers: an AR step (HF's
+    own in-place decode path) changes the stacked buffers, and the next tree verify reads them."""
+    cache = HybridTargetCache(hybrid, ())
+    cache.reset(64)
+    cache.prefill(torch.tensor(prompts(1, 4)[0]))
+    for j, (i, _) in enumerate(cache.linear):
+        layer = cache.cache.layers[i]
+        assert layer.conv_states[0].data_ptr() == cache.conv_states[j].data_ptr()
+        assert layer.recurrent_states[0].data_ptr() == cache.recurrent_states[j].data_ptr()
+    before = cache.recurrent_states.clone()
+    root = Tree(torch.tensor([7]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0, 0, "root")
+    cache.verify(root, cache.verify_inputs(root))
+    cache.commit(torch.zeros(1, dtype=torch.long), 1, True)
+    assert not torch.equal(before, cache.recurrent_states) and cache.length == len(prompts(1, 4)[0]) + 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton walk and commit run on CUDA (GPU machine)")
+def test_tree_aware_verify_on_cuda_equals_the_reference_with_no_host_sync():
+    """On CUDA the verify (Triton conv + walk) and the commit (one launch for all layers' states) equal the
+    reference, and neither reads the device (the round's one sync is the decoder's)."""
+    target = tiny_target("qwen3_5_text", device="cuda")
+    check_tree_aware_verify_equals_path_batched(target, 3e-3)  # the reference's chunked kernel may run in tf32
+    cache = HybridTargetCache(target, TAPS)
+    cache.reset(256)
+    cache.prefill(torch.tensor(prompts(1, 5)[0], device="cuda"))
+    tree = trees(torch.Generator().manual_seed(1), target.config.vocab_size, "cuda")[3]
+    path = torch.tensor(root_path(tree, tree.size - 1), device="cuda")
+    cache.verify(tree, cache.verify_inputs(tree))  # compiles the kernels
+    cache.commit(path, path.shape[0], False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        vin = cache.verify_inputs(tree)
+        cache.verify(tree, vin)
+        cache.commit(path, path.shape[0], False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
