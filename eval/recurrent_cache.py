@@ -42,6 +42,7 @@ from eval.tree import Tree
 from eval.tree_recurrent import TreeLayerRecord, commit_path, tree_gated_delta_net, tree_walk
 from eval.verify import tree_attention_mask, verify_positions
 from extract.layers import decoder_layers
+from pipeline.target import gated_delta_kernels
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -68,7 +69,8 @@ class HybridTargetCache(TargetCache):
         self._rows: list[TreeLayerRecord] | None = None  # node rows of the pending tree verify, one per layer
 
     def describe(self) -> str:
-        return "hybrid: dynamic KV under the tree mask + tree-walked Gated-DeltaNet layers, HF forward"
+        return ("hybrid: dynamic KV under the tree mask + tree-walked Gated-DeltaNet layers, HF forward (prefill and "
+                f"AR steps on the {gated_delta_kernels(self.forward.target)} gated delta rule)")
 
     def reset(self, capacity: int) -> None:
         self.cache = DynamicCache(config=self.config)

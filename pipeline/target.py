@@ -238,7 +238,10 @@ def load_tokenizer(location: str, tcfg: TargetConfig):
 
 
 def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, attn_implementation: str | None = "sdpa"):
-    """The frozen target as an HF causal LM in eval mode with gradients off."""
+    """The frozen target as an HF causal LM in eval mode with gradients off. A hybrid target's Gated-DeltaNet
+    layers run fla's kernels where fla-core is installed (refused off the GPU, where they fail) and transformers'
+    torch loops elsewhere (a warning on a GPU)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     device = device or resolve_device(tcfg.device)
@@ -248,7 +251,32 @@ def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, a
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     model.to(device).eval().requires_grad_(False)
+    kernels, on_gpu = gated_delta_kernels(model), torch.device(device).type == "cuda"
+    if kernels == "fla" and not on_gpu:
+        raise RuntimeError(f"{location}: fla-core is installed, so transformers runs the Gated-DeltaNet layers with "
+                           f"fla's GPU kernels on every device, and they fail on {device}: uninstall fla-core (the "
+                           "`gpu-hybrid` extra) where targets run on a CPU")
+    if kernels == "torch" and on_gpu:
+        from pipeline.log import get_logger
+
+        get_logger("pipeline.target").warning(
+            "%s: Gated-DeltaNet layers run transformers' torch reference loops (correct, far slower); install the "
+            "`gpu-hybrid` extra (fla-core) for fla's kernels", location)
     return model
+
+
+def gated_delta_kernels(model) -> str | None:
+    """How transformers runs `model`'s Gated-DeltaNet (linear-attention) layers: 'fla' (fla-core's Triton kernels,
+    the `gpu-hybrid` extra) or 'torch' (its reference loops); None for a target without such layers. transformers
+    binds fla's functions when it imports the model code, whenever `fla` imports, whatever the device."""
+    cfg = model.config.get_text_config()
+    if "linear_attention" not in (getattr(cfg, "layer_types", None) or []):
+        return None
+    try:
+        importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception:  # noqa: BLE001 - transformers falls back to its torch loops on any import failure too
+        return "torch"
+    return "fla"
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, enable_thinking: bool) -> str:

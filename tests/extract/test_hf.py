@@ -8,7 +8,7 @@ import torch
 
 from extract.hf import HFExtractor, plan_batches
 from extract.store import Shard, ShardWriter
-from tests.extract.conftest import extract_config
+from tests.extract.conftest import CACHE, extract_config
 
 
 def test_batches_respect_the_padded_token_budget():
@@ -97,3 +97,41 @@ def test_compiled_layers_match_eager_with_one_graph_per_batch_rank_for_all_layer
         ids = torch.randint(3, 300, (B, S), generator=gen)
         torch.testing.assert_close(forward(model, ids, [1, 3, 5]), forward_taps(model, ids, [1, 3, 5]), rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == graphs  # no recompile for new shapes (or per layer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels run on CUDA (GPU machine with gpu-hybrid)")
+def test_hybrid_extraction_on_fla_kernels_matches_the_unbatched_forward_and_the_torch_reference(monkeypatch):
+    """A bf16 qwen3_5-style hybrid on CUDA with fla-core installed: the stage's padded batch (fla's chunked gated
+    delta rule) gives, per tapped layer, the features of `extract --verify`'s reference (an unbatched forward, also
+    on fla) and of transformers' torch definition of the rule (fla unbound), at cosine >= verify_min_cosine."""
+    import inspect
+
+    from extract.layers import decoder_layers, forward_taps
+    from extract.verify import layer_report
+    from pipeline.config import ExtractConfig, TargetConfig
+    from pipeline.target import gated_delta_kernels, load_target, materialize_target
+
+    pytest.importorskip("fla")
+    tcfg = TargetConfig(model="random:qwen3_5_text", device="cuda", dtype="bfloat16",
+                        random_init={"linear_key_head_dim": 64, "linear_value_head_dim": 64})
+    model = load_target(materialize_target(tcfg, CACHE), tcfg)
+    assert gated_delta_kernels(model) == "fla"
+    layers = [1, 3, 5, 7]
+    ecfg = ExtractConfig()
+    ex = HFExtractor("x", tcfg, ecfg, layers, model=model, device=torch.device("cuda"))
+    rng = np.random.default_rng(0)
+    batch = [rng.integers(3, 300, size=n).astype(np.int32) for n in (700, 333, 65, 9)]  # longest first, padded
+    got = ex.features(batch)
+    ex.close()
+
+    def unbatched():
+        return torch.cat([forward_taps(model, torch.from_numpy(x).long()[None].cuda(), layers)[0] for x in batch])
+
+    checks = {"unbatched, fla": unbatched()}
+    module = inspect.getmodule(type(decoder_layers(model)[0].linear_attn))
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))  # transformers' torch definition
+    checks["unbatched, torch reference"] = unbatched()
+    for what, ref in checks.items():
+        for row in layer_report(got, ref, layers):
+            assert row["finite"] and row["cos_mean"] >= ecfg.verify_min_cosine, (what, row)
