@@ -37,12 +37,12 @@ from torch import Tensor
 from transformers.cache_utils import DynamicCache
 
 from eval.kv_cache import keep_dynamic_rows
-from eval.target_cache import ForwardOutput, HFForward, TargetCache, VerifyInputs, text_config
+from eval.target_cache import ForwardOutput, HFForward, TargetCache, VerifyInputs
 from eval.tree import Tree
 from eval.tree_recurrent import TreeLayerRecord, commit_path, tree_gated_delta_net, tree_walk
 from eval.verify import tree_attention_mask, verify_positions
 from extract.layers import decoder_layers
-from pipeline.target import gated_delta_kernels
+from pipeline.target import gated_delta_kernels, text_config
 
 LINEAR_ATTENTION = "linear_attention"
 

@@ -269,8 +269,7 @@ def gated_delta_kernels(model) -> str | None:
     """How transformers runs `model`'s Gated-DeltaNet (linear-attention) layers: 'fla' (fla-core's Triton kernels,
     the `gpu-hybrid` extra) or 'torch' (its reference loops); None for a target without such layers. transformers
     binds fla's functions when it imports the model code, whenever `fla` imports, whatever the device."""
-    cfg = model.config.get_text_config()
-    if "linear_attention" not in (getattr(cfg, "layer_types", None) or []):
+    if "linear_attention" not in (getattr(text_config(model.config), "layer_types", None) or []):
         return None
     try:
         importlib.import_module("fla.ops.gated_delta_rule")
