@@ -239,7 +239,7 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
     hidden = model.config.get_text_config().hidden_size
     ctx = ExtractContext("bench", layer_ids, model.config.get_text_config().num_hidden_layers, hidden, model.config.get_text_config().vocab_size,
                          {"layer_ids": layer_ids, "hidden_size": hidden, "storage_dtype": args.storage_dtype},
-                         "bench", tok, {})
+                         "bench", {}, tok, {})
     stage = StageDir(cfg.run_dir, "extract")
     stage.begin("bench", force=True)
     backend = HFExtractor("bench", cfg.target, cfg.extract, layer_ids, model=model, device=device)

@@ -180,6 +180,8 @@ def test_tree_layer_equals_hf_layer_run_along_each_root_path(dtype, tol, prefix_
     (token by token, and as one sequence), and record.commit(path) leaves exactly the cache HF leaves. A short
     prefix (1 token) makes the windows of shallow nodes reach into HF's zero-padded committed window. On CUDA the
     tree verify and the commit run the Triton kernels."""
+    if device == "cuda" and dtype == torch.float32:
+        tol = 2e-3  # with fla-core installed the HF layer runs fla's kernels, whose chunked form multiplies in tf32
     config, layer = tiny_gated_delta_net(dtype)
     layer.to(device)
     gen = torch.Generator().manual_seed(prefix_len)

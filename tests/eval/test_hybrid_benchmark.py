@@ -1,0 +1,50 @@
+"""benchmarks/bench_hybrid.py: the H200 command runs at the tiny shape on CPU and writes every key of
+docs/results/hybrid-h200/summary.json; its Qwen3.6-27B shape builds (on the meta device) with the real layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.conftest import REPO
+
+
+def test_hybrid_benchmark_writes_the_summary_keys_at_the_tiny_shape(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_hybrid.py", "--device", "cpu", "--shape", "tiny", "--out",
+         str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), "--past", "32", "--budgets", "4,16",
+         "--iters", "1", "--ar-tokens", "3", "--extract-tokens", "4000"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "summary.json").read_text())
+    for key in ("chain_verify_ms", "ar_step_ms"):
+        assert res[key] > 0, key
+    for key in ("tree_verify_ms", "path_batched_verify_ms", "overhead_ms", "gdn_walk_ms"):
+        assert set(res[key]) == {"4", "16"} and all(v > 0 for v in res[key].values()), key
+    assert "host_syncs_per_round" in res  # null on CPU
+    for key in ("extract_tok_s", "extract_ceiling_tok_s"):
+        assert set(res[key]) == {"bf16", "fp8"} and all(v > 0 for v in res[key].values()), key
+    assert res["reference_8b"]["chain_verify_ms"] > 0 and res["reference_8b"]["tree_verify_ms"]["16"] > 0
+    assert res["tree_shape"]["16"]["nodes"] == 17 and res["tree_shape"]["16"]["paths"] > 1
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").rglob("*.safetensors"))
+
+
+def test_the_27b_shape_has_the_qwen36_layout_and_size():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.bench_hybrid import hybrid_config, random_model
+
+    config = hybrid_config("qwen3.6-27b")
+    model = random_model(config, "meta", torch.bfloat16)
+    assert 26.5e9 < sum(p.numel() for p in model.parameters()) < 27.5e9
+    assert config.layer_types.count("linear_attention") == 48
+    assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == list(range(3, 64, 4))
+    gdn, attn = model.model.layers[0].linear_attn, model.model.layers[3].self_attn
+    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, gdn.conv_kernel_size) == (16, 48, 128, 128, 4)
+    assert attn.q_proj.weight.shape == (2 * 24 * 256, 5120)  # 24 heads x 256 and their output gate
+    assert attn.k_proj.weight.shape == (4 * 256, 5120)
