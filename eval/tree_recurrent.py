@@ -264,9 +264,9 @@ def tree_gated_delta_net(layer, hidden_states: Tensor, tree: Tree, conv_state: T
         u = tree_causal_conv1d(mixed, conv_state[0], weight, tree.parents, tree.depths, layer.activation)
     q, k, v = _split_heads(u, layer)
     if kernels is not None:
-        order, scratch = walk if walk is not None else tree_walk(tree, layer)
+        order_and_forks, scratch = walk if walk is not None else tree_walk(tree, layer)
         o = triton_kernels.run(kernels.tree_gated_delta_rule, q, k, v, g, beta, tree.parents, tree.depths,
-                               recurrent_state[0], order, tree.depth_limit, scratch)
+                               recurrent_state[0], order_and_forks, tree.depth_limit, scratch)
     if o is None:
         o = tree_gated_delta_rule(q, k, v, g, beta, tree.parents, tree.depths, recurrent_state[0])
     core = layer.norm(o.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
