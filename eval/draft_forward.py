@@ -22,6 +22,10 @@ and `start` also live on the device (0-dim int64 `past`, `start_dev`, filled by 
 fills, no sync): the step reads them there, so one capture per (R, kv_len) serves every round. With `graphs` (CUDA)
 each (R, kv_len) step is a pipeline.cuda_graphs.CudaGraphFn, checked against eager on its first replay. The logits
 land in one buffer shared by every bucket's step, so the tree-build graph that reads them never copies its input.
+With `compile` (what `draft_forward` sets under CUDA graphs) the step's pieces (`STEP_FNS`: context K/V, the
+block's q/k/v, the layer output, the final norm) are torch.compile'd, one compiled graph for every layer, so the
+norms, RoPE and residual adds between the matmuls run fused; the first compiled step is checked against the plain
+one and a failure or a difference beyond rounding keeps the plain pieces.
 
 The decoder passes the L+1 = B path rows its walk gathered (fixed shape) as `new_rows`; the first round of a prompt
 has no new rows (`start == length` after the prefill) and passes None.
@@ -37,17 +41,56 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
+from pipeline.log import get_logger
 from train.blocks import SLIDING
 from train.model import DecoderLayer, DFlashDrafter, apply_rope, rope_cos_sin
 
 DRAFT_BUCKET = 128  # attended key rows are rounded up to this (one step graph per bucket)
 CAPACITY_STEP = 2048  # the context buffer grows in these steps (graphs are kept while it does not grow)
 
+log = get_logger("eval.draft_forward")
+
+
+# ----------------------------------------------------------------------------------------------
+# The step's pieces: plain functions of a layer (train/model.py modules), so one compiled graph serves every layer
+# ----------------------------------------------------------------------------------------------
+
+
+def _context_kv(drafter: DFlashDrafter, features: Tensor, cos: Tensor, sin: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per layer, K and V [KVH, T, hd] of context rows with target features [T, F] at the positions of cos/sin:
+    H_t = fuse(features) through each layer's k_proj/k_norm/v_proj, RoPE'd."""
+    ctx = drafter.fuse(features)
+    return [layer.self_attn.key_value(ctx, cos, sin) for layer in drafter.layers]
+
+
+def _block_qkv(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries [H, B, hd] and keys/values [KVH, B, hd] of the block rows x [B, D] (train/model.py `Attention`)."""
+    attn, B = layer.self_attn, x.shape[0]
+    h = layer.input_layernorm(x)
+    q = apply_rope(attn.q_norm(attn.q_proj(h).view(B, attn.num_heads, attn.head_dim)).transpose(0, 1), cos, sin)
+    k, v = attn.key_value(h, cos, sin)
+    return q, k, v
+
+
+def _block_out(layer: DecoderLayer, x: Tensor, attended: Tensor) -> Tensor:
+    """The layer's output [B, D] from its input x and the attention output [H, B, hd] (o_proj, residual, MLP)."""
+    attn, B = layer.self_attn, x.shape[0]
+    x = x + attn.o_proj(attended.transpose(0, 1).reshape(B, attn.num_heads * attn.head_dim))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _final_norm(drafter: DFlashDrafter, x: Tensor) -> Tensor:
+    """norm(x) of the block slots 1..B-1 [B-1, D], in the LM head's dtype."""
+    return drafter.norm(x[1:]).to(drafter.lm_head_weight.dtype)
+
+
+STEP_FNS = {"context": _context_kv, "qkv": _block_qkv, "out": _block_out, "norm": _final_norm}
+
 
 class DraftForward:
     """The decode-time forward of one `DFlashDrafter` on a static context cache (module docstring)."""
 
-    def __init__(self, drafter: DFlashDrafter, *, graphs: bool = False):
+    def __init__(self, drafter: DFlashDrafter, *, graphs: bool = False, compile: str | None = None):
         if drafter.embed_weight is None:
             raise RuntimeError("call attach_target_head(embed_weight, lm_head_weight) before decoding with a drafter")
         self.drafter = drafter
@@ -66,12 +109,18 @@ class DraftForward:
         self.logits = torch.empty(self.block - 1, drafter.lm_head_weight.shape[0], dtype=drafter.lm_head_weight.dtype,
                                   device=self.device)
         self._steps: dict[tuple[int, int], object] = {}  # (R, kv_len) -> step fn / CUDA graph
+        self.fns = STEP_FNS  # the step's pieces; with `compile` (a torch.compile backend) compiled ones, checked
+        self.compiled = compile is not None  # against these on the first step
+        if self.compiled:
+            self.fns = {name: torch.compile(fn, backend=compile) for name, fn in STEP_FNS.items()}
+        self._compile_checked = False
 
     def describe(self) -> str:
         """How the draft step ran, for reports (like TargetCache.describe)."""
         steps = [f for f in self._steps.values() if isinstance(f, CudaGraphFn)]
         on_graphs = bool(steps) and not any(f.disabled for f in steps)
-        return "static context, " + ("CUDA graphs" if on_graphs else "eager")
+        compiled = ", compiled" if self.fns is not STEP_FNS else ""
+        return "static context" + compiled + (", CUDA graphs" if on_graphs else ", eager")
 
     @property
     def capacity(self) -> int:
@@ -127,6 +176,8 @@ class DraftForward:
         key = (new_rows.shape[0], kv_len)
         step = self._steps.get(key)
         if step is None:
+            if self.compiled and not self._compile_checked:
+                self._check_compiled(kv_len, new_rows, bonus.reshape(1))
             step = functools.partial(self._step, kv_len)
             if self.graphs:
                 step = CudaGraphFn(step, f"draft step R={key[0]} keys={kv_len}",
@@ -139,25 +190,28 @@ class DraftForward:
     def _step(self, kv_len: int, new_rows: Tensor, bonus: Tensor) -> Tensor:
         """The fixed-shape step (no host value, nothing in place but K/V rows >= `past`, rewritten alike by a rerun):
         append the new rows at `past`, then run the block at `start_dev`."""
-        self._write_context(new_rows, self.past)
-        d = self.drafter
-        start = self.start_dev
-        ids = torch.cat([bonus, self.mask_ids])
-        x = F.embedding(ids, d.embed_weight).to(self.dtype)  # [B, D]
+        self._write_context(new_rows, self.past, self.fns)
+        d, fns, start = self.drafter, self.fns, self.start_dev
+        x = F.embedding(torch.cat([bonus, self.mask_ids]), d.embed_weight).to(self.dtype)  # [B, D]
         rows = start + torch.arange(self.block, device=self.device)
         cos, sin = rope_cos_sin(rows, self.args.head_dim, self.args.rope_theta, self.dtype)
         masks = {t: self._block_mask(t, start, kv_len) for t in set(self.args.layer_types)}
         for i, layer in enumerate(d.layers):
-            x = self._block_layer(layer, x, cos, sin, self.kv[i], rows, kv_len, masks[layer.layer_type])
-        return torch.mm(d.norm(x[1:]).to(self.logits.dtype), d.lm_head_weight.t(), out=self.logits)
+            q, k, v = fns["qkv"](layer, x, cos, sin)
+            kv = self.kv[i]  # [2, KVH, cap, hd]: the block's K/V at `rows`, then attention over rows [0, kv_len)
+            kv[0].index_copy_(1, rows, k)
+            kv[1].index_copy_(1, rows, v)
+            attended = F.scaled_dot_product_attention(q[None], kv[0, :, :kv_len][None], kv[1, :, :kv_len][None],
+                                                      attn_mask=masks[layer.layer_type],
+                                                      scale=layer.self_attn.head_dim**-0.5, enable_gqa=True)[0]
+            x = fns["out"](layer, x, attended)
+        return torch.mm(fns["norm"](d, x), d.lm_head_weight.t(), out=self.logits)
 
-    def _write_context(self, features: Tensor, at: Tensor) -> None:
+    def _write_context(self, features: Tensor, at: Tensor, fns: dict = STEP_FNS) -> None:
         """K/V of context rows `features` [T, F] at rows/positions at..at+T-1 of every layer (at: 0-dim device)."""
-        ctx = self.drafter.fuse(features)
         rows = at + torch.arange(features.shape[0], device=self.device)
         cos, sin = rope_cos_sin(rows, self.args.head_dim, self.args.rope_theta, self.dtype)
-        for i, layer in enumerate(self.drafter.layers):
-            k, v = layer.self_attn.key_value(ctx, cos, sin)  # [KVH, T, hd]
+        for i, (k, v) in enumerate(fns["context"](self.drafter, features, cos, sin)):
             self.kv[i, 0].index_copy_(1, rows, k)
             self.kv[i, 1].index_copy_(1, rows, v)
 
@@ -172,21 +226,24 @@ class DraftForward:
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.where(visible, zero, torch.finfo(self.dtype).min)
 
-    def _block_layer(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, rows: Tensor,
-                     kv_len: int, mask: Tensor) -> Tensor:
-        """One decoder layer over the block rows x [B, D] (train/model.py `DecoderLayer` with the context and
-        block K/V read from this layer's buffer kv [2, KVH, cap, hd], where the block's own K/V are written at
-        `rows`): attention with GQA broadcast by SDPA (no K/V copy)."""
-        attn, B = layer.self_attn, x.shape[0]
-        h = layer.input_layernorm(x)
-        q = apply_rope(attn.q_norm(attn.q_proj(h).view(B, attn.num_heads, attn.head_dim)).transpose(0, 1), cos, sin)
-        k, v = attn.key_value(h, cos, sin)
-        kv[0].index_copy_(1, rows, k)
-        kv[1].index_copy_(1, rows, v)
-        out = F.scaled_dot_product_attention(q[None], kv[0, :, :kv_len][None], kv[1, :, :kv_len][None],
-                                             attn_mask=mask, scale=attn.head_dim**-0.5, enable_gqa=True)[0]
-        x = x + attn.o_proj(out.transpose(0, 1).reshape(B, attn.num_heads * attn.head_dim))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+    def _check_compiled(self, kv_len: int, new_rows: Tensor, bonus: Tensor) -> None:
+        """Once: the compiled step against the plain one on the same inputs (the step is idempotent); the plain
+        pieces from now on, with a warning, if compiling fails or the logits differ by more than rounding."""
+        self._compile_checked = True
+        compiled, self.fns = self.fns, STEP_FNS
+        ref = self._step(kv_len, new_rows, bonus).clone()
+        try:
+            self.fns = compiled
+            got = self._step(kv_len, new_rows, bonus)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure means the plain step, not a crash
+            log.warning("compiled draft step failed (%s: %s): running the plain one", type(exc).__name__, exc)
+            self.fns = STEP_FNS
+            return
+        err = relative_error(got, ref)
+        if err > rounding_tolerance(self.dtype):
+            log.warning("compiled draft step differs from the plain one (relative error %.2e): running the plain one",
+                        err)
+            self.fns = STEP_FNS
 
 
 _FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -194,11 +251,13 @@ _FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def draft_forward(drafter, *, graphs: bool = False):
     """The decode-time forward of `drafter`: one `DraftForward` per (DFlashDrafter, graphs), reused across decode
-    calls (its buffers and graphs persist). Any other drafter object is used as it is: it implements the same calls
+    calls (its buffers and graphs persist); with CUDA graphs its pieces are also compiled (inductor fuses the norms,
+    RoPE and residual adds between the matmuls, as eval/target_forward.py does for the verify). Any other drafter object is used as it is: it implements the same calls
     (`args`, `reset`, `prefill`, `__call__`, `describe`), e.g. a drafter that drafts from a known continuation."""
     if not isinstance(drafter, DFlashDrafter):
         return drafter
     per_drafter = _FORWARDS.setdefault(drafter, {})
     if graphs not in per_drafter:
-        per_drafter[graphs] = DraftForward(drafter, graphs=graphs)
+        cuda = graphs and drafter.fc.weight.device.type == "cuda"
+        per_drafter[graphs] = DraftForward(drafter, graphs=graphs, compile="inductor" if cuda else None)
     return per_drafter[graphs]
