@@ -55,6 +55,14 @@ def num_taps(cfg: RunConfig, shape: TargetShape) -> int:
     return len(resolve_layer_ids(cfg.extract.layer_ids, cfg.extract.num_taps, shape.num_layers))
 
 
+def stored_taps(cfg: RunConfig, shape: TargetShape) -> int:
+    """How many taps extract stores per token: the drafter's, plus the last layer's with `extract.last_hidden`."""
+    from extract.layers import resolve_layer_ids, stored_tap_ids
+
+    layer_ids = resolve_layer_ids(cfg.extract.layer_ids, cfg.extract.num_taps, shape.num_layers)
+    return len(stored_tap_ids(layer_ids, shape.num_layers, cfg.extract.last_hidden))
+
+
 def drafter_params(cfg: RunConfig, shape: TargetShape) -> float:
     d = shape.hidden_size
     inter = cfg.drafter.intermediate_size or shape.intermediate_size
@@ -69,7 +77,7 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
     from extract.store import bytes_per_token
 
     shape = target_shape(cfg)
-    taps = num_taps(cfg, shape)
+    taps = stored_taps(cfg, shape)
     samples = cfg.curate.total or _curated_count(cfg) or 0
     if cfg.regen.max_samples is not None:
         samples = min(samples, cfg.regen.max_samples)

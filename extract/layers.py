@@ -85,6 +85,18 @@ def configured_layer_ids(extract_cfg, num_layers: int) -> list[int]:
         raise ConfigError(f"extract.layer_ids: {e}") from e
 
 
+def stored_tap_ids(layer_ids: Sequence[int], num_layers: int, last_hidden: bool) -> list[int]:
+    """The taps extraction stores per token, in column order: the drafter's ``layer_ids``, then -- with
+    ``last_hidden``, for logit distillation -- tap ``L - 1``, the pre-norm output of the last decoder layer (vLLM
+    aux id ``L``), whose ``lm_head(final_norm(.))`` is the target's next-token distribution.  A drafter that taps
+    ``L - 1`` itself stores it already (no second copy).  Either way, with ``last_hidden`` the last hidden state is
+    the last ``D`` columns of the features."""
+    ids = validate_layer_ids(layer_ids, num_layers)
+    if last_hidden and ids[-1] != num_layers - 1:
+        ids.append(num_layers - 1)
+    return ids
+
+
 def hf_hidden_state_index(layer_id: int, num_layers: int) -> int:
     """Index into HF ``output_hidden_states`` holding tap ``layer_id``: ``layer_id + 1``.
 

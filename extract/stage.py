@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.layers import LAYER_CONVENTION, configured_layer_ids
+from extract.layers import LAYER_CONVENTION, configured_layer_ids, stored_tap_ids
 from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, check_store, damaged, finalize_store
 from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
@@ -179,7 +179,8 @@ def check_sample(input_ids: np.ndarray, loss_mask: np.ndarray, vocab_rows: int) 
 @dataclass
 class ExtractContext:
     location: str
-    layer_ids: list[int]
+    layer_ids: list[int]  # the drafter's taps
+    tap_ids: list[int]  # the taps stored per token, in column order (extract.layers.stored_tap_ids)
     num_layers: int
     hidden_size: int
     vocab_rows: int
@@ -202,9 +203,11 @@ def extract_context(cfg: RunConfig) -> ExtractContext:
     text = target.text
     e = cfg.extract
     layer_ids = configured_layer_ids(e, text.num_hidden_layers)
+    tap_ids = stored_tap_ids(layer_ids, text.num_hidden_layers, e.last_hidden)
     fingerprint = {
         **target.fingerprint,
         "layer_ids": layer_ids,
+        "last_hidden": len(tap_ids) > len(layer_ids),  # one more tap, L-1, after the drafter's
         "layer_convention": LAYER_CONVENTION,
         "hidden_size": int(text.hidden_size),
         "storage_dtype": e.storage_dtype,
@@ -213,7 +216,7 @@ def extract_context(cfg: RunConfig) -> ExtractContext:
     config_hash, settings = config_record(
         target=target_out, fingerprint=fingerprint, tokenize_output=tok_manifest["config_hash"],
         extract={"backend": e.backend, "shard_tokens": e.shard_tokens, "max_samples": e.max_samples})
-    return ExtractContext(target.location, layer_ids, int(text.num_hidden_layers), int(text.hidden_size),
+    return ExtractContext(target.location, layer_ids, tap_ids, int(text.num_hidden_layers), int(text.hidden_size),
                           int(text.vocab_size), fingerprint, config_hash, settings, tok_stage, tok_manifest)
 
 
@@ -223,11 +226,11 @@ def make_backend(cfg: RunConfig, ctx: ExtractContext, backend: str | None = None
     if backend == "hf":
         from extract.hf import HFExtractor
 
-        return HFExtractor(ctx.location, cfg.target, cfg.extract, ctx.layer_ids)
+        return HFExtractor(ctx.location, cfg.target, cfg.extract, ctx.tap_ids)
     if backend == "vllm":
         from extract.vllm import VLLMExtractor
 
-        return VLLMExtractor(ctx.location, cfg.target, cfg.extract, ctx.layer_ids, max_len=max_len)
+        return VLLMExtractor(ctx.location, cfg.target, cfg.extract, ctx.tap_ids, max_len=max_len)
     raise StageError(f"extract.backend: unknown backend {backend!r}")
 
 
@@ -271,7 +274,7 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
     todo = [u for u in mine if stage.unit_done(u.name) is None]
     remaining = sum(u.tokens for u in todo)
     need = check_disk_space(stage.path, remaining,
-                            bytes_per_token(len(ctx.layer_ids), ctx.hidden_size, cfg.extract.storage_dtype))
+                            bytes_per_token(len(ctx.tap_ids), ctx.hidden_size, cfg.extract.storage_dtype))
     log.info("%d units (%d for rank %d/%d, %d to do: %s tokens, %s)", len(units), len(mine), ranks.rank,
              ranks.world_size, len(todo), f"{remaining:,}", human_bytes(need))
     if todo:
@@ -326,8 +329,8 @@ def open_unit(stage: StageDir, ctx: ExtractContext, cfg: RunConfig, backend, ind
     tmp = AtomicFile(final).tmp
     writer = ShardWriter(
         tmp, [index.ids[r] for r in rows], [data[r][0] for r in rows], [data[r][1] for r in rows],
-        num_taps=len(ctx.layer_ids), hidden_size=ctx.hidden_size, storage_dtype=cfg.extract.storage_dtype,
-        metadata={"rows": rows, "layer_ids": ctx.layer_ids, "layer_convention": LAYER_CONVENTION},
+        num_taps=len(ctx.tap_ids), hidden_size=ctx.hidden_size, storage_dtype=cfg.extract.storage_dtype,
+        metadata={"rows": rows, "layer_ids": ctx.tap_ids, "layer_convention": LAYER_CONVENTION},
         stream_hash=getattr(backend, "streams_hash", False),
     )
     return _UnitInFlight(unit, final, tmp, writer, [data[r][0] for r in rows], counts)
@@ -426,9 +429,9 @@ def _finalize(cfg: RunConfig, ctx: ExtractContext, stage: StageDir, index: Token
         stage, shard_names=shard_names, config_hash=ctx.config_hash, fingerprint=ctx.fingerprint, started=started,
         inputs={"tokenize": input_ref(ctx.tok_stage)}, counts=counts,
         extra={"backend": cfg.extract.backend, "failure_examples": examples,
-               "bytes_per_token": bytes_per_token(len(ctx.layer_ids), ctx.hidden_size, cfg.extract.storage_dtype)},
+               "bytes_per_token": bytes_per_token(len(ctx.tap_ids), ctx.hidden_size, cfg.extract.storage_dtype)},
     )
-    summary("extract", f"{counts['written']:,} samples, {counts['tokens']:,} tokens, layers {ctx.layer_ids} "
+    summary("extract", f"{counts['written']:,} samples, {counts['tokens']:,} tokens, layers {ctx.tap_ids} "
                        f"({cfg.extract.storage_dtype}), {human_bytes(manifest['total_bytes'])}, dropped {dropped} "
                        f"-> {stage.path}")
     return manifest

@@ -59,6 +59,13 @@ def _check_storage_dtype(storage_dtype: str) -> None:
         raise ValueError(f"storage_dtype {storage_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
 
 
+def stored_taps(fingerprint: dict) -> int:
+    """Taps stored per token of an extraction with this fingerprint: the drafter's ``layer_ids``, plus one when
+    ``last_hidden`` says the last layer's output follows them (extract.layers.stored_tap_ids; extractions made
+    before that field store the drafter's taps only)."""
+    return len(fingerprint["layer_ids"]) + int(bool(fingerprint.get("last_hidden", False)))
+
+
 def bytes_per_token(num_taps: int, hidden_size: int, storage_dtype: str) -> int:
     """Bytes one token costs in a shard: features (+ fp8 scales) + int32 input id + uint8 loss mask."""
     _check_storage_dtype(storage_dtype)
@@ -509,8 +516,8 @@ class FeatureReader:
 
     @property
     def feature_dim(self) -> int:
-        """n_taps * hidden_size: the width of ``sample(i)["features"]``."""
-        return len(self.fingerprint["layer_ids"]) * int(self.fingerprint["hidden_size"])
+        """stored taps * hidden_size: the width of ``sample(i)["features"]`` (`stored_taps`)."""
+        return stored_taps(self.fingerprint) * int(self.fingerprint["hidden_size"])
 
     def shard(self, k: int) -> Shard:
         """Shard ``k``, opened on first use; with ``check`` its sha256 is verified first (`verify_shard_sha256`)."""
@@ -726,7 +733,7 @@ def finalize_store(
         "index": {"name": INDEX_FILE, "bytes": index_path.stat().st_size, "sha256": _sha(index_path)},
         "num_samples": len(ids),
         "num_tokens": int(sum(cols["length"])),
-        "bytes_per_token": bytes_per_token(len(fingerprint["layer_ids"]), int(fingerprint["hidden_size"]),
+        "bytes_per_token": bytes_per_token(stored_taps(fingerprint), int(fingerprint["hidden_size"]),
                                            fingerprint["storage_dtype"]),
     }
     return stage.write_manifest(config_hash=config_hash, fingerprint=fingerprint, inputs=inputs, counts=counts,
@@ -742,8 +749,8 @@ def write_feature_store(
 ) -> Path:
     """Write in-memory samples as a finished extraction that `FeatureReader` opens (tests, small tools).
 
-    ``samples``: dicts with "id", "input_ids" [S], "loss_mask" [S], "features" [S, n*D] (any float dtype).
-    ``fingerprint`` needs at least "layer_ids", "hidden_size" and "storage_dtype".
+    ``samples``: dicts with "id", "input_ids" [S], "loss_mask" [S], "features" [S, n*D] (any float dtype;
+    n = `stored_taps(fingerprint)`). ``fingerprint`` needs at least "layer_ids", "hidden_size" and "storage_dtype".
     Samples are cut into shards of about ``shard_tokens`` tokens in the given order.
     """
     import time
@@ -754,7 +761,7 @@ def write_feature_store(
     stage = StageDir(path.parent, path.name)
     started = time.time()
     stage.begin("write_feature_store", force=True)
-    n, D, sd = len(fingerprint["layer_ids"]), int(fingerprint["hidden_size"]), fingerprint["storage_dtype"]
+    n, D, sd = stored_taps(fingerprint), int(fingerprint["hidden_size"]), fingerprint["storage_dtype"]
     groups, cur, tok = [], [], 0
     for i, s in enumerate(samples):
         cur.append(i)

@@ -135,7 +135,7 @@ def _backend_samples(cfg: RunConfig, ctx: ExtractContext, backend: str, seed: in
     try:
         path = scratch / f"verify.{SHARD_EXT}"
         writer = ShardWriter(path, [index.ids[r] for r in rows], [data[r][0] for r in rows], [data[r][1] for r in rows],
-                             num_taps=len(ctx.layer_ids), hidden_size=ctx.hidden_size,
+                             num_taps=len(ctx.tap_ids), hidden_size=ctx.hidden_size,
                              storage_dtype=cfg.extract.storage_dtype)
         engine = make_backend(cfg, ctx, backend, max_len=max(len(data[r][0]) for r in rows))
         try:
@@ -176,17 +176,17 @@ def run_verify(cfg: RunConfig, *, against: str = "stored", seed: int = 0) -> dic
         cand, ref = [], []
         for s in samples:
             cand.append(s["features"].float())
-            ref.append(forward_taps(model, s["input_ids"].to(device)[None], ctx.layer_ids)[0].float().cpu())
-            per_layer = layer_report(cand[-1], ref[-1], ctx.layer_ids)
+            ref.append(forward_taps(model, s["input_ids"].to(device)[None], ctx.tap_ids)[0].float().cpu())
+            per_layer = layer_report(cand[-1], ref[-1], ctx.tap_ids)
             checked.append({"id": s["id"], "shard": s["shard"], "row": s["row"], "rank": s["rank"],
                             "tokens": len(cand[-1]), "cos_min": min(r["cos_min"] for r in per_layer),
                             "failed_layers": [r["layer"] for r in per_layer if not layer_passes(r, min_mean, min_token)]})
-        layers = layer_report(torch.cat(cand), torch.cat(ref), ctx.layer_ids)
+        layers = layer_report(torch.cat(cand), torch.cat(ref), ctx.tap_ids)
     bad_layers = [r["layer"] for r in layers if not layer_passes(r, min_mean, min_token)]
     failed = [c for c in checked if c["failed_layers"]]
     passed = not bad_layers and not problems
     report = {"passed": passed, "against": against, "seed": seed, "samples": len(samples),
-              "tokens": int(sum(c["tokens"] for c in checked)), "layer_ids": ctx.layer_ids,
+              "tokens": int(sum(c["tokens"] for c in checked)), "layer_ids": ctx.tap_ids,
               "min_cosine": min_mean, "min_token_cosine": min_token, "layers": layers, "failed_layers": bad_layers,
               "checked": checked, "failed_samples": failed,
               "file_problems": {str(p): why for p, why in problems.items()}, "storage_dtype": cfg.extract.storage_dtype}

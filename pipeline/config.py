@@ -230,6 +230,10 @@ class ExtractConfig:
         "tapped layers in the DFlash convention (output of decoder layer l); None = default spread", None, ge=0
     )
     num_taps: int = doc("number of tapped layers when `layer_ids` is None", 5, ge=1)
+    last_hidden: bool = doc(
+        "also store the last decoder layer's pre-norm output (tap L-1) after the drafter's taps: the target's "
+        "next-token distribution for train.loss 'kl' / 'ce+kl' without train.online", False
+    )
     storage_dtype: Literal["bfloat16", "float32", "fp8"] = doc("feature dtype on disk (fp8 = e4m3 + per-token scale)", "bfloat16")
     tokens_per_batch: int = doc("token budget of one forward (length-sorted batches)", 16384, ge=1)
     shard_tokens: int = doc("tokens per feature shard (the unit of resume)", 1 << 20, ge=1)
@@ -312,6 +316,12 @@ class TrainConfig:
     loss_gamma: Optional[float] = doc("decay exp(-(k-1)/gamma) (None = 7/5/4 for B=16/10/8)", None, gt=0)
     attention: Literal["auto", "flex", "dense"] = doc("mask backend: flex (GPU) or exact dense (CPU)", "auto")
     ce_chunk_tokens: int = doc("rows per chunk of the LM-head + cross-entropy (never the full logits)", 2048, ge=1)
+    loss: Literal["ce", "kl", "ce+kl"] = doc(
+        "per block position: cross-entropy to the target's token ('ce'), forward KL to the target's next-token "
+        "distribution ('kl': logit distillation), or (1 - kl_weight) CE + kl_weight KL ('ce+kl'); same decay weights",
+        "ce",
+    )
+    kl_weight: float = doc("share of the KL term in train.loss 'ce+kl'", 0.5, ge=0, le=1)
     activation_checkpointing: bool = doc("recompute draft layers in backward", False, hashed=False)
     compile: bool = doc("torch.compile each draft decoder layer (GPU; automatic dynamic shapes)", False, hashed=False)
     online: bool = doc("compute target features inside the step instead of reading shards", False)

@@ -6,6 +6,8 @@ Training packs N blocks of B slots into one query sequence of Q = N*B rows (docs
     positions  = a_n - doc_start_n + j               RoPE position of slot j (absolute within its sequence)
     label      = x[a_n + j]                          same position (not shifted); valid iff j >= 1,
                                                      a_n + j inside the sequence, loss_mask[a_n + j]
+    target row = a_n + j - 1                         the packed-row position whose target output is the
+                                                     target's distribution for that label (logit distillation)
     keys       = [context rows 0..S-1] ++ [the Q block rows]
 
 Visibility of key `t` for query (n, j) -- `block_visibility`, the ONE predicate that the dense mask, the flex
@@ -78,6 +80,14 @@ class BlockBatch:
     def slots(self) -> Tensor:
         """Long[Q]: slot j of every query row."""
         return torch.arange(self.block_ids.shape[0], device=self.block_ids.device) % self.block_size
+
+    @property
+    def target_rows(self) -> Tensor:
+        """Long[Q]: the packed-row index a_n + j - 1 whose target output (its last hidden state through the final
+        norm and LM head) is the target's next-token distribution for the label of row (n, j). It lies inside the
+        label's sequence wherever the label is valid (j >= 1); slot 0 and padded blocks get a clamped, unused row."""
+        rows = self.anchors.repeat_interleave(self.block_size) + self.slots - 1
+        return rows.clamp(min=0, max=self.seq_len - 1)
 
     def to(self, device) -> "BlockBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}

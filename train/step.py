@@ -1,7 +1,7 @@
 """One optimizer step and one held-out evaluation over collated micro-batches (train/data.py::collate).
 
 The invariant this module protects: the loss of a step is normalised GLOBALLY -- the sum over every rank and
-accumulated micro-batch of w*CE divided by the sum of w over all of them -- so a micro-batch counts by its label
+accumulated micro-batch of w*loss divided by the sum of w over all of them -- so a micro-batch counts by its label
 weight, not by its count, and accumulating k micro-batches gives the gradient of one batch holding them all.
 Statistics (loss sums, per-position hits, tokens, FLOPs) are summed on the device and reduced over ranks with one
 all-reduce and one host sync per step.
@@ -15,11 +15,12 @@ from typing import Callable, Iterable
 import torch
 
 from train.distributed import all_reduce_sum
-from train.loss import dflash_loss, label_weights, tau_hat
+from train.loss import dflash_loss, label_weights, target_hidden, tau_hat
 from train.metrics import train_flops
 
 # Summable statistics of train/loss.py::dflash_loss that are reduced over micro-batches and ranks.
-SCALAR_STATS = ("weighted_ce_sum", "weight_sum", "ce_sum", "num_labels", "accept_len_sum", "num_blocks")
+SCALAR_STATS = ("weighted_loss_sum", "weighted_ce_sum", "weight_sum", "ce_sum", "num_labels", "kl_sum", "kl_rows",
+                "accept_len_sum", "num_blocks")
 
 
 @dataclass
@@ -32,19 +33,22 @@ class StepStats:
 
     @property
     def loss(self) -> float:
-        return self.sums["weighted_ce_sum"] / max(self.sums["weight_sum"], 1e-12)
+        return self.sums["weighted_loss_sum"] / max(self.sums["weight_sum"], 1e-12)
 
     @property
     def acc_per_pos(self) -> list[float]:
         return (self.correct_per_pos / self.count_per_pos.clamp_min(1)).tolist()
 
     def metrics(self) -> dict:
-        """Loss, mean unweighted CE, per-position accuracy, tau_hat (formula) and block acceptance (simulated)."""
+        """Loss (the optimised objective), mean unweighted CE (and KL when distilling), per-position accuracy,
+        tau_hat (formula) and block acceptance (simulated)."""
         out = {"loss": self.loss, "ce": self.sums["ce_sum"] / max(self.sums["num_labels"], 1.0),
                "acc": float(self.correct_per_pos.sum() / self.count_per_pos.sum().clamp_min(1)),
                "tau_hat": tau_hat(self.correct_per_pos, self.count_per_pos),
                "accept_len": self.sums["accept_len_sum"] / max(self.sums["num_blocks"], 1.0),
                "labels": self.sums["num_labels"], "tokens": self.sums["tokens"]}
+        if self.sums["kl_rows"] > 0:
+            out["kl"] = self.sums["kl_sum"] / self.sums["kl_rows"]
         out.update({f"acc_{k + 1}": a for k, a in enumerate(self.acc_per_pos)})
         return out
 
@@ -75,24 +79,35 @@ def micro_batch_flops(shape, batch) -> float:
                        label_rows=int(batch.label_mask.sum()))
 
 
+def _scored(engine, mb: dict, features_of: Callable, *, gamma, chunk_rows, attention, normalizer=None, kl=0.0,
+            final_norm=None) -> tuple[torch.Tensor, dict]:
+    """(loss, stats) of one micro-batch: its features (the drafter's taps first; with distillation the last D
+    columns are the target's last hidden state, extract.layers.stored_tap_ids), the drafter's forward, the loss."""
+    drafter = engine.module.drafter
+    features, batch = features_of(mb)
+    target = target_hidden(final_norm, features[0, :, -drafter.args.hidden_size:], batch) if kl else None
+    hidden = engine(features[..., : drafter.args.num_taps * drafter.args.hidden_size], batch, attention)
+    return dflash_loss(hidden, drafter.lm_head_weight, batch, gamma, chunk_rows, normalizer, target, kl)
+
+
 def train_step(engine, micro_batches: list[dict], features_of: Callable, *, gamma: float | None, chunk_rows: int,
-               attention: str, world_size: int, device: torch.device, flops_shape=None) -> tuple[StepStats, float]:
+               attention: str, world_size: int, device: torch.device, flops_shape=None, kl: float = 0.0,
+               final_norm: torch.nn.Module | None = None) -> tuple[StepStats, float]:
     """One optimizer step over this rank's `grad_accum` collated micro-batches (train/data.py::collate).
 
-    The loss is normalised GLOBALLY: sum over all ranks and micro-batches of w*CE divided by the sum of w over
-    all of them (computed before the forward from the labels), so a micro-batch counts by its label weight,
+    The loss is normalised GLOBALLY: sum over all ranks and micro-batches of w*row loss divided by the sum of w
+    over all of them (computed before the forward from the labels), so a micro-batch counts by its label weight,
     not by its count. DeepSpeed averages gradients over ranks, hence the `* world_size`, and `scale_wrt_gas=False`
-    because the normaliser already spans the accumulation steps. Returns (stats summed over ranks, grad norm).
+    because the normaliser already spans the accumulation steps. `kl` > 0 distils the target's distribution
+    through its frozen `final_norm` (train/loss.py). Returns (stats summed over ranks, grad norm).
     """
-    drafter = engine.module.drafter
     local_w = sum(float(label_weights(mb["batch"], gamma).sum()) for mb in micro_batches)
     normalizer = all_reduce_sum(torch.tensor([local_w], dtype=torch.float64, device=device)).item()
     per_mb = []
     grad_norm = None
     for k, mb in enumerate(micro_batches):
-        features, batch = features_of(mb)
-        hidden = engine(features, batch, attention)
-        loss, stats = dflash_loss(hidden, drafter.lm_head_weight, batch, gamma, chunk_rows, normalizer=max(normalizer, 1e-12))
+        loss, stats = _scored(engine, mb, features_of, gamma=gamma, chunk_rows=chunk_rows, attention=attention,
+                              normalizer=max(normalizer, 1e-12), kl=kl, final_norm=final_norm)
         engine.backward(loss * world_size, scale_wrt_gas=False)
         if k == len(micro_batches) - 1 and _needs_manual_grad_norm(engine):
             grad_norm = _grad_norm(engine)
@@ -106,17 +121,16 @@ def train_step(engine, micro_batches: list[dict], features_of: Callable, *, gamm
 
 @torch.no_grad()
 def eval_step(engine, micro_batches: Iterable[dict], features_of: Callable, *, gamma: float | None, chunk_rows: int,
-              attention: str, device: torch.device) -> StepStats:
+              attention: str, device: torch.device, kl: float = 0.0,
+              final_norm: torch.nn.Module | None = None) -> StepStats:
     """Loss/accuracy statistics of held-out micro-batches (any iterable, consumed lazily; no gradient), summed
     over ranks. Every rank must pass the same number of micro-batches (train/data.py::plan_eval pads)."""
-    drafter = engine.module.drafter
     per_mb = []
     for mb in micro_batches:
-        features, batch = features_of(mb)
-        hidden = engine(features, batch, attention)
-        _, stats = dflash_loss(hidden, drafter.lm_head_weight, batch, gamma, chunk_rows)
+        _, stats = _scored(engine, mb, features_of, gamma=gamma, chunk_rows=chunk_rows, attention=attention, kl=kl,
+                           final_norm=final_norm)
         per_mb.append((stats, 0 if mb.get("padding") else mb["tokens"], 0.0))
-    return _reduce(per_mb, drafter.args.block_size, device)
+    return _reduce(per_mb, engine.module.drafter.args.block_size, device)
 
 
 def _needs_manual_grad_norm(engine) -> bool:

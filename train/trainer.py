@@ -30,8 +30,8 @@ from train.data import EVAL_EPOCH, MicroBatchDataset, RunPlan, batch_to, make_lo
 from train.distributed import DistEnv, all_gather_objects, barrier, rank0_first
 from train.engine import TrainForward, build_engine, compile_layers, current_lr, engine_kind
 from train.export import export_zlab, load_zlab
-from train.inputs import TrainInputs, target_head_weights
-from train.loss import default_gamma
+from train.inputs import TrainInputs, frozen_pieces_of, read_frozen_target
+from train.loss import default_gamma, kl_share
 from train.metrics import DrafterShape, MetricsLogger, peak_flops
 from train.model import DFlashDrafter
 from train.online import OnlineFeatures
@@ -63,12 +63,16 @@ class Trainer:
                                       eval_max_samples=train_cfg.eval_max_samples)
         except ValueError as e:
             raise StageError(str(e)) from e
-        self.drafter, target = self._build_drafter()
+        self.kl = kl_share(train_cfg.loss, train_cfg.kl_weight)  # the KL share of the row loss (0: CE only)
+        self.drafter, target, self.final_norm = self._build_drafter()
         self.engine_kind = engine_kind(train_cfg.engine, dist.world_size)
         self.sharded = self.engine_kind == "deepspeed" and train_cfg.zero_stage == 3  # ranks hold parameter shards
         self.engine, _, _ = build_engine(TrainForward(self.drafter), train_cfg, total_steps=self.plan.total_steps,
                                          world_size=dist.world_size, device=device)
-        self.features_of = _features_fn(target, self.args, device, next(self.engine.module.parameters()).dtype)
+        dtype = next(self.engine.module.parameters()).dtype
+        if self.final_norm is not None:
+            self.final_norm.to(device=device, dtype=dtype)
+        self.features_of = _features_fn(target, inputs.tap_ids, self.args.hidden_size, device, dtype)
         self.gamma = train_cfg.loss_gamma or default_gamma(self.args.block_size)
         self.shape = DrafterShape.from_args(self.args)
         self.peak = peak_flops(device, train_cfg.precision)
@@ -78,9 +82,10 @@ class Trainer:
         self.last_saved = -1
         self.logger: MetricsLogger | None = None
 
-    def _build_drafter(self) -> tuple[DFlashDrafter, torch.nn.Module | None]:
+    def _build_drafter(self) -> tuple[DFlashDrafter, torch.nn.Module | None, torch.nn.Module | None]:
         """The drafter (seeded init, or `drafter.init_from`) with the target's frozen embedding and LM head attached;
-        online, also the target itself (its taps are computed in the step)."""
+        online, also the target itself (its taps are computed in the step); with distillation, the target's frozen
+        final norm."""
         torch.manual_seed(self.train_cfg.seed)
         drafter = DFlashDrafter(self.args)
         if self.cfg.drafter.init_from:
@@ -90,13 +95,13 @@ class Trainer:
             compile_layers(drafter)
         target = None
         if self.inputs.online:
-            target = load_target(self.inputs.location, self.cfg.target, device=self.device)
-            emb = target.get_input_embeddings().weight
-            head = target.get_output_embeddings()
-            drafter.attach_target_head(emb, head.weight if head is not None else emb)
+            target = load_target(self.inputs.target.location, self.cfg.target, device=self.device)
+            frozen = frozen_pieces_of(target, final_norm=bool(self.kl))
         else:
-            drafter.attach_target_head(*target_head_weights(self.inputs.location, self.cfg.target))
-        return drafter, target
+            frozen = read_frozen_target(self.inputs.target.location, self.cfg.target, self.inputs.target.config,
+                                        final_norm=bool(self.kl))
+        drafter.attach_target_head(frozen.embed, frozen.head)
+        return drafter, target, frozen.final_norm
 
     # -- resume, save ----------------------------------------------------------------------------------
 
@@ -150,7 +155,8 @@ class Trainer:
         lr = current_lr(self.engine)  # the rate this step uses (the scheduler advances inside engine.step)
         stats, grad_norm = train_step(self.engine, micro_batches, self.features_of, gamma=self.gamma,
                                       chunk_rows=self.train_cfg.ce_chunk_tokens, attention=self.train_cfg.attention,
-                                      world_size=self.dist.world_size, device=self.device, flops_shape=self.shape)
+                                      world_size=self.dist.world_size, device=self.device, flops_shape=self.shape,
+                                      kl=self.kl, final_norm=self.final_norm)
         self.position["global_step"] += 1
         self.position["tokens_seen"] += int(stats.sums["tokens"])
         return stats, grad_norm, lr
@@ -163,7 +169,7 @@ class Trainer:
         loader = self._loader(rank_micro_batches(self.plan.eval_steps, self.dist.rank), EVAL_EPOCH)
         stats = eval_step(self.engine, loader, self.features_of, gamma=self.gamma,
                           chunk_rows=self.train_cfg.ce_chunk_tokens, attention=self.train_cfg.attention,
-                          device=self.device)
+                          device=self.device, kl=self.kl, final_norm=self.final_norm)
         metrics = stats.metrics()
         if self.logger is not None:
             self.logger.log(self.position["global_step"], "eval", metrics)
@@ -290,11 +296,12 @@ class _Window:
         return out
 
 
-def _features_fn(target, args, device, dtype):
-    """mb -> (features [1, S, n*D] on device, BlockBatch on device): stored features (offline), the target's taps
-    computed now (online), or zeros for a padding micro-batch."""
-    online = OnlineFeatures(target, args.target_layer_ids) if target is not None else None
-    width = args.num_taps * args.hidden_size
+def _features_fn(target, tap_ids: list[int], hidden_size: int, device, dtype):
+    """mb -> (features [1, S, len(tap_ids)*D] on device, BlockBatch on device): stored features (offline), the
+    target's taps computed now (online), or zeros for a padding micro-batch. Columns: the drafter's taps, then
+    (distillation) the last layer's output (extract.layers.stored_tap_ids)."""
+    online = OnlineFeatures(target, tap_ids) if target is not None else None
+    width = len(tap_ids) * hidden_size
 
     def features_of(mb: dict):
         features, batch = batch_to(mb, device, dtype)

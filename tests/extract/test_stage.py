@@ -45,6 +45,27 @@ def test_batched_extraction_equals_unbatched_forward_per_layer(tmp_path, arch):
     assert report["passed"] and all(r["rel"] < 1e-5 for r in report["layers"])
 
 
+def test_last_hidden_is_stored_as_one_more_tap_after_the_drafters_and_verified(tmp_path):
+    """extract.last_hidden: the features end with tap L-1 (the last layer's pre-norm output, whose final norm + LM
+    head is the target's distribution), the fingerprint says so, and verify checks that column too."""
+    cfg = extract_config(tmp_path, DISTINCT_LAYERS, "extract.storage_dtype=float32", "extract.last_hidden=true",
+                         "extract.verify_min_cosine=0.99999")
+    write_tokenize_stage(cfg, LENGTHS[:6])
+    manifest = run_extract(cfg)
+    reader = FeatureReader(cfg.run_dir / "extract")
+    model = load_target(materialize_target(cfg.target, cfg.cache_dir), cfg.target)
+    D, L = model.config.hidden_size, model.config.num_hidden_layers
+    assert reader.layer_ids == [1, 3, 5] and reader.fingerprint["last_hidden"] is True
+    assert reader.feature_dim == 4 * D and manifest["storage"]["bytes_per_token"] == bytes_per_token(4, D, "float32")
+    s = reader.sample(0)
+    with torch.no_grad():
+        out = model.model(s["input_ids"][None])  # post-norm last hidden state
+    torch.testing.assert_close(model.model.norm(s["features"][:, -D:]), out.last_hidden_state[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s["features"][:, -D:], forward_taps(model, s["input_ids"][None], [L - 1])[0])
+    report = run_verify(cfg, against="stored")
+    assert report["passed"] and [r["layer"] for r in report["layers"]] == [1, 3, 5, L - 1]
+
+
 def test_verify_detects_an_off_by_one_layer_set(tmp_path):
     """Features of layers [0, 2, 4] labelled as the config's [1, 3, 5] (the classic +1 bug) must fail."""
     cfg = extract_config(tmp_path, DISTINCT_LAYERS, "extract.layer_ids=[0,2,4]")

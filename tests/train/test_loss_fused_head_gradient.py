@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from train.blocks import build_block_batch
-from train.loss import _chunk_ce, chunked_cross_entropy, dflash_loss
+from train.loss import _chunk_loss, chunked_cross_entropy, dflash_loss
 from train.model import DFlashDrafter, DrafterArgs
 
 
@@ -68,13 +68,16 @@ def test_frozen_head_cross_entropy_without_grad_and_twice_backward_fails_loudly(
         ce.sum().backward()  # the saved gradient was scaled in place: a second pass must not silently reuse it
 
 
-def test_chunk_cross_entropy_kernel_traces_as_one_graph():
-    """What CUDA compiles (fullgraph: no graph break) equals the eager chunk function."""
+@pytest.mark.parametrize("distil", [False, True])
+def test_chunk_loss_kernel_traces_as_one_graph(distil):
+    """What CUDA compiles (fullgraph: no graph break) equals the eager chunk function, with and without the
+    target's logits (distillation)."""
     torch.manual_seed(3)
     logits, labels = torch.randn(6, 40), torch.randint(0, 40, (6,))
-    compiled = torch.compile(_chunk_ce, backend="aot_eager", fullgraph=True)
+    target = torch.randn(6, 40) if distil else None
+    compiled = torch.compile(_chunk_loss, backend="aot_eager", fullgraph=True)
     for with_grad in (True, False):
-        got, want = compiled(logits, labels, with_grad), _chunk_ce(logits, labels, with_grad)
+        got, want = compiled(logits, labels, target, 0.3, with_grad), _chunk_loss(logits, labels, target, 0.3, with_grad)
         for a, b in zip(got, want):
             assert (a is None and b is None) or torch.equal(a, b)
 

@@ -51,22 +51,22 @@ def _samples(n: int, seed: int, lo: int = 48, hi: int = 160) -> list[dict]:
 
 
 def write_extract_stage(cfg, n: int = 32, seed: int = 0, **fp_overrides) -> list[dict]:
-    """A finished extract stage for `cfg`: the tiny target's real tap features of synthetic samples, stored in
-    `cfg.extract.storage_dtype`."""
-    from transformers import AutoConfig
-
-    from extract.layers import forward_taps
+    """A finished extract stage for `cfg`: the tiny target's real tap features of synthetic samples (the drafter's
+    taps, then the last layer's with `extract.last_hidden`), stored in `cfg.extract.storage_dtype`."""
+    from extract.layers import forward_taps, stored_tap_ids
     from extract.store import write_feature_store
-    from pipeline.target import load_target, load_tokenizer, materialize_target
+    from pipeline.target import load_target, open_target
     from train.inputs import expected_feature_fingerprint
 
-    loc = materialize_target(cfg.target, cfg.cache_dir)
-    fp = expected_feature_fingerprint(cfg, loc, load_tokenizer(loc, cfg.target), AutoConfig.from_pretrained(loc))
-    fp = {**fp, **fp_overrides}
-    target = load_target(loc, cfg.target, device=torch.device("cpu"))
+    target = open_target(cfg.target, cfg.cache_dir)
+    num_layers = target.text.num_hidden_layers
+    taps = stored_tap_ids(expected_feature_fingerprint(cfg, target)["layer_ids"], num_layers, cfg.extract.last_hidden)
+    fp = {**expected_feature_fingerprint(cfg, target), "last_hidden": len(taps) > cfg.extract.num_taps, **fp_overrides}
+    taps = stored_tap_ids(fp["layer_ids"], num_layers, fp["last_hidden"])
+    model = load_target(target.location, cfg.target, device=torch.device("cpu"))
     samples = _samples(n, seed)
     for s in samples:
-        s["features"] = forward_taps(target, s["input_ids"][None], fp["layer_ids"])[0]
+        s["features"] = forward_taps(model, s["input_ids"][None], taps)[0]
     write_feature_store(cfg.run_dir / "extract", samples, fingerprint=fp, shard_tokens=1500)
     return samples
 
@@ -228,15 +228,23 @@ def subprocess_env() -> dict:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_frozen_embedding_and_lm_head_are_read_from_the_target_safetensors(tied):
+def test_frozen_embedding_lm_head_and_final_norm_are_read_from_the_target_safetensors(tied, tmp_path):
     from pipeline.config import TargetConfig
-    from pipeline.target import load_target, materialize_target
-    from train.inputs import target_head_weights
+    from pipeline.target import hf_config, load_target, open_target
+    from train.inputs import read_frozen_target
 
-    target_cfg = TargetConfig(model="random:llama", random_init={"tie_word_embeddings": tied}, device="cpu", dtype="float32")
-    location = materialize_target(target_cfg, CACHE)
-    emb, head = target_head_weights(location, target_cfg)
-    model = load_target(location, target_cfg)
-    assert torch.equal(emb, model.get_input_embeddings().weight)
-    assert torch.equal(head, model.get_output_embeddings().weight)
-    assert (emb is head) == tied
+    random_cfg = TargetConfig(model="random:llama", random_init={"tie_word_embeddings": tied}, device="cpu",
+                              dtype="float32")
+    model = load_target(open_target(random_cfg, CACHE).location, random_cfg)
+    with torch.no_grad():  # a final norm that is not all ones: proves it is read, not initialised
+        model.model.norm.weight.copy_(torch.rand_like(model.model.norm.weight) + 0.5)
+    model.save_pretrained(tmp_path / "target")
+    target_cfg = TargetConfig(model=str(tmp_path / "target"), device="cpu", dtype="float32")
+    location = str(tmp_path / "target")
+    frozen = read_frozen_target(location, target_cfg, hf_config(location, target_cfg), final_norm=True)
+    assert torch.equal(frozen.embed, model.get_input_embeddings().weight)
+    assert torch.equal(frozen.head, model.get_output_embeddings().weight)
+    assert (frozen.embed is frozen.head) == tied
+    x = torch.randn(5, model.config.hidden_size)
+    assert torch.equal(frozen.final_norm(x), model.model.norm(x))
+    assert not any(p.requires_grad for p in frozen.final_norm.parameters())
