@@ -675,7 +675,7 @@ def check_store(path: str | Path, *, full: bool = True) -> dict[Path, str]:
     manifest = read_json(path / MANIFEST)
     problems: dict[Path, str] = {}
     fp = manifest["fingerprint"]
-    layout = (len(fp["layer_ids"]), int(fp["hidden_size"]), fp["storage_dtype"])
+    layout = (stored_taps(fp), int(fp["hidden_size"]), fp["storage_dtype"])
     entries = [(path / "shards" / f["name"], f) for f in manifest.get("files", []) if not f["name"].endswith(".json")]
     if "index" in manifest.get("storage", {}):
         entries.append((path / INDEX_FILE, manifest["storage"]["index"]))
