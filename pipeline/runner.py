@@ -36,6 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from pipeline.log import get_logger
+
+log = get_logger("runner")
+
 MANIFEST = "manifest.json"
 
 
@@ -241,15 +245,11 @@ def acquire_lock(path: Path, what: str) -> None:
                         "command again (finished units are kept); a lock whose process has died is taken over "
                         "by the next run") from None
     except OSError as e:  # ENOLCK/EOPNOTSUPP: a filesystem without advisory locks
-        from pipeline.log import get_logger
-
-        get_logger("runner").warning("%s: no file locking on this filesystem (%s): nothing stops a second process "
+        log.warning("%s: no file locking on this filesystem (%s): nothing stops a second process "
                                      "from running %s at the same time", path, e.strerror, what)
     previous = _lock_holder(fd)
     if previous != "an unknown process":
-        from pipeline.log import get_logger
-
-        get_logger("runner").warning("%s: taking over the lock of %s, which ended without releasing it", what, previous)
+        log.warning("%s: taking over the lock of %s, which ended without releasing it", what, previous)
     note = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "command": " ".join(sys.argv)[:200]}
     os.ftruncate(fd, 0)
