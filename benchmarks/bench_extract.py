@@ -237,9 +237,11 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
         ls = index.lengths[list(u.rows)]
         padded += sum((b - a) * int(ls[a]) for a, b in plan_batches(ls, args.tokens_per_batch))
     hidden = model.config.get_text_config().hidden_size
-    ctx = ExtractContext("bench", layer_ids, model.config.get_text_config().num_hidden_layers, hidden, model.config.get_text_config().vocab_size,
-                         {"layer_ids": layer_ids, "hidden_size": hidden, "storage_dtype": args.storage_dtype},
-                         "bench", {}, tok, {})
+    text = model.config.get_text_config()
+    ctx = ExtractContext(location="bench", layer_ids=layer_ids, tap_ids=list(layer_ids),
+                         num_layers=text.num_hidden_layers, hidden_size=hidden, vocab_rows=text.vocab_size,
+                         fingerprint={"layer_ids": layer_ids, "hidden_size": hidden, "storage_dtype": args.storage_dtype},
+                         config_hash="bench", settings={}, tok_stage=tok, tok_manifest={})
     stage = StageDir(cfg.run_dir, "extract")
     stage.begin("bench", force=True)
     backend = HFExtractor("bench", cfg.target, cfg.extract, layer_ids, model=model, device=device)

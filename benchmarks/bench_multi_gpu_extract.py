@@ -90,8 +90,10 @@ def plan(s: dict):
     fingerprint = {"target": {"bench": s["shape"]}, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
                    "hidden_size": hidden, "storage_dtype": s["storage_dtype"]}
     tok = StageDir(cfg.run_dir, "tokenize")
-    ctx = ExtractContext(f"bench:{s['shape']}", layer_ids, layers, hidden, vocab, fingerprint,
-                         f"bench-{s['shape']}-{s['storage_dtype']}", tok, {})
+    ctx = ExtractContext(location=f"bench:{s['shape']}", layer_ids=layer_ids, tap_ids=list(layer_ids),
+                         num_layers=layers, hidden_size=hidden, vocab_rows=vocab, fingerprint=fingerprint,
+                         config_hash=f"bench-{s['shape']}-{s['storage_dtype']}", settings={}, tok_stage=tok,
+                         tok_manifest={})
     index = read_tokenized_index(tok)
     keep, _, _ = screen_index(index)
     units = plan_units(index.lengths, keep, s["shard_tokens"])
