@@ -7,7 +7,7 @@ base64 PNGs (matplotlib, Agg backend) — no external src/href, so the file can 
      "benchmarks": {name: {"path", "prompts", "read", "skipped": {reason: n}}},
      "skipped_methods": [{"method", "budget", "reason"}],
      "cells": [{"benchmark", "method", "budget", "label", **eval.metrics.summarize(...), "speedup", "ar_match",
-                "skipped", "verify_paths"}]}
+                "skipped", "verify_paths", "draft_paths", "graphs_captured_while_timed"}]}
 
 Undefined numbers (a τ without rounds, a speedup without an AR run) are JSON null and print as "—".
 `compare_runs(eval_dirs, out)` puts two or more such reports side by side (`drafter report`).
@@ -316,6 +316,13 @@ def _notes_text(report: dict) -> str:
     paths = sorted({p for c in report["cells"] for p in c.get("verify_paths", [])})
     if paths:  # where the timings (and so the speedups) were measured
         lines.append("verify forward: " + "; ".join(paths))
+    drafts = sorted({p for c in report["cells"] for p in c.get("draft_paths", [])})
+    if drafts:
+        lines.append("drafter forward: " + "; ".join(drafts))
+    late = [f"{c['benchmark']} {c['label']}: {c['graphs_captured_while_timed']}" for c in report["cells"]
+            if c.get("graphs_captured_while_timed")]
+    if late:  # a shape the warm-up did not reach: those rounds' times include a capture
+        lines.append("CUDA graphs captured while timing (not steady state): " + ", ".join(late))
     for s in report.get("skipped_methods", []):
         lines.append(f"skipped {cell_label(s['method'], s.get('budget'))}: {s['reason']}")
     for name, b in (report.get("benchmarks") or {}).items():

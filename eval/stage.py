@@ -293,6 +293,7 @@ def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_si
         cell["skipped"] = sidecars[u.name].get("skipped", {})
         cell["verify_paths"] = sidecars[u.name].get("verify_paths", [])  # the verify forward the timings come from
         cell["draft_paths"] = sidecars[u.name].get("draft_paths", [])  # and the drafter's forward
+        cell["graphs_captured_while_timed"] = sidecars[u.name].get("graphs_captured_while_timed", 0)
         cells.append(cell)
     return {**header, "cells": cells}
 

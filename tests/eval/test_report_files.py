@@ -87,6 +87,12 @@ def test_the_time_split_includes_the_drafter_and_is_left_out_when_phases_were_no
     split = md[md.index("Time split per phase"):]
     assert "| benchmark | method | draft | tree build | verify | walk + commit |" in split
     assert "| gsm8k | chain | 0.100 s (21%) |" in split  # the drafter's share of the 0.47 s round time
+    assert "captured while timing" not in md
+    late = make_report("late", [[3, 2]], [[5, 3]])
+    late["cells"][1]["graphs_captured_while_timed"] = 2  # gsm8k chain met a shape its warm-up did not reach
+    write_report(late, tmp_path / "late")
+    assert "CUDA graphs captured while timing (not steady state): gsm8k chain: 2" in \
+        (tmp_path / "late" / "report.md").read_text()
     write_report(make_report("untimed", [[3, 2]], [[5, 3]], phases={}), tmp_path / "untimed")
     data = json.loads((tmp_path / "untimed" / "report.json").read_text())
     assert all(c["phases"] is None for c in data["cells"])
