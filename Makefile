@@ -1,5 +1,6 @@
 # Stage targets: make <stage> CONFIG=configs/<run>.yaml [ARGS="train.lr=3e-4 --force"]
-# `make demo` sets up a fresh machine and runs the embedded default end to end; `make test` runs the tests.
+# `make demo` sets up a fresh machine and runs the embedded default end to end; `make test` runs the tests,
+# `make test-fast` all but those marked slow (the inner loop, under 2 minutes on 2 cores).
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 DRAFTER := $(VENV)/bin/drafter

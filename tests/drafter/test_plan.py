@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from pipeline.config import load_config
+from drafter.cli import main as drafter_main
 from drafter.plan import estimate
+from pipeline.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,10 +41,8 @@ def test_plan_bytes_per_token_is_the_storage_formats_own():
         assert est["feature_bytes_per_token"] == bytes_per_token(est["taps"], est["hidden_size"], dtype)
 
 
-def test_plan_cli_prints_storage_in_tb():
-    out = subprocess.run(
-        [sys.executable, "-m", "drafter.cli", "plan", "--config", "configs/qwen3.6-27b.yaml"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout
+def test_plan_cli_prints_storage_in_tb(capsys):
+    assert drafter_main(["plan", "--config", str(REPO / "configs/qwen3.6-27b.yaml")]) == 0
+    out = capsys.readouterr().out
     assert "5 taps x 5120 x bfloat16 = 51,205 bytes" in out
     assert " TB)" in out and "GPU-hours" in out

@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow  # runs the benchmark script in a subprocess
 
 
 def test_overhead_benchmark_prints_a_row_per_budget_and_the_builders_agree():

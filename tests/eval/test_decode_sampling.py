@@ -81,6 +81,7 @@ def sample_triples(method, target, drafter, n, **kw) -> tuple[list[tuple[int, ..
     return triples, first_round_tau
 
 
+@pytest.mark.slow
 def test_ddtree_chain_and_ar_sampling_match_the_exact_target_distribution(setup):
     target, drafter = setup
     exact = exact_joint(target)

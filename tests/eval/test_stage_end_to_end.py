@@ -66,6 +66,7 @@ def cfg(tmp_path):
     return cfg
 
 
+@pytest.mark.slow
 def test_eval_writes_every_report_and_greedy_speculation_reproduces_ar(cfg, capsys):
     manifest = run_eval(cfg, force=False)
     out = cfg.run_dir / "eval"
@@ -93,6 +94,7 @@ def test_eval_writes_every_report_and_greedy_speculation_reproduces_ar(cfg, caps
     assert "| mt_bench |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_mt_bench_second_turn_is_asked_after_the_targets_own_first_answer(cfg):
     location = materialize_target(cfg.target, cfg.cache_dir)
     tok = load_tokenizer(location, cfg.target)
@@ -114,6 +116,7 @@ def test_mt_bench_second_turn_is_asked_after_the_targets_own_first_answer(cfg):
     assert run_conversation(prompt, tok, gen, enable_thinking=False, max_prompt_tokens=10) == ["prompt_too_long"]
 
 
+@pytest.mark.slow
 def test_hybrid_target_runs_ar_chain_and_tree_aware_ddtree(tmp_path):
     cfg = make_config(tmp_path, ["target.model=random:qwen3_5_text", "eval.budgets=[4]",
                                  "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
@@ -193,6 +196,7 @@ def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written(tmp_path):
     assert re.search(r"\| gsm8k \| [\d.]+ \(", res.stdout)
 
 
+@pytest.mark.slow
 def test_split_ranks_share_the_units_and_the_last_rank_writes_the_report(tmp_path):
     from pipeline.runner import RankInfo
 

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.config import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -17,6 +19,7 @@ from eval.stage import _log_wandb  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_offline_wandb_run_holds_the_cell_tau_and_depth_tables(tmp_path):
     cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}", "train.wandb.mode=offline"])
     report = make_report("tiny", [[3, 2, 1], [4]], [[5, 3]])

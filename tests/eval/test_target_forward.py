@@ -121,6 +121,7 @@ def test_targets_the_fused_forward_cannot_rebuild_are_refused_and_use_hf():
                   cache_impl="fused").output_ids == greedy[:20]
 
 
+@pytest.mark.slow
 def test_compiled_fused_forward_equals_eager_with_one_graph_for_every_n_and_layer():
     """torch.compile'd pre/post (what the CUDA-graph cache runs), here by inductor on the CPU: the same logits,
     taps and K/V rows as the eager fused forward at several tree sizes, and each function compiled at most twice

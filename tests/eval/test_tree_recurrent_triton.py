@@ -140,6 +140,7 @@ CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch",
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernels are checked compiled (below)")
 @pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.slow
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
     run_interpreted(check, MODULE)
 

@@ -181,6 +181,7 @@ CHECKS = ["check_top_log_probs_equals_torch", "check_compact_path_rows_equals_to
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernels are checked compiled (below); the "
                     "GPU image's Triton 3.6 interpreter cannot run loops with a runtime bound under NumPy 2.4")
 @pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.slow
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
     run_interpreted(check)
 

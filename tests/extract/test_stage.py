@@ -174,6 +174,7 @@ def test_disk_space_check_names_the_numbers(tmp_path):
     assert check_disk_space(tmp_path, remaining_tokens=1000, per_token=per_token) > 0
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_resumes_with_nothing_lost_or_duplicated(tmp_path):
     from pipeline.config import save_config
 

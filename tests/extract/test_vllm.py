@@ -10,11 +10,16 @@ import pytest
 
 from extract.layers import forward_taps
 from extract.store import FeatureReader
-from extract.vllm import engine_kwargs
 from pipeline.target import load_target, materialize_target
 from tests.extract.conftest import extract_config, write_tokenize_stage
 
-pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(autouse=True)
+def _vllm():
+    """vLLM is imported when a test runs, not at collection (`make test-fast` never pays for it)."""
+    pytest.importorskip("vllm")
 
 # vLLM's CPU attention needs a head_dim it has kernels for (64); distinct layers as in the HF tests
 VLLM_TARGET = ("target.random_init={hidden_size: 128, num_attention_heads: 2, num_key_value_heads: 1, head_dim: 64, "
@@ -23,6 +28,8 @@ LENGTHS = [300, 7, 129, 64, 64, 250, 1, 33, 180, 90, 12, 75, 200, 45]
 
 
 def test_engine_gets_the_plus_one_aux_ids_and_no_prefix_caching(tmp_path):
+    from extract.vllm import engine_kwargs
+
     cfg = extract_config(tmp_path)
     kw = engine_kwargs("x", cfg.target, cfg.extract, [1, 9, 17, 25, 33], max_len=100)
     assert kw["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 10, 18, 26, 34]
@@ -30,8 +37,6 @@ def test_engine_gets_the_plus_one_aux_ids_and_no_prefix_caching(tmp_path):
     assert kw["max_model_len"] == 101
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
 def test_vllm_cpu_extraction_matches_hf_per_layer(tmp_path):
     from pipeline.config import save_config
 

@@ -153,6 +153,7 @@ def test_rank_slices_are_disjoint_complete_and_the_last_rank_writes_the_manifest
     assert tm["counts"]["input"] == 11 and tm["num_units"] == 6
 
 
+@pytest.mark.slow
 def test_kill_9_during_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
     overrides = ["regen.max_new_tokens=24", "regen.shard_size=2", "regen.max_samples=null", "regen.batch_size=2"]
     cfg = make_config(tmp_path, overrides=overrides)

@@ -7,15 +7,12 @@ import json
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from pipeline.regen.conversation import end_of_turn_ids, prompt_ids, skeleton  # noqa: E402
-from pipeline.regen.generator import Sampling  # noqa: E402
-from pipeline.regen.hf import HFGenerator  # noqa: E402
-from pipeline.regen.stage import build_generator, regenerate  # noqa: E402
-from pipeline.regen.vllm import VLLMGenerator  # noqa: E402
-from pipeline.target import load_target, load_tokenizer, materialize_target  # noqa: E402
-from tests.conftest import REPO, make_config  # noqa: E402
+from pipeline.regen.conversation import end_of_turn_ids, prompt_ids, skeleton
+from pipeline.regen.generator import Sampling
+from pipeline.regen.hf import HFGenerator
+from pipeline.regen.stage import build_generator, regenerate
+from pipeline.target import load_target, load_tokenizer, materialize_target
+from tests.conftest import REPO, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -35,6 +32,9 @@ def engines(tmp_path_factory):
 
 
 def _engines(tmp_path_factory):
+    pytest.importorskip("vllm")  # when the engine is built, not at collection (`make test-fast` never imports vLLM)
+    from pipeline.regen.vllm import VLLMGenerator
+
     cfg = make_config(tmp_path_factory.mktemp("vllm"), overrides=[
         RANDOM_INIT, "regen.backend=vllm", "regen.max_model_len=1024", "regen.vllm.gpu_memory_utilization=0.12",
         "regen.vllm.enforce_eager=true", "regen.max_new_tokens=48", "regen.batch_size=8"])
@@ -60,8 +60,8 @@ def test_vllm_and_hf_greedy_outputs_agree_token_for_token(engines):
     assert {o.finish_reason for o in v} == {"stop", "length"}
     assert max(t for o in v for t in o.token_ids) < len(tok)
 
-    unrestricted = VLLMGenerator(vllm_gen.llm, vocab_limit=vllm_gen.model_vocab, stop_ids=vllm_gen.stop_ids,
-                                 sampling=Sampling())
+    unrestricted = type(vllm_gen)(vllm_gen.llm, vocab_limit=vllm_gen.model_vocab, stop_ids=vllm_gen.stop_ids,
+                                  sampling=Sampling())
     free = unrestricted.generate(prompts, limits)  # same engine, no vocab limit: padded rows do get picked
     assert max(t for o in free for t in o.token_ids) >= len(tok)
 

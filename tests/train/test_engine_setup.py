@@ -89,7 +89,12 @@ def _reference_grad_norm(micro_batches) -> float:
     return float(torch.stack([p.grad.norm() for p in drafter.parameters()]).norm())
 
 
-@pytest.mark.parametrize("engine_kind,zero_stage", [("deepspeed", 0), ("deepspeed", 2), ("torch", 0)])
+def deepspeed(zero_stage: int):
+    """A DeepSpeed engine case: the slow tier (`make test`); the torch engine's case runs in `make test-fast` too."""
+    return pytest.param("deepspeed", zero_stage, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("engine_kind,zero_stage", [deepspeed(0), deepspeed(2), ("torch", 0)])
 def test_accumulated_micro_batches_give_the_gradient_of_one_globally_normalised_batch(engine_kind, zero_stage):
     init_distributed()
     two, one = _micro_batches()
@@ -116,8 +121,7 @@ def _stepped_optimizer(engine) -> torch.optim.Optimizer:
     return engine.optimizer if isinstance(engine, TorchEngine) else engine.basic_optimizer
 
 
-@pytest.mark.parametrize("engine_kind,zero_stage", [("deepspeed", 0), ("deepspeed", 1), ("deepspeed", 2),
-                                                    ("deepspeed", 3), ("torch", 0)])
+@pytest.mark.parametrize("engine_kind,zero_stage", [deepspeed(0), deepspeed(1), deepspeed(2), deepspeed(3), ("torch", 0)])
 def test_bf16_training_keeps_fp32_master_weights_and_optimizer_state(engine_kind, zero_stage):
     init_distributed()
     _, one = _micro_batches()
@@ -151,6 +155,7 @@ def _run_steps(engine, steps: list[list[dict]], features_of=_features_of) -> lis
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.slow
 def test_torch_engine_takes_the_steps_of_the_deepspeed_engine(precision):
     """Same drafter, data, clipping (active: a small max norm), accumulation and schedule: the same losses, grad
     norms, learning rates and weights after three optimizer steps (bf16: within bf16 rounding)."""

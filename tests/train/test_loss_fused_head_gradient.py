@@ -98,6 +98,7 @@ def _tiny_drafter_and_batch():
     return model, torch.randn(1, S, 2 * D), batch
 
 
+@pytest.mark.slow
 def test_compiled_training_forward_has_no_graph_break_and_equals_eager():
     from torch._dynamo.utils import counters
 

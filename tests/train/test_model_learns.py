@@ -3,11 +3,14 @@ continuation -- x[start + k] at slot k (a shifted label or leaked anchor would d
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from train.blocks import build_block_batch, sample_anchors
 from train.loss import dflash_loss
 from train.model import DFlashDrafter, DrafterArgs
+
+pytestmark = pytest.mark.slow  # trains a drafter until it drafts (tens of seconds on a CPU)
 
 D, V, B, MASK, S = 32, 24, 4, 23, 48
 

@@ -124,6 +124,7 @@ def test_train_refuses_features_stored_in_another_dtype_than_the_config_says(tmp
     assert not (cfg.run_dir / "train" / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_back(tmp_path):
     from safetensors.torch import load_file
 
@@ -154,6 +155,7 @@ def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_bac
     assert run_train(cfg)["finished_at"] == manifest["finished_at"]  # same config again: a no-op
 
 
+@pytest.mark.slow
 def test_online_features_give_the_same_loss_curve_as_stored_features(tmp_path):
     """Same data, seed and plan: online (target taps inside the step) and offline (stored fp32 features) runs log
     the same loss at every step."""
