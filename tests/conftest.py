@@ -46,10 +46,11 @@ def make_config(tmp_path: Path, base: str = "configs/tiny.yaml", overrides: list
     return load_config(REPO / base, [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides])
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_torch_thread():
-    """One intra-op thread for the test: tiny models are overhead-bound, and on the shared 2-core machine two
-    OpenMP threads mostly wait for each other (measured 4-30x slower than one under load)."""
+    """One intra-op thread for every test: tiny models are overhead-bound, and on the shared 2-core machine two
+    OpenMP threads mostly wait for each other (measured 4-30x slower than one under load; the blocks/model/lossless
+    tests 3x). Subprocesses are not affected (they set their own, e.g. OMP_NUM_THREADS=1)."""
     import torch
 
     n = torch.get_num_threads()

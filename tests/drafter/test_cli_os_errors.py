@@ -46,6 +46,7 @@ def last_line(stderr: str) -> str:
     return stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_naming_the_file_and_the_fix(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -58,6 +59,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_fix(tmp_path):
                          "(finished units are kept)")
 
 
+@pytest.mark.slow
 def test_a_finished_stage_reruns_on_a_read_only_filesystem_and_a_write_there_is_one_line(tmp_path):
     runs = tmp_path / "runs"
     first = subprocess.run(cli("curate", "--config", "configs/tiny.yaml", f"runs_dir={runs}", *TINY), cwd=REPO,
@@ -85,6 +87,7 @@ def shared_dir():
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_directory_the_user_may_not_write_is_one_line(shared_dir):
     runs = shared_dir / "runs"
     runs.mkdir(mode=0o755)

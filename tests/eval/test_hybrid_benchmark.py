@@ -8,11 +8,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 def test_hybrid_benchmark_writes_the_summary_keys_at_the_tiny_shape(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoConfig
 
@@ -26,6 +27,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_shape_mode_prints_every_method_and_writes_the_summary_keys(tmp_path):
     out = tmp_path / "tiny.json"
     res = run_bench("--shape", "tiny", "--budgets", "4,16", "--past", "40", "--new-tokens", "12", "--out", str(out))
@@ -42,6 +44,7 @@ def test_shape_mode_prints_every_method_and_writes_the_summary_keys(tmp_path):
     assert all(r["graphs_captured_while_timed"] == 0 and not r["graph_fallbacks"] for r in summary["rows"])
 
 
+@pytest.mark.slow
 def test_export_mode_decodes_gsm8k_prompts_with_a_trained_drafter_layout(tmp_path):
     cfg = load_config(REPO / "configs/tiny.yaml", [f"cache_dir={CACHE}"])
     location = materialize_target(cfg.target, cfg.cache_dir)
