@@ -328,7 +328,7 @@ def test_warm_up_captures_every_graph_timed_decoding_uses_and_a_drafter_round_sy
         for i, prompt in enumerate(batch):
             res = decode(method, target, drafter, prompt, max_new_tokens=max_new, budget=budget)
             assert res.output_ids == ar.setdefault(i, res.output_ids), (method, i)
-            assert res.draft_path == ("" if method == "ar" else "static context, CUDA graphs")
+            assert res.draft_path == ("" if method == "ar" else "static context, compiled, CUDA graphs")
         assert GRAPH_LOG.captured == captured, f"{method}: timed decoding captured a graph the warm-up missed"
     assert GRAPH_LOG.fallbacks[fallbacks:] == []
     torch.cuda.set_sync_debug_mode("warn")
