@@ -40,6 +40,7 @@ from torch import Tensor
 from eval import triton_kernels
 from eval.verify import visibility_attention_mask
 from extract.layers import base_model, decoder_layers, validate_layer_ids
+from pipeline.target import text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -52,7 +53,7 @@ attention (CUDA); 'auto' = sdpa_gqa on CUDA, sdpa elsewhere."""
 
 def refusal(target) -> str | None:
     """Why `VerifyForward` cannot stand in for the HF forward of `target`, or None when it can."""
-    cfg = getattr(target.config, "text_config", None) or target.config
+    cfg = text_config(target.config)
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {cfg.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
     types = getattr(cfg, "layer_types", None) or []
@@ -210,7 +211,7 @@ class VerifyForward:
         reason = refusal(target)
         if reason:
             raise ValueError(f"VerifyForward: {reason}")
-        cfg = getattr(target.config, "text_config", None) or target.config
+        cfg = text_config(target.config)
         fuse_projections(target)
         self.target = target
         self.base = base_model(target)

@@ -24,7 +24,7 @@ from extract.store import FeatureReader
 from pipeline.config import ConfigError, RunConfig, TargetConfig
 from pipeline.log import get_logger
 from pipeline.runner import StageDir, check_fingerprint
-from pipeline.target import OpenedTarget, load_target, open_target
+from pipeline.target import OpenedTarget, load_target, open_target, text_config
 from train.loss import kl_share
 from train.model import DrafterArgs
 from train.online import TokenizedReader
@@ -147,8 +147,7 @@ def read_frozen_target(location: str, target_cfg: TargetConfig, config, *, final
         names.setdefault(id(p), []).append(n)
     emb_param = meta.get_input_embeddings().weight
     head = meta.get_output_embeddings()
-    tied = head is None or head.weight is emb_param or bool(getattr(config.get_text_config(decoder=True),
-                                                                    "tie_word_embeddings", False))
+    tied = head is None or head.weight is emb_param or bool(getattr(text_config(config), "tie_word_embeddings", False))
     wanted = set(names.get(id(emb_param), [])) | (set(names.get(id(head.weight), [])) if not tied else set())
     norm, norm_keys = None, {}
     if final_norm:
