@@ -136,33 +136,49 @@ def _capacity(length: int, rows_max: int, L: int) -> int:
     return length + max(rows_max, L + 1) + 1
 
 
+def drafted_nodes(method: str, budget: int | None, L: int, vocab: int) -> int:
+    """Drafted nodes a round verifies (fixed per method and budget): AR 0, chain L, DDTree its tree size."""
+    return {"ar": 0, "chain": L, "ddtree": tree_size(budget or 0, L, vocab)}[method]
+
+
 @dataclass
 class _Decoder:
     """What a decode of one (method, target, drafter, settings) uses: the target cache, the drafter's forward and
     the round's device ops (each reused across decode calls, with their buffers and CUDA graphs)."""
 
+    method: str
+    budget: int | None
+    tree_builder: str
+    temperature: float
     cache: TargetCache
     draft: object  # eval.draft_forward.DraftForward (or a drafter implementing its calls); None for AR
-    ops: "RoundOps"
-    rows_max: int  # verify rows of a round: 1 + drafted nodes
+    L: int  # drafted depth limit: B-1 (0 for AR)
+    vocab: int
+    device: torch.device
 
     @classmethod
     def of(cls, method, target, drafter, budget, tree_builder, cache_impl, temperature) -> "_Decoder":
-        device = target.get_input_embeddings().weight.device
-        vocab = target.get_output_embeddings().weight.shape[0]
         L = 0 if method == "ar" else drafter.args.block_size - 1
         taps = () if method == "ar" else tuple(drafter.args.target_layer_ids)
         cache = target_cache(target, taps, cache_impl)
         draft = None if method == "ar" else draft_forward(drafter, graphs=cache.graphs)
-        ops = round_ops(method, budget, tree_builder, cache, temperature, L, vocab, device)
-        return cls(cache, draft, ops, 1 + ops.num_nodes)
+        return cls(method, budget, tree_builder, temperature, cache, draft, L,
+                   target.get_output_embeddings().weight.shape[0], target.get_input_embeddings().weight.device)
 
-    def reset(self, length: int) -> None:
-        """Empty caches with room for `length` committed rows (buffers only grow: graphs survive)."""
-        capacity = _capacity(length, self.rows_max, self.ops.depth_limit)
+    @property
+    def rows_max(self) -> int:
+        """Verify rows of a round: the root + the drafted nodes."""
+        return 1 + drafted_nodes(self.method, self.budget, self.L, self.vocab)
+
+    def reset(self, length: int) -> "RoundOps":
+        """Empty caches with room for `length` committed rows (buffers only grow: graphs survive); returns the
+        round ops for the cache's buffers as they now are (fetched after a reset, which may reallocate them)."""
+        capacity = _capacity(length, self.rows_max, self.L)
         self.cache.reset(capacity)
         if self.draft is not None:
             self.draft.reset(capacity)
+        return round_ops(self.method, self.budget, self.tree_builder, self.cache, self.temperature, self.L,
+                         self.vocab, self.device)
 
 
 def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, temperature, seed, stop, tree_builder,
@@ -170,15 +186,15 @@ def _decode(method, target, drafter, prompt_ids, max_new_tokens, budget, tempera
     device = target.get_input_embeddings().weight.device
     prompt = _prompt_tensor(prompt_ids, device)
     dec = _Decoder.of(method, target, drafter, budget, tree_builder, cache_impl, temperature)
-    cache, draft, ops = dec.cache, dec.draft, dec.ops
+    cache, draft, rows_max = dec.cache, dec.draft, dec.rows_max
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
 
     def uniforms() -> Tensor | None:  # one uniform per row position, fixed count per round
-        return None if generator is None else torch.rand(dec.rows_max, generator=generator, device=device)
+        return None if generator is None else torch.rand(rows_max, generator=generator, device=device)
 
     clock = _Clock(device, phase_timing)
     t0 = clock.now()
-    dec.reset(prompt.numel() + max_new_tokens)
+    ops = dec.reset(prompt.numel() + max_new_tokens)
     out = cache.prefill(prompt)
     bonus_dev = target_choices(out.logits[-1:], temperature, uniforms())  # [1]
     bonus = int(bonus_dev)
@@ -277,7 +293,7 @@ class RoundOps:
     def __init__(self, method, budget, builder, cache, temperature, L, vocab, device):
         self.method, self.budget, self.cache, self.temperature = method, budget, cache, temperature
         self.builder, self.device = builder, device
-        self.num_nodes = {"ar": 0, "chain": L, "ddtree": tree_size(budget or 0, L, vocab)}[method]
+        self.num_nodes = drafted_nodes(method, budget, L, vocab)
         self.depth_limit = 0 if method == "ar" else L
         self.kind = {"ar": "root", "chain": "chain", "ddtree": "tree"}[method]
         graphs = cache.graphs

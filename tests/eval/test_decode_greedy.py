@@ -369,3 +369,17 @@ def test_hybrid_rounds_on_cuda_equal_ar_greedy_and_sync_once_per_round():
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     # the prefill (HF's forward and the first bonus token) and the timers may sync a few times; a round once
     assert len(syncs) <= res.num_rounds + 5, [str(w.message) for w in syncs[:5]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_a_prompt_that_grows_the_buffers_gets_round_graphs_of_the_new_buffers():
+    """A prompt past the KV capacity reallocates the static buffers: the round's graphs (walk compaction on the old
+    buffer) are rebuilt for the new ones, and the output still equals the dynamic-cache reference."""
+    target = tiny_target("qwen3", device="cuda")
+    drafter = random_drafter(target)
+    gen = torch.Generator().manual_seed(9)
+    short, long = prompts(1, 14)[0], torch.randint(3, 259, (2100,), generator=gen).tolist()  # capacity 2048 -> 4096
+    for prompt in (short, long):
+        ref = decode("ar", target, None, prompt, max_new_tokens=24, cache_impl="dynamic").output_ids
+        for method, budget in (("chain", None), ("ddtree", 16)):
+            assert decode(method, target, drafter, prompt, max_new_tokens=24, budget=budget).output_ids == ref
