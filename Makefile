@@ -8,7 +8,7 @@ CONFIG  ?= configs/smollm2-135m.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast plan curate regen tokenize extract extract-verify train eval report run clean
+.PHONY: setup browser demo test test-fast plan curate regen tokenize extract extract-verify train eval report run clean
 
 setup: $(STAMP)
 
@@ -24,11 +24,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
+# Headless Chromium (Debian's chromium-headless-shell) for tests/eval/test_report_html_in_browser.py, which opens
+# report.html in a real browser; installed when root with apt (CI), otherwise that one test skips and says why.
+browser:
+	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || { \
+	  [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium-headless-shell >/dev/null; } || \
+	  echo "no headless Chromium installed: the report browser test will skip"
+
 demo: setup
 	$(DRAFTER) run --config $(CONFIG) $(ARGS)
 	@echo "report: runs/$$($(PY) -c 'import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).name)' $(CONFIG))/eval/report.md"
 
-test: setup
+test: setup browser
 	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q tests $(ARGS)
 
 test-fast: setup

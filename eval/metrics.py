@@ -9,7 +9,8 @@ Every function here is pure: lists of records in, numbers out.
 
     τ per-response mean  = mean_responses( mean_rounds τ_r )        (the papers' number, make_latex_table.py)
     τ pooled             = Σ τ_r / #rounds over all responses        (long responses weigh more)
-    per-depth acceptance = P(depth k accepted | depth k reached and offered)
+    per-depth acceptance = P(depth k accepted | depth k reached and offered)   (conditional)
+                           and accepted_k / drafting rounds                  (unconditional, as vLLM reports it)
     time per output token (TPOT) = mean_responses( decode_seconds / num_new_tokens )  (prefill excluded)
     speedup              = TPOT(AR) / TPOT(method), AR measured in the same run
 """
@@ -77,24 +78,29 @@ def accepted_length_histogram(records: Iterable[ResponseRecord], max_tau: int) -
 
 
 def per_depth_acceptance(records: Iterable[ResponseRecord], max_depth: int) -> list[dict]:
-    """Conditional acceptance at draft depth k = 1..max_depth.
+    """Acceptance at draft depth k = 1..max_depth, both ways.
 
     A round with a accepted drafts (τ = a + 1) and offered depth d *reached* depth k iff a >= k-1 and d >= k
     (the walk stood at depth k-1 and a depth-k draft existed); it *accepted* depth k iff a >= k.
-    rate_k = accepted_k / reached_k (NaN when no round reached depth k).
+    rate_k = accepted_k / reached_k: conditional, P(accept k | reached k) (NaN when no round reached depth k).
+    unconditional_k = accepted_k / drafting rounds (rounds that offered depth >= 1): the share of rounds whose
+    accepted length reached k — vLLM's spec_decode_num_accepted_tokens_per_pos[k-1] / spec_decode_num_drafts.
     """
     reached = [0] * (max_depth + 1)
     accepted = [0] * (max_depth + 1)
+    rounds = 0
     for r in records:
         for tau, depth in zip(r.accept_lengths, r.draft_depths):
             a = tau - 1
+            rounds += depth >= 1
             for k in range(1, min(depth, max_depth) + 1):
                 if a >= k - 1:
                     reached[k] += 1
                     accepted[k] += a >= k
     return [
         {"depth": k, "reached": reached[k], "accepted": accepted[k],
-         "rate": accepted[k] / reached[k] if reached[k] else math.nan}
+         "rate": accepted[k] / reached[k] if reached[k] else math.nan,
+         "unconditional": accepted[k] / rounds if rounds else math.nan}
         for k in range(1, max_depth + 1)
     ]
 

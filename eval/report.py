@@ -7,7 +7,11 @@ base64 PNGs (matplotlib, Agg backend) — no external src/href, so the file can 
      "benchmarks": {name: {"path", "prompts", "read", "skipped": {reason: n}}},
      "skipped_methods": [{"method", "budget", "reason"}],
      "cells": [{"benchmark", "method", "budget", "label", **eval.metrics.summarize(...), "speedup", "ar_match",
-                "skipped", "verify_paths", "draft_paths", "graphs_captured_while_timed"}]}
+                "skipped", "verify_paths", "draft_paths", "graphs_captured_while_timed"}],
+     "verdict": verdict(...)}                     (added by write_report: the best method and the warnings)
+
+Every document opens with the verdict (best method, its speedup, τ, lossless share, responses per cell, plain
+warnings), then the tables and plots, settings last.
 
 Undefined numbers (a τ without rounds, a speedup without an AR run) are JSON null and print as "—".
 `compare_runs(eval_dirs, out)` puts two or more such reports side by side (`drafter report`).
@@ -26,6 +30,7 @@ from typing import Any, Sequence
 from pipeline.runner import atomic_write_json, atomic_write_text, read_json
 
 DASH = "—"
+REPORT_FILES = ("report.json", "report.md", "report.html")  # what write_report writes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,6 +85,79 @@ def _cell(report: dict, benchmark: str, label: str) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# The verdict: the report's first answer
+# ----------------------------------------------------------------------------------------------
+
+# A cell resting on fewer responses than this is flagged: τ and speed vary from prompt to prompt, so a handful of
+# responses gives a rough number (the demo's cells rest on 2).
+FEW_RESPONSES = 10
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def verdict(report: dict) -> dict:
+    """Which speculative method to use on this target, and how far to trust the numbers.
+
+    Per method (cell label), over benchmarks: mean speedup over AR, mean τ, and the lossless share (responses
+    whose output equals AR's at temperature 0, pooled). best = the highest mean speedup (mean τ when no speedup
+    was measured). responses = (fewest, most) responses per cell. warnings: plain sentences, one per concern —
+    speculation slower than AR, cells on fewer than FEW_RESPONSES responses, output differing from AR.
+    """
+    methods = {}
+    for label in _distinct(report, "label"):
+        if label == "ar":
+            continue
+        cells = [c for c in report["cells"] if c["label"] == label]
+        matched = [(c["ar_match"], c["responses"]) for c in cells if c.get("ar_match") is not None]
+        methods[label] = {
+            "speedup": _mean([c.get("speedup") for c in cells]),
+            "tau": _mean([c.get("tau_mean") for c in cells]),
+            "lossless": sum(m * n for m, n in matched) / sum(n for _, n in matched) if matched else None,
+        }
+    counts = [c["responses"] for c in report["cells"]]
+    out = {"best": None, "speedup": None, "tau": None, "lossless": None,
+           "responses": [min(counts), max(counts)] if counts else [0, 0], "methods": methods, "warnings": []}
+    if not methods:
+        out["warnings"].append("No speculative method was run: there is nothing to compare with AR.")
+        return out
+
+    def rank(label):
+        m = methods[label]
+        return (m["speedup"] is not None, m["speedup"] or 0.0, m["tau"] or 0.0)
+
+    best = max(methods, key=rank)
+    out.update(best=best, **methods[best])
+    if out["speedup"] is not None and out["speedup"] < 1:
+        out["warnings"].append(
+            f"Speculation does not pay off here: the best method, {best}, runs at {out['speedup']:.2f}x the speed of "
+            "plain autoregressive decoding (slower than AR).")
+    if out["responses"][0] < FEW_RESPONSES:
+        out["warnings"].append(
+            f"Cells rest on as few as {out['responses'][0]} responses (fewer than {FEW_RESPONSES}): τ and speedup vary "
+            "from prompt to prompt, so these numbers are rough; raise eval.benchmarks[].num_samples.")
+    for label, m in methods.items():
+        if m["lossless"] is not None and m["lossless"] < 1:
+            out["warnings"].append(
+                f"{label}: only {m['lossless']:.0%} of responses equal AR's output at temperature 0 — speculative "
+                "decoding is lossless, so this is a bug or a bf16 near tie (see 'same output as AR').")
+    return out
+
+
+def verdict_text(v: dict) -> str:
+    """The verdict as one sentence (the warnings are separate paragraphs)."""
+    if v["best"] is None:
+        return "No speculative method was run."
+    lossless = DASH if v["lossless"] is None else f"{v['lossless']:.0%}"
+    lo, hi = v["responses"]
+    per_cell = f"{lo}" if lo == hi else f"{lo}–{hi}"
+    return (f"Best method: {v['best']} — speedup {fmt(v['speedup'], '.2f', 'x')} over AR, τ {fmt(v['tau'])}, "
+            f"{lossless} of responses identical to AR, {per_cell} responses per cell.")
+
+
+# ----------------------------------------------------------------------------------------------
 # The tables of one run
 # ----------------------------------------------------------------------------------------------
 
@@ -121,13 +199,15 @@ def phase_table(report: dict) -> Table:
     return Table(["benchmark", "method", "draft", "tree build", "verify", "walk + commit"], rows)
 
 
-def depth_table(report: dict) -> Table:
+def depth_table(report: dict, key: str = "rate") -> Table:
+    """benchmark x method: acceptance per draft depth k. key 'rate' = P(accept k | reached k) (conditional);
+    'unconditional' = share of drafting rounds that accepted k tokens or more (vLLM's per-position rate)."""
     max_depth = max((len(c["per_depth"]) for c in report["cells"]), default=0)
     rows = []
     for c in report["cells"]:
         if c["method"] == "ar":
             continue
-        rates = [fmt(d["rate"], ".2f") for d in c["per_depth"]]
+        rates = [fmt(d.get(key), ".2f") for d in c["per_depth"]]
         rows.append([c["benchmark"], c["label"], *rates, *([DASH] * (max_depth - len(rates)))])
     return Table(["benchmark", "method", *(f"d{k}" for k in range(1, max_depth + 1))], rows)
 
@@ -176,18 +256,26 @@ def _png(fig) -> bytes:
 
 
 def _grouped_bars(groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str) -> bytes:
+    return _png(_grouped_bars_figure(groups, series, ylabel, title))
+
+
+def _grouped_bars_figure(groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str,
+                         reference: tuple[float, str] | None = None):
+    """Bars per group and series (None -> no bar); `reference` = (y, label) draws a dashed horizontal line."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(groups) * max(1, len(series)) / 2), 3.6))
     width = 0.8 / max(1, len(series))
     for i, (name, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [v if v is not None else 0.0 for v in values], width, label=name)
+    if reference is not None:
+        ax.axhline(reference[0], linestyle="--", color="black", linewidth=1, label=reference[1])
     ax.set_xticks(range(len(groups)), groups, rotation=15)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _png(fig)
+    return fig
 
 
 def plot_tau_bars(report: dict) -> bytes:
@@ -244,21 +332,41 @@ def plot_histograms(report: dict) -> bytes:
     return _png(fig)
 
 
+def plot_speedup(report: dict) -> bytes:
+    """Speedup over AR per benchmark and method; the dashed line at 1 is AR's own speed."""
+    labels = [lb for lb in _distinct(report, "label") if lb != "ar"]
+    benches = _distinct(report, "benchmark")
+    series = {lb: [(_cell(report, b, lb) or {}).get("speedup") for b in benches] for lb in labels}
+    return _png(_grouped_bars_figure(benches, series, "speedup over AR (×)", "Speedup over autoregressive decoding",
+                                     reference=(1.0, "AR")))
+
+
 def plot_per_depth(report: dict) -> bytes:
+    return _png(per_depth_figure(report))
+
+
+def per_depth_figure(report: dict):
+    """Per benchmark: acceptance at each draft depth, conditional (solid) and unconditional (dashed), one colour
+    per method; integer ticks (depths are whole numbers)."""
     benches = _distinct(report, "benchmark")
     fig, axes = _per_benchmark_axes(len(benches))
     for ax, b in zip(axes, benches):
+        depth = 0
         for c in report["cells"]:
             if c["benchmark"] != b or c["method"] == "ar":
                 continue
-            pts = [(d["depth"], d["rate"]) for d in c["per_depth"] if d["rate"] is not None]
-            ax.plot([k for k, _ in pts], [r for _, r in pts], marker="o", label=c["label"])
+            pts = [(d["depth"], d["rate"], d.get("unconditional")) for d in c["per_depth"] if d["rate"] is not None]
+            line = ax.plot([k for k, _, _ in pts], [r for _, r, _ in pts], marker="o", label=f"{c['label']} conditional")[0]
+            ax.plot([k for k, _, u in pts if u is not None], [u for _, _, u in pts if u is not None], marker="s",
+                    linestyle="--", color=line.get_color(), label=f"{c['label']} unconditional")
+            depth = max([depth, *(k for k, _, _ in pts)])
+        ax.set_xticks(range(1, depth + 1))
         ax.set_ylim(0, 1.05)
         ax.set_title(b)
         ax.set_xlabel("draft depth k")
-        ax.set_ylabel("P(accept k | reached k)")
-        ax.legend(fontsize=7)
-    return _png(fig)
+        ax.set_ylabel("acceptance")
+        ax.legend(fontsize=6)
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,17 +440,25 @@ def _notes_text(report: dict) -> str:
     return "\n".join(lines) or "none"
 
 
+def verdict_blocks(report: dict) -> list[tuple[str, Any]]:
+    v = verdict(report)
+    return [("h2", "Verdict"), ("p", verdict_text(v)), *(("p", f"Warning: {w}") for w in v["warnings"])]
+
+
 def report_blocks(report: dict) -> list[tuple[str, Any]]:
     has_spec = any(c["method"] != "ar" for c in report["cells"])
     has_tree = any(c["method"] == "ddtree" for c in report["cells"])
+    has_speedup = any(c.get("speedup") is not None for c in report["cells"] if c["method"] != "ar")
     blocks: list[tuple[str, Any]] = [
-        ("h2", "Settings"), ("pre", _settings_text(report)),
+        *verdict_blocks(report),
         ("h2", "τ per benchmark and method (speedup over AR in the same run)"), ("table", tau_table(report)),
         ("p", "τ counts the bonus token (1 ≤ τ ≤ block size); τ mean = per-response mean averaged over responses, "
               "τ pooled = all rounds together. speedup = AR time per output token ÷ method time per output token "
               "(decode after prefill)."),
-        ("h2", "All numbers per cell"), ("table", cells_table(report)),
     ]
+    if has_speedup:
+        blocks += [("png", plot_speedup(report))]
+    blocks += [("h2", "All numbers per cell"), ("table", cells_table(report))]
     if has_spec:
         blocks += [("png", plot_tau_bars(report))]
     if has_tree:
@@ -351,19 +467,25 @@ def report_blocks(report: dict) -> list[tuple[str, Any]]:
         blocks += [
             ("h2", "Accepted-length histogram (share of rounds)"), ("table", histogram_table(report)),
             ("png", plot_histograms(report)),
-            ("h2", "Per-depth conditional acceptance P(accept k | reached k)"), ("table", depth_table(report)),
+            ("h2", "Per-position acceptance"),
+            ("p", "Conditional: P(accept depth k | depth k reached) — how good the drafter is at depth k once the "
+                  "walk got there."), ("table", depth_table(report, "rate")),
+            ("p", "Unconditional: share of drafting rounds that accepted k or more tokens — what vLLM reports as "
+                  "spec_decode_num_accepted_tokens_per_pos[k-1] / spec_decode_num_drafts."),
+            ("table", depth_table(report, "unconditional")),
             ("png", plot_per_depth(report)),
         ]
     if any(c.get("phases") for c in report["cells"] if c["method"] != "ar"):  # only where phase timing was on
         blocks += [("h2", "Time split per phase (summed over rounds)"), ("table", phase_table(report))]
-    blocks += [("h2", "Skipped methods and prompts"), ("pre", _notes_text(report))]
+    blocks += [("h2", "Settings"), ("pre", _settings_text(report)),
+               ("h2", "Skipped methods and prompts"), ("pre", _notes_text(report))]
     return blocks
 
 
 def write_report(report: dict, out_dir: Path) -> str:
     """Write report.json, report.md and report.html into `out_dir` (each atomically); return the τ table."""
     out_dir = Path(out_dir)
-    report = json_ready(report)
+    report = json_ready({**report, "verdict": verdict(report)})
     title = f"DFlash eval — {report.get('run')}"
     blocks = report_blocks(report)
     atomic_write_json(out_dir / "report.json", report)

@@ -73,12 +73,12 @@ def test_report_files_are_written_with_every_number_and_a_self_contained_html(tm
     assert chain["speedup"] == pytest.approx(2.0)
     md = (tmp_path / "report.md").read_text()
     assert table in md and "| gsm8k | 3.00 (2.00x) |" in table
-    for heading in ("τ vs DDTree budget", "Accepted-length histogram", "Per-depth conditional acceptance",
+    for heading in ("τ vs DDTree budget", "Accepted-length histogram", "Per-position acceptance",
                     "Time split per phase", "skipped ddtree@64: hybrid target", "missing_question=1"):
         assert heading in md
     page = (tmp_path / "report.html").read_text()
     assert_self_contained(page)
-    assert page.count("data:image/png;base64,") == 4  # τ bars, τ vs budget, histograms, per-depth
+    assert page.count("data:image/png;base64,") == 5  # speedup, τ bars, τ vs budget, histograms, per-depth
 
 
 def test_the_time_split_includes_the_drafter_and_is_left_out_when_phases_were_not_timed(tmp_path):
