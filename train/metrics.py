@@ -165,6 +165,7 @@ class MetricsLogger:
         else:
             self.jsonl.truncate_after(resume_step)
         self.run = _wandb_init(cfg, Path(train_dir))
+        self.run_name = cfg.name
         self.t0 = time.time()
 
     def log(self, step: int, kind: str, metrics: dict) -> None:
@@ -173,6 +174,16 @@ class MetricsLogger:
         self.jsonl.write(row)
         if self.run is not None:
             self.run.log({f"{kind}/{k}": v for k, v in row.items() if k not in ("step", "kind")}, step=int(step))
+
+    def log_export(self, export_dir: Path, info: dict) -> None:
+        """The z-lab export as a W&B model artifact `<run>-drafter` (its files; `info` as metadata)."""
+        if self.run is None:
+            return
+        import wandb
+
+        artifact = wandb.Artifact(f"{self.run_name}-drafter", type="model", metadata=info)
+        artifact.add_dir(str(export_dir))
+        self.run.log_artifact(artifact)
 
     def finish(self) -> None:
         if self.run is not None:
@@ -187,7 +198,8 @@ def _plain(v):
 
 
 def _wandb_init(cfg: RunConfig, train_dir: Path):
-    """A W&B run under `<train_dir>/wandb/`; its id is kept in `wandb_id.txt` so a resumed run continues it."""
+    """A W&B run under `<train_dir>/wandb/`; its id is kept in `wandb_id.txt` so a resumed run continues it.
+    group = the run name: the train and eval runs of one pipeline run sit together."""
     w = cfg.train.wandb
     if w.mode == "disabled":
         return None
@@ -199,5 +211,6 @@ def _wandb_init(cfg: RunConfig, train_dir: Path):
     (train_dir / "wandb").mkdir(parents=True, exist_ok=True)
     return wandb.init(
         project=w.project, entity=w.entity, name=w.run_name or cfg.name, mode=w.mode, dir=str(train_dir),
-        id=run_id, resume="allow", config=to_dict(cfg), settings=wandb.Settings(quiet=True, console="off"),
+        group=cfg.name, job_type="train", id=run_id, resume="allow", config=to_dict(cfg),
+        settings=wandb.Settings(quiet=True, console="off"),
     )

@@ -227,6 +227,8 @@ class Trainer:
         if self.logger is not None:
             rows = [r for r in self.logger.jsonl.rows() if r.get("kind") == "train"]
             last_train = rows[-1] if rows else None
+            if export_info is not None:
+                self.logger.log_export(Path(export_info["path"]), export_info)
             self.logger.finish()
         plan = self.plan
         counts = {"steps": self.position["global_step"], "train_samples": int(len(plan.train_idx)),

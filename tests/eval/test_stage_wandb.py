@@ -13,8 +13,9 @@ from pipeline.config import load_config
 sys.path.insert(0, str(Path(__file__).parent))
 from test_report_files import make_report  # noqa: E402
 
-from eval.report import json_ready  # noqa: E402
+from eval.report import REPORT_FILES, json_ready, verdict_text, write_report  # noqa: E402
 from eval.stage import _log_wandb  # noqa: E402
+from tests.conftest import md5_b64, wandb_artifact_files, wandb_offline_records  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,3 +40,30 @@ def test_disabled_wandb_writes_no_run(tmp_path):
     cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}", "train.wandb.mode=disabled"])
     _log_wandb(cfg, make_report("tiny", [[2]], [[3]]), tmp_path / "eval")
     assert not (tmp_path / "eval").exists()
+
+
+def test_offline_eval_run_is_grouped_with_train_and_carries_the_report_and_its_verdict(tmp_path):
+    cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}"])  # W&B mode left at its default
+    assert cfg.train.wandb.mode == "offline"
+    report = make_report("tiny", [[3, 2, 1], [4]], [[5, 3]])
+    stage = tmp_path / "eval"
+    write_report(report, stage)
+    _log_wandb(cfg, report, stage)
+    records = wandb_offline_records(stage)
+    (run,) = [r.run for r in records if r.HasField("run")]
+    assert run.run_group == cfg.name == "tiny" and run.job_type == "eval"
+    (art,) = [r for r in records if r.HasField("artifact") and r.artifact.type == "eval-report"]
+    assert art.artifact.name == "tiny-eval-report"
+    assert wandb_artifact_files(art) == {name: md5_b64(stage / name) for name in REPORT_FILES}
+    summary = {}
+    for r in records:
+        if r.HasField("summary"):
+            summary.update({u.key: json.loads(u.value_json) for u in r.summary.update if u.key})
+    assert summary["eval/verdict"] == verdict_text(json.loads((stage / "report.json").read_text())["verdict"])
+    assert summary["eval/verdict/best"] == "ddtree@16" and summary["eval/verdict/responses_per_cell_min"] == 1
+    assert any("as few as 1 responses" in w for w in summary["eval/verdict/warnings"])
+    tables = {p.name.split("_")[0]: p for p in stage.rglob("*.table.json")}
+    per_depth = json.loads(tables["per"].read_text())
+    assert per_depth["columns"] == ["benchmark", "method", "depth", "conditional", "unconditional"]
+    images = sorted(p.name.split("_plot")[0] for p in stage.rglob("media/images/eval/*.png"))
+    assert images == ["per_depth", "speedup"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import CACHE, make_config
+from tests.conftest import CACHE, make_config, md5_b64, wandb_artifact_files, wandb_offline_records
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FAST = ["train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.save_every=3",
@@ -144,7 +144,13 @@ def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_bac
     assert [r["step"] for r in eval_rows] == [0, 3, 6]
     assert all(1.0 <= r["tau_hat"] <= B for r in eval_rows)
     assert train_rows[0]["lr"] == pytest.approx(cfg.train.lr)  # 4% warmup of 6 steps = 1 step
-    assert list((cfg.run_dir / "train" / "wandb").glob("offline-run-*/run-*.wandb"))
+    records = wandb_offline_records(cfg.run_dir / "train" / "wandb")
+    (run,) = [r.run for r in records if r.HasField("run")]
+    assert run.run_group == cfg.name and run.job_type == "train"  # beside the eval run of the same pipeline run
+    (model,) = [r for r in records if r.HasField("artifact") and r.artifact.type == "model"]
+    assert model.artifact.name == f"{cfg.name}-drafter"
+    export = cfg.run_dir / "train" / "export"
+    assert wandb_artifact_files(model) == {f.name: md5_b64(f) for f in export.iterdir() if f.is_file()}
 
     drafter, args = load_zlab(cfg.run_dir / "train" / "export")
     assert args.target_layer_ids == manifest["fingerprint"]["features"]["layer_ids"] == [1, 3, 5]
