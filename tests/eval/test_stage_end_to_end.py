@@ -86,7 +86,8 @@ def test_eval_writes_every_report_and_greedy_speculation_reproduces_ar(cfg, caps
     assert "captured while timing" not in md  # no CUDA graphs on the CPU, nothing captured late
     assert manifest["counts"]["units"] == 8 and manifest["counts"]["responses"] == 12
     html = (out / "report.html").read_text()
-    assert "href=" not in html and html.count("data:image/png;base64,") == 4
+    assert "href=" not in html and html.count("data:image/png;base64,") == 5  # + the speedup plot
+    assert (out / "report.md").read_text().split("\n## ")[1].startswith("Verdict")
     printed = capsys.readouterr().out
     assert "[eval]" in printed and "| gsm8k |" in printed and "τ chain (speedup)" in printed
     # a finished eval with the same config is a no-op that prints the table again
