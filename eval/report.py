@@ -6,7 +6,9 @@ base64 PNGs (matplotlib, Agg backend) — no external src/href, so the file can 
     {"run": str, "target": {...}, "drafter": {"path", "block_size", ...}, "settings": {...},
      "benchmarks": {name: {"path", "prompts", "read", "skipped": {reason: n}}},
      "skipped_methods": [{"method", "budget", "reason"}],
+     "overlap": eval.overlap.summarize_overlap(...) | {"note"} | None,
      "cells": [{"benchmark", "method", "budget", "label", **eval.metrics.summarize(...), "speedup", "ar_match",
+                "lossless": eval.lossless.lossless_summary(...) | None,
                 "skipped", "verify_paths", "draft_paths", "graphs_captured_while_timed"}],
      "verdict": verdict(...)}                     (added by write_report: the best method and the warnings)
 
@@ -101,10 +103,12 @@ def _mean(xs: list) -> float | None:
 def verdict(report: dict) -> dict:
     """Which speculative method to use on this target, and how far to trust the numbers.
 
-    Per method (cell label), over benchmarks: mean speedup over AR, mean τ, and the lossless share (responses
-    whose output equals AR's at temperature 0, pooled). best = the highest mean speedup (mean τ when no speedup
-    was measured). responses = (fewest, most) responses per cell. warnings: plain sentences, one per concern —
-    speculation slower than AR, cells on fewer than FEW_RESPONSES responses, output differing from AR.
+    Per method (cell label), over benchmarks: mean speedup over AR, mean τ, the lossless share (responses
+    whose output equals AR's at temperature 0, pooled) and, where the lossless check ran, the share that is identical
+    or parts from AR only at a near-tie (`eval.lossless`; anything below 100 % there is a bug). best = the highest
+    mean speedup (mean τ when no speedup was measured). responses = (fewest, most) responses per cell. warnings:
+    plain sentences, one per concern — speculation slower than AR, cells on fewer than FEW_RESPONSES responses,
+    output differing from AR (a bug, or only near-ties), eval prompts found in the training prompts.
     """
     methods = {}
     for label in _distinct(report, "label"):
@@ -112,13 +116,16 @@ def verdict(report: dict) -> dict:
             continue
         cells = [c for c in report["cells"] if c["label"] == label]
         matched = [(c["ar_match"], c["responses"]) for c in cells if c.get("ar_match") is not None]
+        near = [(c["lossless"]["identical_or_near_tie"], c["responses"]) for c in cells
+                if (c.get("lossless") or {}).get("identical_or_near_tie") is not None]
         methods[label] = {
             "speedup": _mean([c.get("speedup") for c in cells]),
             "tau": _mean([c.get("tau_mean") for c in cells]),
             "lossless": sum(m * n for m, n in matched) / sum(n for _, n in matched) if matched else None,
+            "lossless_or_near_tie": sum(m * n for m, n in near) / sum(n for _, n in near) if near else None,
         }
     counts = [c["responses"] for c in report["cells"]]
-    out = {"best": None, "speedup": None, "tau": None, "lossless": None,
+    out = {"best": None, "speedup": None, "tau": None, "lossless": None, "lossless_or_near_tie": None,
            "responses": [min(counts), max(counts)] if counts else [0, 0], "methods": methods, "warnings": []}
     if not methods:
         out["warnings"].append("No speculative method was run: there is nothing to compare with AR.")
@@ -139,10 +146,21 @@ def verdict(report: dict) -> dict:
             f"Cells rest on as few as {out['responses'][0]} responses (fewer than {FEW_RESPONSES}): τ and speedup vary "
             "from prompt to prompt, so these numbers are rough; raise eval.benchmarks[].num_samples.")
     for label, m in methods.items():
-        if m["lossless"] is not None and m["lossless"] < 1:
+        if m["lossless"] is None or m["lossless"] >= 1:
+            continue
+        if m["lossless_or_near_tie"] is None:
             out["warnings"].append(
                 f"{label}: only {m['lossless']:.0%} of responses equal AR's output at temperature 0 — speculative "
                 "decoding is lossless, so this is a bug or a bf16 near tie (see 'same output as AR').")
+        elif m["lossless_or_near_tie"] < 1:
+            out["warnings"].append(
+                f"{label}: {1 - m['lossless_or_near_tie']:.0%} of responses leave AR's output at a token that is not "
+                "a near-tie in fp32 — a bug in speculative decoding (see 'Lossless check').")
+    overlap = report.get("overlap") or {}
+    if overlap.get("exact") or overlap.get("near"):
+        out["warnings"].append(
+            f"{overlap['exact']} eval prompts have an exact and {overlap['near']} a near duplicate in the training "
+            "prompts: τ on them overstates what unseen prompts get (see 'Eval prompts in the training set').")
     return out
 
 
@@ -151,6 +169,8 @@ def verdict_text(v: dict) -> str:
     if v["best"] is None:
         return "No speculative method was run."
     lossless = DASH if v["lossless"] is None else f"{v['lossless']:.0%}"
+    if v.get("lossless_or_near_tie") is not None:
+        lossless += f" ({v['lossless_or_near_tie']:.0%} identical or parting at a near-tie)"
     lo, hi = v["responses"]
     per_cell = f"{lo}" if lo == hi else f"{lo}–{hi}"
     return (f"Best method: {v['best']} — speedup {fmt(v['speedup'], '.2f', 'x')} over AR, τ {fmt(v['tau'])}, "
@@ -182,9 +202,40 @@ def cells_table(report: dict) -> Table:
             c["benchmark"], c["label"], c["responses"], c["rounds"], c["new_tokens"],
             fmt(c["tau_mean"]), fmt(c["tau_pooled"]), fmt(c["tokens_per_second"], ".1f"),
             fmt(c.get("speedup"), ".2f", "x"), fmt(c.get("ar_match"), ".0%"),
+            fmt((c.get("lossless") or {}).get("identical_or_near_tie"), ".0%"),
         ])
     return Table(["benchmark", "method", "responses", "rounds", "new tokens", "τ mean", "τ pooled",
-                  "tok/s", "speedup", "same output as AR"], rows)
+                  "tok/s", "speedup", "same output as AR", "same or near-tie"], rows)
+
+
+def lossless_table(report: dict) -> Table:
+    """Per speculative cell: responses that differ from AR, how many part at a near-tie, the largest near-tie gap,
+    and the first non-tie divergence (a bug) if any."""
+    rows = []
+    for c in report["cells"]:
+        s = c.get("lossless")
+        if not s:
+            continue
+        ex = s["not_near_tie_examples"][0] if s["not_near_tie_examples"] else None
+        rows.append([c["benchmark"], c["label"], c["responses"], s["divergences"], s["divergences"] - s["not_near_tie"],
+                     fmt(s["max_near_tie_gap"], ".3f"), s["not_near_tie"],
+                     DASH if ex is None else f"{ex['prompt_id']} turn {ex['turn']} @ {ex['position']} "
+                                             f"(gap {fmt(ex['gap'], '.2f')})"])
+    return Table(["benchmark", "method", "responses", "differ from AR", "near-tie", "largest near-tie gap",
+                  "not a near-tie", "first non-tie"], rows)
+
+
+def overlap_text(report: dict) -> str:
+    o = report.get("overlap")
+    if not o:
+        return "not checked (eval.overlap_check is off)"
+    if o.get("note"):
+        return o["note"]
+    lines = [f"{o['eval_prompts']} eval prompts against {o['against']} ({o['train_conversations']} conversations): "
+             f"{o['exact']} exact, {o['near']} near duplicates (containment of the prompt's word 3-grams >= "
+             f"{o['threshold']:.0%})"]
+    lines += [f"  {e['eval_id']} in {e['train_id']}: {e['containment']:.0%} ({e['kind']})" for e in o["examples"]]
+    return "\n".join(lines)
 
 
 def phase_table(report: dict) -> Table:
@@ -477,6 +528,14 @@ def report_blocks(report: dict) -> list[tuple[str, Any]]:
         ]
     if any(c.get("phases") for c in report["cells"] if c["method"] != "ar"):  # only where phase timing was on
         blocks += [("h2", "Time split per phase (summed over rounds)"), ("table", phase_table(report))]
+    if any(c.get("lossless") for c in report["cells"]):
+        blocks += [("h2", "Lossless check"),
+                   ("p", "Each response that differs from AR's is compared at its first differing token with the "
+                         "target's fp32 logits: a gap of at most 0.5 logits between the two chosen tokens is a near-tie "
+                         "(bf16 rounding picked one of two equally good tokens); a larger gap is a bug."),
+                   ("table", lossless_table(report))]
+    if "overlap" in report:
+        blocks += [("h2", "Eval prompts in the training set"), ("pre", overlap_text(report))]
     blocks += [("h2", "Settings"), ("pre", _settings_text(report)),
                ("h2", "Skipped methods and prompts"), ("pre", _notes_text(report))]
     return blocks

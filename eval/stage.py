@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from eval.target_cache import tree_unsupported_reason
+from eval.lossless import classify, fp32_logits_at, lossless_summary
 from eval.metrics import PHASES, ResponseRecord, speedup, summarize
-from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, load_benchmark
+from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
+from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, format_content, load_benchmark
 from eval.report import (REPORT_FILES, cell_label, json_ready, plot_per_depth, plot_speedup, tau_table, verdict,
                          verdict_text, write_report)
 from extract.layers import validate_layer_ids
@@ -276,8 +278,10 @@ def read_unit(stage: StageDir, unit: Unit) -> list[ResponseRecord]:
     return [ResponseRecord.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_size: int, header: dict) -> dict:
-    """Aggregate the unit shards into report.json's dict (every cell's numbers, see eval.report)."""
+def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_size: int, header: dict,
+                 lossless: dict[str, dict] | None = None) -> dict:
+    """Aggregate the unit shards into report.json's dict (every cell's numbers, see eval.report).
+    lossless: unit name -> `eval.lossless.lossless_summary` (from `check_lossless`)."""
     by_unit = {u: read_unit(stage, u) for u in units}
     sidecars = stage.done_units()
     cells = []
@@ -291,12 +295,93 @@ def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_si
             ar_out = {(r.prompt_id, r.turn): r.output_ids for r in ar}
             matched = [ar_out.get((r.prompt_id, r.turn)) == r.output_ids for r in recs]
             cell["ar_match"] = sum(matched) / len(matched) if matched else None
+        cell["lossless"] = (lossless or {}).get(u.name)
         cell["skipped"] = sidecars[u.name].get("skipped", {})
         cell["verify_paths"] = sidecars[u.name].get("verify_paths", [])  # the verify forward the timings come from
         cell["draft_paths"] = sidecars[u.name].get("draft_paths", [])  # and the drafter's forward
         cell["graphs_captured_while_timed"] = sidecars[u.name].get("graphs_captured_while_timed", 0)
         cells.append(cell)
     return {**header, "cells": cells}
+
+
+def check_overlap(cfg: RunConfig, benchmarks: dict[str, LoadedBenchmark]) -> dict | None:
+    """report.json's `overlap`: eval prompts whose content this run's curated training prompts contain
+    (`eval.overlap`); None when the check is off, a note when this run has no curated training split."""
+    if not cfg.eval.overlap_check:
+        return None
+    curate = StageDir(cfg.run_dir, "curate")
+    shards = sorted(curate.shards.glob("train-*.parquet")) if curate.shards.is_dir() else []
+    if not shards:
+        return {"against": None, "note": f"not checked: no curated training split in {curate.path}"}
+    sets = {p.id: eval_shingles(format_content(b.name, t) for t in p.turns)
+            for b in benchmarks.values() for p in b.prompts}
+    hits = find_overlap(sets, training_prompts(shards))
+    train_rows = curate.manifest().get("counts", {}).get("train") if curate.is_complete() else None
+    out = summarize_overlap(hits, eval_prompts=len(sets), train_conversations=train_rows,
+                            against=f"{curate.shards}/train-*.parquet")
+    if out["exact"] or out["near"]:
+        log.warning("eval prompts found in the training prompts: %d exact, %d near duplicates (e.g. %s)",
+                    out["exact"], out["near"], out["examples"][0]["eval_id"])
+    return out
+
+
+def check_lossless(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: dict[str, LoadedBenchmark],
+                   tokenizer, location: str) -> dict[str, dict] | None:
+    """unit name -> `eval.lossless.lossless_summary` of its responses against AR's, at temperature 0.
+
+    Per prompt the first turn that differs from AR's is classified (`eval.lossless.classify`, fp32 logits of the
+    target at the divergence); later turns of that prompt follow a different history and are not compared. The
+    fp32 target is loaded only when some response differs."""
+    e = cfg.eval
+    if not e.lossless_check or e.temperature != 0:
+        return None
+    by_unit = {u: read_unit(stage, u) for u in units}
+    todo: dict[str, list[tuple[ResponseRecord, ResponseRecord]]] = {}
+    for u, recs in by_unit.items():
+        ar = by_unit.get(Unit(u.benchmark, "ar"))
+        if ar is None or u.method == "ar":
+            continue
+        ar_by = {(r.prompt_id, r.turn): r for r in ar}
+        first: dict[str, tuple[ResponseRecord, ResponseRecord]] = {}
+        for r in sorted(recs, key=lambda r: r.turn):
+            a = ar_by.get((r.prompt_id, r.turn))
+            if a is not None and a.output_ids != r.output_ids and r.prompt_id not in first:
+                first[r.prompt_id] = (a, r)
+        todo[u.name] = list(first.values())
+    if not any(todo.values()):
+        return {u.name: lossless_summary(len(recs), []) for u, recs in by_unit.items() if u.name in todo}
+    import torch
+
+    target = load_target(location, replace(cfg.target, dtype="float32")).eval()
+    logits_at = fp32_logits_at(target)
+    prompts = {p.id: p for b in benchmarks.values() for p in b.prompts}
+    out = {}
+    with torch.inference_mode():
+        for u, recs in by_unit.items():
+            if u.name not in todo:
+                continue
+            found = []
+            for a, r in todo[u.name]:
+                messages = []
+                for turn, user in enumerate(prompts[r.prompt_id].turns[: r.turn + 1]):
+                    messages.append({"role": "user", "content": user})
+                    if turn < r.turn:  # earlier turns are identical to AR's: the same history
+                        messages.append({"role": "assistant",
+                                         "content": tokenizer.decode(_earlier_output(by_unit, u, r, turn),
+                                                                     skip_special_tokens=True)})
+                ids = chat_prompt_ids(tokenizer, messages, enable_thinking=cfg.target.enable_thinking)
+                found.append(classify(r.prompt_id, r.turn, ids, a.output_ids, r.output_ids, logits_at))
+            out[u.name] = lossless_summary(len(recs), found)
+            bad = out[u.name]["not_near_tie"]
+            if bad:
+                log.warning("%s: %d responses leave AR's output at a token that is not a near-tie (a bug): e.g. %s",
+                            u.name, bad, out[u.name]["not_near_tie_examples"][0])
+    del target
+    return out
+
+
+def _earlier_output(by_unit: dict, unit: Unit, r: ResponseRecord, turn: int) -> list[int]:
+    return next(x.output_ids for x in by_unit[unit] if x.prompt_id == r.prompt_id and x.turn == turn)
 
 
 def _log_wandb(cfg: RunConfig, report: dict, stage_path: Path) -> None:
@@ -416,7 +501,9 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
                            "examples": b.examples} for n, b in benchmarks.items()},
         "skipped_methods": skipped_methods,
     }
-    report = build_report(cfg, stage, units, block_size=block_size, header=header)
+    header["overlap"] = check_overlap(cfg, benchmarks)
+    lossless = check_lossless(cfg, stage, units, benchmarks, tokenizer, location)
+    report = build_report(cfg, stage, units, block_size=block_size, header=header, lossless=lossless)
     table = write_report(report, stage.path)
     _log_wandb(cfg, report, stage.path)
     counts: dict[str, int] = {"units": len(units), "responses": sum(c["responses"] for c in report["cells"]),

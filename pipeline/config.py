@@ -363,6 +363,13 @@ class EvalConfig:
         "synchronize at phase boundaries to split decode time into draft/tree build/verify/walk (costs a little "
         "speed on GPU; false for pure speed numbers, the report then has no split)", True
     )
+    lossless_check: bool = doc(
+        "at temperature 0, classify every response that differs from AR's at its first divergence with the "
+        "target's fp32 logits (near-tie or not; loads an fp32 copy of the target after decoding)", True
+    )
+    overlap_check: bool = doc(
+        "report eval prompts that this run's curated training prompts contain (exact or near duplicates)", True
+    )
 
     def validate(self, key: str) -> None:
         names = [b.name for b in self.benchmarks]

@@ -214,3 +214,71 @@ def test_split_ranks_share_the_units_and_the_last_rank_writes_the_report(tmp_pat
     assert manifest["num_units"] == 2 and manifest["counts"]["responses"] == 2
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
     assert report["cells"][1]["label"] == "chain" and report["cells"][1]["speedup"] > 0
+
+
+def plant_curated_training_prompts(cfg, conversations: list[list[str]]) -> None:
+    """A curate stage whose training split holds `conversations` (user turns, each answered; next to filler) — as
+    if the eval sets had leaked in."""
+    from pipeline.regen.stage import write_conversations
+
+    stage = StageDir(cfg.run_dir, "curate")
+    filler = [["Name three colours of the rainbow."], ["Sort this list: 3, 1, 2."]]
+    rows = [{"id": f"leak/{i}", "source": "leak", "metadata": "{}",
+             "messages": [m for u in users for m in ({"role": "user", "content": u}, {"role": "assistant", "content": "x"})]}
+            for i, users in enumerate([*conversations, *filler])]
+    write_conversations(stage.shards / "train-00000.parquet", rows)
+    stage.write_manifest(config_hash="planted", fingerprint={}, counts={"train": len(rows)}, started=time.time())
+
+
+def test_report_has_the_lossless_check_and_names_eval_prompts_found_in_the_training_set(cfg):
+    gsm8k = json.loads((REPO / "data/prompts/gsm8k_test_100.jsonl").read_text().splitlines()[0])["question"]
+    mt = json.loads((REPO / "data/prompts/mt_bench.jsonl").read_text().splitlines()[0])["turns"]
+    plant_curated_training_prompts(cfg, [[f"Please help: {gsm8k}"], mt])
+    run_eval(cfg)
+    report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
+    o = report["overlap"]
+    assert o["exact"] == 2 and o["near"] == 0
+    assert {e["eval_id"] for e in o["examples"]} == {"gsm8k/0", "mt_bench/81"}
+    assert any("exact" in w and "training prompts" in w for w in report["verdict"]["warnings"])
+    for c in report["cells"]:
+        if c["method"] == "ar":
+            assert c["lossless"] is None
+        else:  # fp32 on the CPU: identical, so nothing to classify
+            assert c["lossless"]["identical"] == 1.0 and c["lossless"]["identical_or_near_tie"] == 1.0
+    md = (cfg.run_dir / "eval" / "report.md").read_text()
+    assert "## Lossless check" in md and "## Eval prompts in the training set" in md and "gsm8k/0 in leak/0" in md
+
+
+def test_lossless_check_flags_a_response_that_leaves_ar_at_a_non_tie(cfg):
+    """The stage's check rebuilds each response's prompt ids (turn 2 after the shared turn-1 answer) and finds a
+    planted divergence to the target's least likely token, at turn 1 of a two-turn prompt."""
+    from eval.stage import Unit, check_lossless, plan_units, read_unit
+    from eval.prompts import load_benchmark
+    from pipeline.target import load_target as load
+
+    run_eval(cfg)
+    stage = StageDir(cfg.run_dir, "eval")
+    units, _ = plan_units(cfg, None)
+    chain = Unit("mt_bench", "chain")
+    recs = read_unit(stage, chain)
+    victim = next(r for r in recs if r.turn == 1)
+    benchmarks = {b.name: load_benchmark(b) for b in cfg.eval.benchmarks}
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tok = load_tokenizer(location, cfg.target)
+    first = next(r for r in recs if r.turn == 0)
+    messages = [{"role": "user", "content": benchmarks["mt_bench"].prompts[0].turns[0]},
+                {"role": "assistant", "content": tok.decode(first.output_ids, skip_special_tokens=True)},
+                {"role": "user", "content": benchmarks["mt_bench"].prompts[0].turns[1]}]
+    ids = chat_prompt_ids(tok, messages, enable_thinking=False)
+    target = load(location, cfg.target)
+    with torch.no_grad():
+        worst = int(target(input_ids=torch.tensor([ids + victim.output_ids[:3]])).logits[0, -1].argmin())
+    victim.output_ids[3] = worst
+    path = stage.shard_path(chain.name, "jsonl")
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in recs))
+    result = check_lossless(cfg, stage, units, benchmarks, tok, location)
+    s = result[chain.name]
+    assert s["divergences"] == 1 and s["not_near_tie"] == 1 and s["identical_or_near_tie"] == 0.5
+    ex = s["not_near_tie_examples"][0]
+    assert (ex["prompt_id"], ex["turn"], ex["position"], ex["method_token"]) == ("mt_bench/81", 1, 3, worst)
+    assert result[Unit("gsm8k", "chain").name]["divergences"] == 0
