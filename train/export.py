@@ -70,19 +70,59 @@ def zlab_config(args: DrafterArgs, dtype: torch.dtype) -> dict:
 
 
 def serving_readme(args: DrafterArgs) -> str:
-    k = args.block_size - 1
-    return (
-        "# DFlash drafter\n\n"
-        f"Block size {args.block_size}: {k} speculative tokens per round. Target layers "
-        f"{list(args.target_layer_ids)} (output of decoder layer l), mask token id {args.mask_token_id}.\n"
-        "The drafter shares the target's embedding and LM head (not stored here).\n\n"
-        "vLLM:\n\n"
+    """README.md of an export: how vLLM and SGLang serve it, and the caveats that silently cost acceptance.
+
+    Checked against vLLM 0.32 (tests/train/test_export_serves_in_vllm.py serves exports with it) and SGLang's
+    DFLASH worker: vLLM counts `num_speculative_tokens` WITHOUT the bonus slot (B-1), SGLang's
+    `--speculative-num-draft-tokens` is the whole block (B).
+    """
+    B, k = args.block_size, args.block_size - 1
+    kinds = sorted(set(args.layer_types))
+    mixed = len(kinds) == 2
+    layers = ", ".join(f"{args.layer_types.count(t)} x {t}" for t in kinds)
+    window = f" (window {args.sliding_window})" if SLIDING in kinds else ""
+    lines = [
+        "# DFlash drafter",
+        "",
+        f"Block size B = {B}: each round drafts B-1 = {k} tokens after the last accepted one. Layers: {layers}{window}.",
+        f"Target layers {list(args.target_layer_ids)} (output of decoder layer l; the engines add the +1 of their "
+        f"own hidden-state numbering themselves). Mask token id {args.mask_token_id} (a row of the target "
+        "embedding). The drafter has no embedding or LM head: it uses the target's, so serve it with the target "
+        "it was trained on.",
+        "",
+        "Attention as trained (docs/drafter.md): full-attention layers see the whole block (bidirectional), "
+        "sliding-window layers are causal within the window over absolute positions. vLLM runs both exactly so.",
+        "",
+        "## vLLM (>= 0.32)",
+        "",
         f"    vllm serve <target> --speculative-config '{{\"method\": \"dflash\", \"model\": \"<this dir>\", "
-        f"\"num_speculative_tokens\": {k}}}'\n\n"
-        "SGLang:\n\n"
+        f"\"num_speculative_tokens\": {k}}}'",
+        "",
+        f"- `num_speculative_tokens` is B-1 = {k}: vLLM adds the bonus slot itself (B queries per round).",
+        "- The drafter's full-attention layers need an attention backend with non-causal support (FlashAttention, "
+        "FlashInfer); vLLM refuses one without it.",
+        "- Drafters that mix sliding-window and full-attention layers (the Qwen3.6 layout) need vLLM's V2 model "
+        "runner: the default where Triton is available (GPUs), forced with `VLLM_USE_V2_MODEL_RUNNER=1`. The V1 "
+        "runner refuses them (\"Model Runner V1 does not support: mixed sliding/full dflash drafts\"), and so does "
+        "the CPU build, which has no Triton. " + ("This drafter mixes them." if mixed else "This drafter does not."),
+        "- Acceptance per position: `vllm:spec_decode_num_accepted_tokens_per_pos[k-1] / "
+        "vllm:spec_decode_num_drafts` is the eval report's unconditional acceptance at depth k.",
+        "",
+        "## SGLang",
+        "",
         "    python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path <this dir> --speculative-num-draft-tokens {args.block_size}\n"
-    )
+        f"--speculative-draft-model-path <this dir> --speculative-num-draft-tokens {B}",
+        "",
+        f"- `--speculative-num-draft-tokens` is the whole block, B = {B} (it counts the current token), not B-1.",
+        "- SGLang reads the mask token from `dflash_config.mask_token_id`; releases that only know "
+        "`dflash_config.mask_token` (a string, default `<|MASK|>`) add that token to the tokenizer instead and "
+        "draft with another row: use a release that reads `mask_token_id`.",
+        "- Hybrid targets (Gated-DeltaNet / Mamba layers, e.g. Qwen3.5 / Qwen3.6): with the radix cache on, "
+        "speculative decoding is refused under the default `--mamba-scheduler-strategy no_buffer`; add "
+        "`--mamba-scheduler-strategy extra_buffer` (with `SGLANG_ENABLE_SPEC_V2=1`), or `--disable-radix-cache`.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def export_zlab(drafter: DFlashDrafter, args: DrafterArgs, out_dir: str | Path, dtype: Optional[torch.dtype] = None) -> Path:

@@ -121,3 +121,15 @@ def test_loading_refuses_weights_that_do_not_match_the_config(tmp_path):
         load_zlab(out)
     with pytest.raises(FileNotFoundError):
         load_zlab(tmp_path / "missing" / "dir")
+
+
+def test_export_readme_says_how_each_engine_counts_the_block_and_the_mixed_layout_caveat(tmp_path):
+    mixed = make_args(block_size=16)  # [S, S, F]
+    text = (export_zlab(trained_like(mixed), mixed, tmp_path / "mixed") / "README.md").read_text()
+    assert '"method": "dflash"' in text and '"num_speculative_tokens": 15' in text  # vLLM: B-1
+    assert "--speculative-algorithm DFLASH" in text and "--speculative-num-draft-tokens 16" in text  # SGLang: B
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in text and "This drafter mixes them." in text
+    assert "--mamba-scheduler-strategy extra_buffer" in text and "mask_token_id" in text
+    full = make_args(layer_types=None, sliding_window=None)
+    text = (export_zlab(trained_like(full), full, tmp_path / "full") / "README.md").read_text()
+    assert "This drafter does not." in text and '"num_speculative_tokens": 7' in text
