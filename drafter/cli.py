@@ -63,19 +63,70 @@ def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo
     return manifest
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", help="run config YAML (configs/*.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+# command -> (what it does, an example). `drafter <command> --help` shows both; `drafter --help` the first.
+COMMANDS = {
+    "plan": ("estimate samples, tokens, feature storage and GPU-hours of a run before anything runs (writes nothing)",
+             "drafter plan --config configs/qwen3.6-27b.yaml curate.total=200000"),
+    "curate": ("read, adapt, clean, dedup and mix the prompt sources into train/eval parquet shards",
+               "drafter curate --config configs/tiny.yaml curate.total=200"),
+    "regen": ("let the target write every assistant turn (hf or vllm backend), then tokenize",
+              "drafter regen --config configs/smollm2-135m.yaml regen.max_samples=64"),
+    "tokenize": ("apply the target's chat template: input_ids and an assistant-only loss mask",
+                 "drafter tokenize --config configs/tiny.yaml"),
+    "extract": ("store the target's hidden states at the tapped layers; --verify compares them with a fresh HF "
+                "forward", "drafter extract --config configs/tiny.yaml extract.storage_dtype=fp8"),
+    "train": ("train the DFlash drafter and export it in the z-lab layout that vLLM and SGLang serve",
+              "drafter train --config configs/tiny.yaml train.lr=3e-4 train.max_steps=100"),
+    "eval": ("decode benchmark prompts with AR, chain and DDTree: τ, per-position acceptance, speedup, report",
+             "drafter eval --config configs/tiny.yaml eval.budgets=16"),
+    "run": ("every stage in order (each is a no-op when already complete)",
+            "drafter run --config configs/smollm2-135m.yaml"),
+    "report": ("compare two or more eval runs side by side", "drafter report runs/a/eval runs/b/eval --out runs/cmp"),
+    "config-reference": ("print every config key with its default and doc (docs/config.md holds the same)",
+                         "drafter config-reference --markdown"),
+}
+CONFIG_KEYS = "every config key, its default and doc: drafter config-reference (or docs/config.md)"
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dflash-pipeline")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _config_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    p.add_argument("--config", "-c", required=required, help="run config YAML (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, anywhere on the line: train.lr=3e-4 "
+                                                "eval.budgets=16 (a single value for a list key is a one-item list)")
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="redo a finished stage (wipes its directory)")
     p.add_argument("--rank", type=int, default=None, help="this worker's rank (default: torchrun/SLURM env)")
     p.add_argument("--world-size", type=int, default=None, help="number of workers (default: torchrun/SLURM env)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="drafter", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("plan", *STAGES, "run"):
-        _common(sub.add_parser(name, help=f"{name} stage" if name in STAGES else name))
+    parser = argparse.ArgumentParser(
+        prog="drafter", description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"`drafter <command> --help` shows a command's options and an example;\n{CONFIG_KEYS}.")
+    parser.add_argument("--version", action="version", version=f"drafter {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="<command>")
+
+    def command(name: str) -> argparse.ArgumentParser:
+        text, example = COMMANDS[name]
+        return sub.add_parser(name, help=text, description=text, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=f"example:\n  {example}\n\n{CONFIG_KEYS}.")
+
+    _config_args(command("plan"), required=True)
+    for name in (*STAGES, "run"):
+        p = command(name)
+        _config_args(p)
+        _run_args(p)
     for split_stage in ("regen", "extract", "eval"):
         sub.choices[split_stage].add_argument(
             "--merge", action="store_true", help="after a split run (--world-size > 1): check every unit is done, write the manifest")
@@ -87,16 +138,29 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "(size, header, sha256) and rebuild the index + manifest")
     ext.add_argument("--against", choices=["hf", "vllm", "stored"], default="stored",
                      help="with --verify: what to compare with HF ('stored' = the finished extraction)")
-    rep = sub.add_parser("report", help="compare two or more eval runs side by side")
+    rep = command("report")
     rep.add_argument("eval_dirs", nargs="+", help="runs/<name>/eval directories")
     rep.add_argument("--out", required=True, help="output directory for the comparison report")
-    ref = sub.add_parser("config-reference", help="print every config key with its default and doc")
+    ref = command("config-reference")
     ref.add_argument("--markdown", action="store_true", help="as the markdown table of docs/config.md")
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags and dotted overrides in any order (`train --config C a=1 --force b=2`): argparse stops collecting a
+    positional list at the first flag, so overrides after a flag come back unrecognised and are appended here."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    later = [r for r in rest if "=" in r and not r.startswith("-")]
+    if len(later) < len(rest) or (later and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(r for r in rest if r not in later) or ' '.join(later)}")
+    if later:
+        args.overrides = [*args.overrides, *later]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return _dispatch(args)
     except (ConfigError, StageError) as e:
@@ -156,12 +220,12 @@ def _dispatch(args) -> int:
         print(compare_runs(args.eval_dirs, args.out))
         return 0
     cfg = load_config(args.config, args.overrides)
-    ranks = rank_from_env(args.rank, args.world_size)
     if args.command == "plan":
         from drafter.plan import estimate, format_plan
 
         print(format_plan(cfg, estimate(cfg)))
         return 0
+    ranks = rank_from_env(args.rank, args.world_size)
     if args.command == "extract" and args.verify:
         from extract.verify import run_verify
 

@@ -1,5 +1,6 @@
 """`drafter plan`: what a run will cost before it starts — samples, tokens, feature bytes per token,
 storage, and rough GPU-hours per stage — from the config alone (no hub access needed for known targets).
+It writes nothing: random targets are described in memory, local sources are counted, not curated.
 """
 
 from __future__ import annotations
@@ -37,12 +38,19 @@ MFU = {"regen": 0.05, "extract": 0.5, "train": 0.45}  # decode is bandwidth-boun
 
 
 def target_shape(cfg: RunConfig) -> TargetShape:
-    """The target's shape: from KNOWN_TARGETS, else from its config (local dir, random target or HF cache)."""
+    """The target's shape: from KNOWN_TARGETS, else from its config — built in memory for a random target, read
+    from the local dir or the hub (HF cache) otherwise; only a GGUF target is dequantized into the cache first."""
     if cfg.target.model in KNOWN_TARGETS:
         return KNOWN_TARGETS[cfg.target.model]
-    from pipeline.target import open_target
+    from pipeline.target import hf_config, open_target, random_target_config, text_config
 
-    c = open_target(cfg.target, cfg.cache_dir).text
+    model = cfg.target.model
+    if model.startswith("random:"):
+        c = text_config(random_target_config(model[len("random:"):], dict(cfg.target.random_init)))
+    elif model.startswith(("gguf:", "pkg:")):
+        c = open_target(cfg.target, cfg.cache_dir).text
+    else:
+        c = text_config(hf_config(model, cfg.target))
     d, L, V, inter = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
     params = L * (4 * d * d + 3 * d * inter) + 2 * V * d
     return TargetShape(L, d, inter, V, float(params))
@@ -78,7 +86,14 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
 
     shape = target_shape(cfg)
     taps = stored_taps(cfg, shape)
-    samples = cfg.curate.total or _curated_count(cfg) or 0
+    samples, samples_from = cfg.curate.total, "curate.total"
+    if samples is None:
+        samples, samples_from = _curated_count(cfg), "the finished curate stage"
+    if samples is None:
+        samples, uncounted = source_records(cfg)
+        samples = max(samples - cfg.curate.eval_size, 0)
+        samples_from = "the sources' records (curate.total unset; before cleaning and dedup)" + (
+            f"; hub sources not counted: {', '.join(uncounted)}" if uncounted else "")
     if cfg.regen.max_samples is not None:
         samples = min(samples, cfg.regen.max_samples)
     if cfg.regen.backend != "none":
@@ -103,6 +118,7 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
     hours = lambda flops, stage: flops / (H200_BF16_FLOPS * MFU[stage]) / 3600  # noqa: E731
     return {
         "samples": int(samples),
+        "samples_from": samples_from if not measured else "the finished tokenize stage",
         "mean_tokens_per_sample": round(mean_tokens, 1),
         "total_tokens": int(total_tokens),
         "taps": taps,
@@ -116,6 +132,19 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
             "train": hours(train_flops, "train"),
         },
     }
+
+
+def source_records(cfg: RunConfig) -> tuple[int, list[str]]:
+    """Raw records in the local curate sources of weight > 0 (each capped by its max_samples; counted as curate
+    reads them, nothing parsed or written) and the names of the hub sources, which are not counted offline."""
+    from dataclasses import replace
+
+    from pipeline.curate.sources import is_local, plan_chunks
+
+    used = [s for s in cfg.curate.sources if s.weight > 0]
+    local = [s for s in used if is_local(s.path)]
+    chunks = plan_chunks(replace(cfg.curate, sources=local)) if local else []
+    return sum(c.count for c in chunks), [s.name for s in used if not is_local(s.path)]
 
 
 def _curated_count(cfg: RunConfig) -> int | None:
@@ -138,7 +167,7 @@ def format_plan(cfg: RunConfig, est: dict) -> str:
     g = est["gpu_hours"]
     lines = [
         f"plan for run '{cfg.name}' (target {cfg.target.model})",
-        f"  samples                 {est['samples']:,}",
+        f"  samples                 {est['samples']:,} (from {est['samples_from']})",
         f"  mean tokens / sample    {est['mean_tokens_per_sample']:,.0f}",
         f"  total tokens            {est['total_tokens']:,}",
         f"  features / token        {est['taps']} taps x {est['hidden_size']} x {cfg.extract.storage_dtype}"

@@ -455,7 +455,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+            if isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+            value = [value]  # one value for a list key is a one-item list: eval.budgets=16 -> [16]
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict or tp is dict:

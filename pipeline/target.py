@@ -163,6 +163,21 @@ def build_byte_tokenizer():
     return fast
 
 
+def random_target_config(model_type: str, overrides: dict, tokenizer=None):
+    """The HF config of a 'random:<model_type>' target (RANDOM_DEFAULTS + `target.random_init`), built in memory:
+    what `materialize_target` saves, and what `drafter plan` reads without writing anything."""
+    from transformers import AutoConfig
+
+    if model_type not in RANDOM_DEFAULTS:
+        raise ValueError(f"target.model: 'random:{model_type}' unknown; known: {sorted(RANDOM_DEFAULTS)}")
+    tok = tokenizer or build_byte_tokenizer()
+    kwargs = {**RANDOM_DEFAULTS[model_type], "vocab_size": 320, **overrides}
+    kwargs.setdefault("bos_token_id", tok.bos_token_id)
+    kwargs.setdefault("eos_token_id", tok.eos_token_id)
+    kwargs.setdefault("pad_token_id", tok.pad_token_id)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
 def _random_target(model_type: str, overrides: dict, seed: int, out: Path) -> Path:
     if (out / "config.json").exists():
         return out
@@ -170,16 +185,10 @@ def _random_target(model_type: str, overrides: dict, seed: int, out: Path) -> Pa
         if (out / "config.json").exists():
             return out
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        if model_type not in RANDOM_DEFAULTS:
-            raise ValueError(f"target.model: 'random:{model_type}' unknown; known: {sorted(RANDOM_DEFAULTS)}")
         tok = build_byte_tokenizer()
-        kwargs = {**RANDOM_DEFAULTS[model_type], "vocab_size": 320, **overrides}
-        kwargs.setdefault("bos_token_id", tok.bos_token_id)
-        kwargs.setdefault("eos_token_id", tok.eos_token_id)
-        kwargs.setdefault("pad_token_id", tok.pad_token_id)
-        config = AutoConfig.for_model(model_type, **kwargs)
+        config = random_target_config(model_type, overrides, tok)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _spread_random_weights(model)
