@@ -90,8 +90,9 @@ def serving_readme(args: DrafterArgs) -> str:
         "embedding). The drafter has no embedding or LM head: it uses the target's, so serve it with the target "
         "it was trained on.",
         "",
-        "Attention as trained (docs/drafter.md): full-attention layers see the whole block (bidirectional), "
-        "sliding-window layers are causal within the window over absolute positions. vLLM runs both exactly so.",
+        "Attention as trained (docs/drafter.md, \"Sliding-window layers\"): full-attention layers see the whole "
+        "block (bidirectional), sliding-window layers are causal within the window over absolute positions. vLLM "
+        "runs both exactly so (tests/train/test_export_serves_in_vllm.py).",
         "",
         "## vLLM (>= 0.32)",
         "",
