@@ -118,9 +118,11 @@ def serving_readme(args: DrafterArgs) -> str:
         "- SGLang reads the mask token from `dflash_config.mask_token_id`; releases that only know "
         "`dflash_config.mask_token` (a string, default `<|MASK|>`) add that token to the tokenizer instead and "
         "draft with another row: use a release that reads `mask_token_id`.",
-        "- Hybrid targets (Gated-DeltaNet / Mamba layers, e.g. Qwen3.5 / Qwen3.6): with the radix cache on, "
-        "speculative decoding is refused under the default `--mamba-scheduler-strategy no_buffer`; add "
-        "`--mamba-scheduler-strategy extra_buffer` (with `SGLANG_ENABLE_SPEC_V2=1`), or `--disable-radix-cache`.",
+        "- Hybrid targets (Gated-DeltaNet / Mamba layers, e.g. Qwen3.5 / Qwen3.6): the default "
+        "`--mamba-scheduler-strategy no_buffer` does not combine speculative decoding with the radix (prefix) "
+        "cache — depending on the release SGLang disables the cache with a warning or refuses to start. "
+        "`--mamba-scheduler-strategy extra_buffer` (CUDA; plus `SGLANG_ENABLE_SPEC_V2=1` where the release asks for "
+        f"it) keeps both; it needs `--mamba-track-interval` >= the draft tokens ({B}).",
         "",
     ]
     return "\n".join(lines)
