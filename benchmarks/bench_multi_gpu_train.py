@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
-from benchmarks.bench_train import SHAPES, features_fn, make_args, make_drafter, make_micro_batches, step_flops  # noqa: E402
+from benchmarks.bench_train import SHAPES, device_features_fn, make_args, make_drafter, make_micro_batches, step_flops  # noqa: E402
 
 
 def run(a) -> dict | None:
@@ -61,7 +61,7 @@ def run(a) -> dict | None:
     per_row = min(a.per_row or (4 if gpu else 1), seqs)  # 4 x 3072 = the qwen3-8b config's micro_batch_tokens
     args = make_args(shape)
     mbs = make_micro_batches(shape, seqs, per_row, seed=dist.rank)  # each rank its own data
-    features_of = features_fn(args, device, dtype)
+    features_of = device_features_fn(args, device, dtype)
     train_cfg = TrainConfig(zero_stage=a.zero_stage, precision="bf16" if gpu else "fp32", grad_accum=len(mbs),
                        ce_chunk_tokens=a.ce_chunk, lr=6e-4)
     drafter = make_drafter(args, device, dtype)

@@ -1,16 +1,29 @@
-"""Benchmark of the drafter training step: ms per sequence, MFU on useful FLOPs, peak memory, largest micro-batch.
+"""Benchmark of the drafter training step: tokens/s, ms per sequence, MFU on useful FLOPs, peak memory, largest
+micro-batch.
 
     .venv/bin/python benchmarks/bench_train.py --shape tiny                                  (CPU, here)
+    .venv/bin/python benchmarks/bench_train.py --shape tiny --variants smollm2               (CPU: the SmolLM2 set, tiny)
+    python benchmarks/bench_train.py --device cuda --shape smollm2                           (H200: the SmolLM2 table)
     python benchmarks/bench_train.py --device cuda --shape qwen3-8b --variants trainer-flex-compile,bare-flex-compile
+
+Shape smollm2: the SmolLM2-135M-Instruct recipe's drafter (configs/smollm2-135m-h200.yaml: 3 layers, D=576, 9/3
+heads of 64, intermediate 1536, 5 taps of the 30-layer target, vocab 49152, block 16, 256 anchors per sequence) on
+100 sequences of 320 tokens (one 32K-token micro-batch) per optimizer step; online variants run a random-init
+SmolLM2-shaped target (30 layers) in the step. Its default variant set ("smollm2") measures each speed option of
+`drafter train` against the recipe as configured (online, eager, CE chunks of 2048 rows) and prints tokens/s with
+the speed-up over that first row.
 
 Shape qwen3-8b: the Qwen3-8B drafter (5 layers, D=4096, 32/8 heads, head_dim 128, intermediate 12288, 5 taps,
 ~1.05B trainable) with a random-init frozen embedding + LM head (vocab 151936), block 16, seq 3072, 512 anchors
 per sequence, 16 sequences per optimizer step, synthetic bf16 features. Nothing is downloaded.
 
 Paths:
-  trainer  train.step.train_step: the real DeepSpeed engine (ZeRO stage --zero-stage, bf16 + fp32 master
-           weights, grad clip 1.0, AdamW), exactly what `drafter train` runs per optimizer step;
-  bare     plain PyTorch: bf16 parameters, forward_train + dflash_loss + backward + clip + fused AdamW.
+  trainer  train.step.train_step with the features as train.trainer.features_fn makes them: the real engine
+           (--engine: DeepSpeed ZeRO --zero-stage, or the torch engine; 'auto' = DeepSpeed when installed; bf16 +
+           fp32 master weights, grad clip 1.0, AdamW), exactly what `drafter train` runs per optimizer step;
+           offline features are copied from pinned host memory every step, like the trainer's loader delivers them;
+  bare     plain PyTorch: bf16 parameters, forward_train + dflash_loss + backward + clip + fused AdamW, synthetic
+           features already on the device.
 Attention: flex packs all sequences of a step into one row (one BlockMask) unless -row<n> says otherwise; dense
 (exact SDPA with a boolean mask, quadratic in the row) runs one sequence per row; the rows of a step are
 gradient-accumulation micro-batches.
@@ -49,20 +62,32 @@ SHAPES = {
     # SmolLM2-135M-Instruct's drafter as the H200 recipe trains it: 3 layers, 9/3 heads of 64, 5 taps of the 30-layer
     # target, block 16; ~50 regenerated samples of ~320 tokens per 16K-token step, every loss position an anchor
     "smollm2": dict(hidden=576, layers=3, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, taps=5,
-                    block=16, seq_len=320, anchors=512, seqs=50, target_layers=30, mask_id=49151),
+                    block=16, seq_len=320, anchors=256, seqs=100, target_layers=30, mask_id=49151,
+                    target=dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536)),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=320, taps=3,
-                 block=8, seq_len=256, anchors=16, seqs=4, target_layers=8, mask_id=300),
+                 block=8, seq_len=256, anchors=16, seqs=4, target_layers=8, mask_id=300,
+                 target=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)),
 }
 
-# A variant name is <path>-<attention>[-compile][-ac][-ce<rows>][-row<n>], e.g. trainer-flex-compile-row4:
-# path trainer|bare, attention flex|dense, torch.compile of the training forward (fusion, every layer step with its
-# context K/V, final norm: train.engine.compile_layers), activation checkpointing, the rows
-# per chunk of the chunked LM-head cross-entropy (default 4096; 1k = 1024), and sequences packed per micro-batch
-# row (default: all of them for flex, 1 for dense; the rest is gradient accumulation). row4 = the qwen3-8b
-# config's micro_batch_tokens 12288 at seq 3072.
+# A variant name is <path>-<attention>[-compile][-ac][-ce<rows>][-row<n>][-anc<n>][-online][-ahead][-kl], e.g.
+# trainer-flex-compile-row4: path trainer|bare, attention flex|dense, torch.compile of the training forward (fusion,
+# every layer step with its context K/V, final norm: train.compile), activation checkpointing, the rows per chunk of
+# the chunked LM-head loss (train.ce_chunk_tokens; default 4096, 1k = 1024), sequences packed per micro-batch row
+# (default: all of them for flex, 1 for dense; the rest is gradient accumulation; more than --seqs makes the step
+# that big: a bigger micro-batch), anchors per sequence (train.num_anchors; default the shape's), the target's
+# features computed in the step (train.online; its layers compiled on
+# CUDA as extract.compile=auto does), the next micro-batch's features made on a side stream (train.features_ahead),
+# and logit distillation (train.loss=ce+kl: one more tap and the target's logits). row4 = the qwen3-8b config's
+# micro_batch_tokens 12288 at seq 3072.
 GPU_DEFAULT = ["trainer-flex-compile", "trainer-flex-compile-row4", "bare-flex-compile", "trainer-dense",
                "bare-dense"]
 CPU_DEFAULT = ["trainer-dense", "bare-dense", "trainer-dense-ac", "trainer-dense-ce1k", "trainer-dense-row2"]
+# The SmolLM2 recipe's options, first row = today's recipe (online, eager, 16K-token micro-batches).
+SMOLLM2 = ["trainer-flex-online-ce2k", "trainer-flex-compile-online-ce2k", "trainer-flex-compile-online",
+           "trainer-flex-compile-online-ce8k", "trainer-flex-compile-online-ahead", "trainer-flex-compile",
+           "trainer-flex-compile-online-row200", "trainer-flex-compile-online-kl", "trainer-flex-compile-online-anc64",
+           "bare-flex-compile"]
+VARIANT_SETS = {"smollm2": SMOLLM2}
 
 
 @dataclass(frozen=True)
@@ -73,24 +98,31 @@ class Variant:
     ac: bool = False
     ce_chunk: int = 4096
     per_row: int | None = None
+    anchors: int | None = None
+    online: bool = False
+    ahead: bool = False
+    kl: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         parts = name.split("-")
         if len(parts) < 2 or parts[0] not in ("trainer", "bare") or parts[1] not in ("flex", "dense"):
-            raise ValueError(f"variant {name!r}: expected <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>][-row<n>]")
+            raise ValueError(f"variant {name!r}: expected <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>]"
+                             "[-row<n>][-online][-ahead][-kl]")
         v = dict(path=parts[0], attention=parts[1])
         for flag in parts[2:]:
-            if flag == "compile":
-                v["compile"] = True
-            elif flag == "ac":
-                v["ac"] = True
+            if flag in ("compile", "ac", "online", "ahead", "kl"):
+                v[flag] = True
             elif flag.startswith("row"):
                 v["per_row"] = int(flag[3:])
+            elif flag.startswith("anc"):
+                v["anchors"] = int(flag[3:])
             elif flag.startswith("ce"):
                 v["ce_chunk"] = int(flag[2:].replace("k", "")) * (1024 if flag.endswith("k") else 1)
             else:
                 raise ValueError(f"variant {name!r}: unknown flag {flag!r}")
+        if parts[0] == "bare" and any(v.get(f) for f in ("online", "ahead", "kl")):
+            raise ValueError(f"variant {name!r}: online/ahead/kl are trainer-path options")
         return cls(**v)
 
 
@@ -98,6 +130,7 @@ class Variant:
 class Result:
     variant: str
     seqs: int
+    tokens_per_s: float
     ms_per_seq: float
     tflops_per_s: float
     mfu: float | None
@@ -138,9 +171,11 @@ def make_drafter(args, device, dtype, *, attach: bool = True):
     return drafter
 
 
-def make_micro_batches(shape: dict, seqs: int, per_row: int, seed: int = 0) -> list[dict]:
+def make_micro_batches(shape: dict, seqs: int, per_row: int, seed: int = 0, anchors: int | None = None,
+                       width: int | None = None, dtype=torch.float32) -> list[dict]:
     """Collated micro-batches (train/data.py::collate) of `seqs` synthetic sequences, `per_row` packed per row.
-    Loss on the last 90% of every sequence (the response); features are made on the device later."""
+    Loss on the last 90% of every sequence (the response). With `width`, every sequence carries stand-in target
+    features [S, width] (seeded per sequence: a packed row holds exactly its sequences' features)."""
     from train.data import collate
 
     g = torch.Generator().manual_seed(seed)
@@ -151,21 +186,40 @@ def make_micro_batches(shape: dict, seqs: int, per_row: int, seed: int = 0) -> l
         mask[: S // 10] = False
         ids = torch.randint(0, shape["mask_id"], (S,), generator=g)
         samples.append({"id": f"bench/{i}", "input_ids": ids, "loss_mask": mask})
-    kw = dict(block_size=shape["block"], num_anchors=shape["anchors"], mask_token_id=shape["mask_id"], seed=0, epoch=0)
+        if width:
+            samples[-1]["features"] = torch.randn(S, width, generator=g).to(dtype)
+    kw = dict(block_size=shape["block"], num_anchors=anchors or shape["anchors"], mask_token_id=shape["mask_id"], seed=0,
+              epoch=0)
     return [collate(samples[i : i + per_row], **kw) for i in range(0, seqs, per_row)]
 
 
-def features_fn(args, device, dtype):
+def device_features_fn(args, device, dtype):
+    """features_of for the bare path and the multi-GPU benchmark: the micro-batch's features moved to the device
+    once (no host-to-device copy per step), or random ones of the row's length when it carries none."""
     width = args.num_taps * args.hidden_size
     cache: dict = {}
 
     def features_of(mb):
-        S = mb["batch"].seq_len
-        if S not in cache:  # synthetic target features, made once per row length (no host->device copy per step)
-            cache[S] = torch.randn(1, S, width, device=device, dtype=dtype)
-        return cache[S], mb["batch"].to(device)
+        key = id(mb["batch"])
+        if key not in cache:
+            f = mb["features"] if mb.get("features") is not None else torch.randn(1, mb["batch"].seq_len, width)
+            cache[key] = f[..., :width].to(device, dtype)
+        return cache[key], mb["batch"].to(device)
 
     return features_of
+
+
+def make_target(shape: dict, device, dtype):
+    """A random-init target of the shape's size (a Llama decoder, SDPA) for the online variants: hidden size, layer
+    count and vocabulary of the drafter's target; its embedding and LM head tied, as SmolLM2's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["target_layers"], vocab_size=shape["vocab"],
+                      tie_word_embeddings=True, max_position_embeddings=8192, **shape["target"])
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
 
 
 def step_flops(args, micro_batches) -> float:
@@ -181,82 +235,128 @@ def step_flops(args, micro_batches) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_variant(name: str, shape: dict, seqs: int, device: torch.device, steps: int, warmup: int, zero_stage: int,
-                peak: float | None, profile: bool = False) -> Result:
+def _trainer_step(spec: Variant, shape: dict, args, mbs: list[dict], device, dtype, engine_setting: str,
+                  zero_stage: int, total_steps: int):
+    """`step() -> StepStats` of the trainer path: the engine, features as `drafter train` makes them (offline:
+    from pinned host memory; online: the target's compiled forward), optionally one micro-batch ahead."""
+    import itertools
+
+    from extract.layers import stored_tap_ids
     from pipeline.config import TrainConfig
     from train.distributed import init_distributed
     from train.engine import TrainForward, build_engine, compile_layers
+    from train.inputs import frozen_pieces_of
     from train.step import train_step
+    from train.trainer import FeaturesAhead, features_fn
+
+    init_distributed()
+    taps = stored_tap_ids(args.target_layer_ids, shape["target_layers"], spec.kl)
+    target, final_norm = None, None
+    if spec.online:
+        target = make_target(shape, device, dtype)
+        final_norm = frozen_pieces_of(target, final_norm=True).final_norm if spec.kl else None
+    else:
+        for mb in mbs:  # stored features, delivered in (pinned) host memory like the trainer's loader does
+            if device.type == "cuda":
+                mb["features"], mb["batch"] = mb["features"].pin_memory(), mb["batch"].pin_memory()
+        if spec.kl:
+            final_norm = torch.nn.RMSNorm(args.hidden_size, eps=1e-5, device=device, dtype=dtype).requires_grad_(False)
+    features_of = features_fn(target, taps, args.hidden_size, device, dtype, "auto")
+    train_cfg = TrainConfig(zero_stage=zero_stage, precision="bf16" if dtype == torch.bfloat16 else "fp32",
+                            grad_accum=len(mbs), ce_chunk_tokens=spec.ce_chunk, activation_checkpointing=spec.ac,
+                            lr=6e-4, engine=engine_setting)
+    drafter = make_drafter(args, device, dtype)
+    drafter.gradient_checkpointing = spec.ac
+    if spec.compile:
+        compile_layers(drafter)
+    engine, _, _ = build_engine(TrainForward(drafter), train_cfg, total_steps=total_steps, world_size=1,
+                                device=device)
+    gamma = 7.0 if args.block_size == 16 else 4.0
+    ahead = FeaturesAhead(features_of, device) if spec.ahead and device.type == "cuda" else None
+    stream = (dict(mb) for mb in itertools.cycle(mbs))  # fresh dicts: the ahead launcher writes into them
+    stream = ahead.launch(stream) if ahead is not None else stream
+
+    def step():
+        batch = [next(stream) for _ in mbs]
+        return train_step(engine, batch, ahead or features_of, gamma=gamma, chunk_rows=spec.ce_chunk,
+                          attention=spec.attention, world_size=1, device=device, kl=0.5 if spec.kl else 0.0,
+                          final_norm=final_norm)[0]
+
+    return step
+
+
+def _bare_step(spec: Variant, args, mbs: list[dict], device, dtype):
+    """`step() -> loss` of plain PyTorch: bf16 parameters, synthetic features already on the device."""
+    from train.engine import compile_layers
     from train.loss import dflash_loss, label_weights
 
+    drafter = make_drafter(args, device, dtype)
+    drafter.to(dtype)
+    drafter.gradient_checkpointing = spec.ac
+    if spec.compile:
+        compile_layers(drafter)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0,
+                            **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    features_of = device_features_fn(args, device, dtype)
+    gamma = 7.0 if args.block_size == 16 else 4.0
+
+    def step():
+        total_w = float(sum(label_weights(mb["batch"], gamma).sum() for mb in mbs))
+        loss_sum = 0.0
+        for mb in mbs:
+            features, batch = features_of(mb)
+            hidden = drafter.forward_train(features, batch, spec.attention)
+            loss, _ = dflash_loss(hidden, drafter.lm_head_weight, batch, gamma, spec.ce_chunk, normalizer=total_w)
+            loss.backward()
+            loss_sum = loss_sum + loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss_sum
+
+    return step
+
+
+def run_variant(name: str, shape: dict, seqs: int, device: torch.device, steps: int, warmup: int, zero_stage: int,
+                peak: float | None, profile: bool = False, engine: str = "auto") -> Result:
     spec = Variant.parse(name)
-    path, attention, compiled, chunk, ac = spec.path, spec.attention, spec.compile, spec.ce_chunk, spec.ac
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args = make_args(shape)
-    per_row = min(spec.per_row or (seqs if attention == "flex" else 1), seqs)
-    mbs = make_micro_batches(shape, seqs, per_row)
-    features_of = features_fn(args, device, dtype)
-    gamma = 7.0 if args.block_size == 16 else 4.0
+    per_row = spec.per_row or (seqs if spec.attention == "flex" else 1)
+    seqs = max(seqs, per_row)  # a row bigger than the step makes the step that big
+    from extract.layers import stored_tap_ids
+
+    width = len(stored_tap_ids(args.target_layer_ids, shape["target_layers"], spec.kl)) * args.hidden_size
+    mbs = make_micro_batches(shape, seqs, per_row, anchors=spec.anchors, width=None if spec.online else width,
+                             dtype=dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-    if path == "trainer":
-        init_distributed()
-        train_cfg = TrainConfig(zero_stage=zero_stage, precision="bf16" if dtype == torch.bfloat16 else "fp32",
-                           grad_accum=len(mbs), ce_chunk_tokens=chunk, activation_checkpointing=ac, lr=6e-4)
-        drafter = make_drafter(args, device, dtype)
-        drafter.gradient_checkpointing = ac
-        if compiled:
-            compile_layers(drafter)
-        engine, _, _ = build_engine(TrainForward(drafter), train_cfg, total_steps=steps + warmup, world_size=1,
-                                    device=device)
-
-        def step() -> float:
-            stats, _ = train_step(engine, mbs, features_of, gamma=gamma, chunk_rows=chunk, attention=attention,
-                                  world_size=1, device=device)
-            return stats.loss
+    if spec.path == "trainer":
+        step = _trainer_step(spec, shape, args, mbs, device, dtype, engine, zero_stage, steps + warmup)
     else:
-        drafter = make_drafter(args, device, dtype)
-        drafter.to(dtype)
-        drafter.gradient_checkpointing = ac
-        if compiled:
-            compile_layers(drafter)
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0,
-                                **({"fused": True} if device.type == "cuda" else {"foreach": True}))
-
-        def step() -> float:
-            total_w = float(sum(label_weights(mb["batch"], gamma).sum() for mb in mbs))
-            loss_sum = 0.0
-            for mb in mbs:
-                features, batch = features_of(mb)
-                hidden = drafter.forward_train(features, batch, attention)
-                loss, _ = dflash_loss(hidden, drafter.lm_head_weight, batch, gamma, chunk, normalizer=total_w)
-                loss.backward()
-                loss_sum += float(loss.detach())
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss_sum
+        step = _bare_step(spec, args, mbs, device, dtype)
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    loss = float("nan")
     for _ in range(warmup):
-        loss = step()
+        step()
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        loss = step()
+        last = step()  # the statistics stay on the device: nothing here waits for it
     sync()
     dt = (time.perf_counter() - t0) / steps
+    loss = last.loss if spec.path == "trainer" else float(last)
     if profile:
         print_profile(step, sync, device)
     flops = step_flops(args, mbs)
+    tokens = sum(mb["tokens"] for mb in mbs)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return Result(name, seqs, 1e3 * dt / seqs, flops / dt / 1e12, (flops / dt / peak) if peak else None, mem, loss)
+    return Result(name, seqs, tokens / dt, 1e3 * dt / seqs, flops / dt / 1e12, (flops / dt / peak) if peak else None,
+                  mem, loss)
 
 
 def print_profile(step, sync, device: torch.device, rows: int = 30) -> None:
@@ -326,15 +426,18 @@ def largest_micro_batch(base: list[str], variant: str, start: int, limit: int, t
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'variant':30s} {'seqs':>5s} {'ms/seq':>9s} {'TFLOP/s':>9s} {'MFU':>6s} {'peak GiB':>9s} {'loss':>9s}")
+    """One row per variant; "x first" = tokens/s over the first row's (the recipe as it stood, for a variant set)."""
+    base = next((r["tokens_per_s"] for r in results if r.get("ok") and "tokens_per_s" in r), None)
+    print(f"\n{'variant':44s} {'seqs':>5s} {'tok/s':>10s} {'x first':>8s} {'ms/seq':>8s} {'TFLOP/s':>8s} {'MFU':>6s} "
+          f"{'peak GiB':>9s} {'loss':>8s}")
     for r in results:
         if not r.get("ok"):
-            print(f"{r['variant']:30s} {r.get('seqs', ''):>5} FAILED: {r.get('error', '')}")
+            print(f"{r['variant']:44s} {r.get('seqs', ''):>5} FAILED: {r.get('error', '')}")
             continue
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        print(f"{r['variant']:30s} {r['seqs']:5d} {r['ms_per_seq']:9.2f} {r['tflops_per_s']:9.3f} {mfu:>6s} {mem:>9s} "
-              f"{r['loss']:9.4f}")
+        print(f"{r['variant']:44s} {r['seqs']:5d} {r['tokens_per_s']:10.0f} {r['tokens_per_s'] / base:8.2f} "
+              f"{r['ms_per_seq']:8.2f} {r['tflops_per_s']:8.3f} {mfu:>6s} {mem:>9s} {r['loss']:8.4f}")
 
 
 def main() -> int:
@@ -342,12 +445,15 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--variants", default=None,
-                   help="comma list of <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>][-row<n>] (default: a set "
-                        "per device)")
+                   help="comma list of <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>][-row<n>][-online][-ahead]"
+                        "[-kl], or a set name (smollm2); default: the smollm2 set for --shape smollm2, else a set per "
+                        "device")
     p.add_argument("--seqs", type=int, default=None, help="sequences per optimizer step (default: the shape's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5 on cuda, 3 on cpu)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compile; default 3 / 1)")
     p.add_argument("--zero-stage", type=int, default=2, help="trainer path: DeepSpeed ZeRO stage")
+    p.add_argument("--engine", default="auto", choices=["auto", "deepspeed", "torch"],
+                   help="trainer path: train.engine (auto = DeepSpeed when installed, else the torch engine)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense TFLOP/s for MFU (default: by GPU name)")
     p.add_argument("--max-batch", default=None, help="comma list of variants to search the largest micro-batch for")
     p.add_argument("--max-batch-limit", type=int, default=128)
@@ -364,7 +470,12 @@ def main() -> int:
     seqs = a.seqs or shape["seqs"]
     steps = a.steps if a.steps is not None else (5 if a.device == "cuda" else 3)
     warmup = a.warmup if a.warmup is not None else (3 if a.device == "cuda" else 1)
-    variants = a.variants.split(",") if a.variants else (GPU_DEFAULT if a.device == "cuda" else CPU_DEFAULT)
+    if a.variants is None:
+        a.variants = "smollm2" if a.shape == "smollm2" else ",".join(GPU_DEFAULT if a.device == "cuda" else CPU_DEFAULT)
+    variants = [v for name in a.variants.split(",") for v in VARIANT_SETS.get(name, [name])]
+    if a.device == "cpu" and any("-flex" in v for v in variants):
+        print("cpu: flex attention has no backward on CPU, the flex variants run with dense attention", flush=True)
+        variants = [v.replace("-flex", "-dense") for v in variants]
     variants = [] if variants == ["none"] else variants  # e.g. only the --max-batch search
     for v in variants:
         try:
@@ -381,7 +492,7 @@ def main() -> int:
         results = []
         for v in variants:
             try:
-                r = run_variant(v, shape, seqs, device, steps, warmup, a.zero_stage, peak, a.profile).__dict__
+                r = run_variant(v, shape, seqs, device, steps, warmup, a.zero_stage, peak, a.profile, a.engine).__dict__
             except torch.cuda.OutOfMemoryError as e:
                 r = {"variant": v, "seqs": seqs, "ok": False, "error": "OOM: " + str(e).splitlines()[0]}
             results.append(r)
@@ -390,7 +501,7 @@ def main() -> int:
                 return 0
             gc.collect()
     else:
-        base = ["--device", a.device, "--shape", a.shape, "--zero-stage", str(a.zero_stage)]
+        base = ["--device", a.device, "--shape", a.shape, "--zero-stage", str(a.zero_stage), "--engine", a.engine]
         if a.peak_tflops:
             base += ["--peak-tflops", str(a.peak_tflops)]
         results = []
@@ -400,11 +511,14 @@ def main() -> int:
             r.setdefault("variant", v)
             r.setdefault("seqs", seqs)
             results.append(r)
-            print(f"  {v}: {'%.2f ms/seq' % r['ms_per_seq'] if r.get('ok') else r.get('error')}", flush=True)
+            print(f"  {v}: {'%.0f tok/s' % r['tokens_per_s'] if r.get('ok') else r.get('error')}", flush=True)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    from train.engine import engine_kind
+
     print(f"\nshape {a.shape} on {name}: seq {shape['seq_len']}, {shape['anchors']} anchors, block {shape['block']}, "
-          f"{seqs} sequences per step, timed {steps} steps after {warmup} warm-up")
+          f"{seqs} sequences per step, timed {steps} steps after {warmup} warm-up; trainer engine "
+          f"{engine_kind(a.engine, 1)}")
     print_table(results)
 
     if a.max_batch:

@@ -324,7 +324,12 @@ class TrainConfig:
     kl_weight: float = doc("share of the KL term in train.loss 'ce+kl'", 0.5, ge=0, le=1)
     activation_checkpointing: bool = doc("recompute draft layers in backward", False, hashed=False)
     compile: bool = doc("torch.compile each draft decoder layer (GPU; automatic dynamic shapes)", False, hashed=False)
-    online: bool = doc("compute target features inside the step instead of reading shards", False)
+    online: bool = doc("compute target features inside the step instead of reading shards (the target's layers "
+                       "compiled per extract.compile)", False)
+    features_ahead: bool = doc(
+        "CUDA: compute the next micro-batch's features (online: the target forward; offline: the copy to the GPU) on "
+        "a side stream while the current one trains", False, hashed=False,
+    )
     eval_fraction: float = doc("share of feature samples held out for eval metrics", 0.02, ge=0, lt=1)
     eval_max_samples: Optional[int] = doc("evaluate on at most this many of the held-out samples (None = all)", 1024,
                                           ge=1, hashed=False)

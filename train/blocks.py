@@ -69,6 +69,7 @@ class BlockBatch:
     block_valid: Tensor  # Bool[N]  False for padding blocks
     doc_start: Tensor  # Long[N]  first packed-row index of the anchor's sequence
     context_positions: Tensor  # Long[S]  RoPE position of each context row (t - start of its sequence)
+    label_rows: Tensor  # Long[R]  the rows with a valid label, ascending (nonzero(label_mask), made on the host)
     seq_len: int  # S, context rows in the packed row
     block_size: int  # B
 
@@ -89,9 +90,16 @@ class BlockBatch:
         rows = self.anchors.repeat_interleave(self.block_size) + self.slots - 1
         return rows.clamp(min=0, max=self.seq_len - 1)
 
-    def to(self, device) -> "BlockBatch":
+    def to(self, device, non_blocking: bool = False) -> "BlockBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return BlockBatch(**{k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in moved.items()})
+        return BlockBatch(**{k: (v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v)
+                             for k, v in moved.items()})
+
+    def pin_memory(self) -> "BlockBatch":
+        """The same batch in page-locked host memory (the DataLoader's pin_memory calls this), so `to(device,
+        non_blocking=True)` copies without stalling the host."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return BlockBatch(**{k: (v.pin_memory() if isinstance(v, Tensor) else v) for k, v in moved.items()})
 
 
 def build_block_batch(
@@ -155,6 +163,7 @@ def build_block_batch(
         block_valid=block_valid,
         doc_start=doc_start,
         context_positions=context_positions,
+        label_rows=torch.nonzero(label_mask.flatten(), as_tuple=False).flatten(),
         seq_len=seq_len,
         block_size=block_size,
     )

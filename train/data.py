@@ -319,4 +319,4 @@ def batch_to(mb: dict, device: torch.device, dtype: torch.dtype | None = None) -
         features = features.to(device, non_blocking=True)
         if dtype is not None:
             features = features.to(dtype)
-    return features, mb["batch"].to(device)
+    return features, mb["batch"].to(device, non_blocking=True)

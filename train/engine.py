@@ -188,8 +188,9 @@ class TorchEngine:
                 torch._foreach_copy_(self.params, self.masters)
         self.global_steps += 1
 
-    def get_global_grad_norm(self) -> float | None:
-        return None if self._grad_norm is None else float(self._grad_norm)
+    def get_global_grad_norm(self) -> torch.Tensor | None:
+        """The last step's gradient norm before clipping, a 0-d device tensor (read it when logging: no sync here)."""
+        return self._grad_norm
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

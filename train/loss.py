@@ -46,7 +46,7 @@ def decay_weights(block_size: int, gamma: Optional[float] = None) -> Tensor:
 
 def label_weights(batch: BlockBatch, gamma: Optional[float] = None) -> Tensor:
     """Float[Q] loss weight of every block row: decay weight of its slot where the label is valid, else 0."""
-    w = decay_weights(batch.block_size, gamma).to(batch.label_mask.device)
+    w = decay_weights(batch.block_size, gamma).to(batch.label_mask.device, non_blocking=True)
     return w[batch.slots] * batch.label_mask
 
 
@@ -210,10 +210,11 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     return loss, pred
 
 
-def tau_hat(correct_per_pos: Tensor, count_per_pos: Tensor) -> float:
-    """Simulated acceptance 1 + sum_k prod_{i<=k} acc_i from per-position counts [B-1] (index k-1 = slot k)."""
+def tau_hat(correct_per_pos: Tensor, count_per_pos: Tensor) -> Tensor:
+    """Simulated acceptance 1 + sum_k prod_{i<=k} acc_i from per-position counts [B-1] (index k-1 = slot k): a
+    0-d float64 tensor on their device (no host sync; `float()` it to read it)."""
     acc = correct_per_pos.double() / count_per_pos.double().clamp_min(1)
-    return float(1.0 + torch.cumprod(acc, dim=0).sum())
+    return 1.0 + torch.cumprod(acc, dim=0).sum()
 
 
 @torch.no_grad()
@@ -245,11 +246,12 @@ def dflash_loss(
                                                                             rows that have a target (0 without)
       correct_per_pos, count_per_pos                              [B-1] argmax hits / valid labels at slot k = index+1
       accept_len_sum, num_blocks                                  per valid block 1 + leading run of valid hits
-      acc_per_pos [B-1], tau_hat (float)                          this batch only (derived, not summable)
+      acc_per_pos [B-1], tau_hat (0-d)                            this batch only (derived, not summable)
+    Nothing here waits for the device: the labelled rows come from the host (`BlockBatch.label_rows`).
     """
     B = batch.block_size
     weights = label_weights(batch, gamma).to(hidden.device)
-    rows = torch.nonzero(batch.label_mask, as_tuple=False).flatten().to(hidden.device)
+    rows = batch.label_rows.to(hidden.device)  # made on the host: no device -> host sync here
     labels = batch.labels.to(hidden.device)[rows]
     row_loss, ce, div, pred = chunked_head_loss(hidden[rows], lm_head_weight, labels, chunk_rows,
                                                 target[rows] if target is not None else None, kl)
@@ -269,7 +271,7 @@ def dflash_loss(
         hits[rows] = pred == labels
         leading = torch.cumprod(hits.view(-1, B)[:, 1:].long(), dim=1).sum(dim=1)  # [N]
         valid = batch.block_valid.to(hidden.device)
-        num_labels = torch.tensor(float(rows.numel()), device=hidden.device)
+        num_labels = torch.full((), float(rows.numel()), device=hidden.device)
         stats = {
             "weighted_loss_sum": weighted_sum.detach(),
             "weighted_ce_sum": (ce * w).sum(),
@@ -280,10 +282,10 @@ def dflash_loss(
             "kl_rows": num_labels if div is not None else torch.zeros((), device=hidden.device),
             "correct_per_pos": correct,
             "count_per_pos": count,
-            "accept_len_sum": (1 + leading)[valid].sum().float(),
+            "accept_len_sum": ((1 + leading) * valid).sum().float(),
             "num_blocks": valid.sum().float(),
         }
-        # derived for this batch only (not summable): aggregate the counts above across batches instead
+        # derived for this batch only (not summable; device tensors): aggregate the counts above across batches
         stats["acc_per_pos"] = correct / count.clamp_min(1)
         stats["tau_hat"] = tau_hat(correct, count)
     return loss, stats

@@ -50,18 +50,22 @@ class OnlineFeatures:
     """Target features of a collated micro-batch, computed now: [1, S, n*D] for the packed row.
 
     The packed row is split into its sequences, right-padded into one [n_seq, max_len] batch (right padding is
-    exact for the real tokens of a causal target) and run through layers 0..max(layer_ids) only.
+    exact for the real tokens of a causal target) and run through layers 0..max(layer_ids) only, by `forward`
+    (`fn(model, input_ids, layer_ids)`: `extract.layers.forward_taps`, or the compiled layer loop that offline
+    extraction uses, `extract.hf.compiled_forward`).
     """
 
-    def __init__(self, target: torch.nn.Module, layer_ids: list[int], max_tokens_per_forward: int = 1 << 16):
+    def __init__(self, target: torch.nn.Module, layer_ids: list[int], max_tokens_per_forward: int = 1 << 16,
+                 forward=None):
+        from extract.layers import forward_taps
+
         self.target = target
         self.layer_ids = list(layer_ids)
         self.max_tokens = max_tokens_per_forward
+        self.forward = forward or forward_taps
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        from extract.layers import forward_taps
-
         device = next(self.target.parameters()).device
         seqs = list(torch.split(input_ids, list(seq_lens)))
         out = []
@@ -70,7 +74,7 @@ class OnlineFeatures:
             batch = torch.zeros(len(group), width, dtype=torch.long)
             for r, i in enumerate(group):
                 batch[r, : seq_lens[i]] = seqs[i]
-            feats = forward_taps(self.target, batch.to(device), self.layer_ids)  # [b, width, n*D]
+            feats = self.forward(self.target, batch.to(device, non_blocking=True), self.layer_ids)  # [b, width, n*D]
             out += [feats[r, : seq_lens[i]] for r, i in enumerate(group)]
         return torch.cat(out)[None]
 

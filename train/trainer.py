@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,7 +72,10 @@ class Trainer:
         dtype = next(self.engine.module.parameters()).dtype
         if self.final_norm is not None:
             self.final_norm.to(device=device, dtype=dtype)
-        self.features_of = _features_fn(target, inputs.tap_ids, self.args.hidden_size, device, dtype)
+        self.features_of = features_fn(target, inputs.tap_ids, self.args.hidden_size, device, dtype,
+                                        cfg.extract.compile)
+        self.ahead = FeaturesAhead(self.features_of, device) if train_cfg.features_ahead and device.type == "cuda" \
+            else None
         self.gamma = train_cfg.loss_gamma or default_gamma(self.args.block_size)
         self.shape = DrafterShape.from_args(self.args)
         self.peak = peak_flops(device, train_cfg.precision)
@@ -144,21 +147,29 @@ class Trainer:
     # -- step, evaluate --------------------------------------------------------------------------------
 
     def _loader(self, micro_batches: list, epoch: int):
+        """This rank's collated micro-batches, in order; with `train.features_ahead` each one's features are
+        already on their way (computed one micro-batch ahead on a side stream)."""
         ds = MicroBatchDataset(self.inputs.open_source, micro_batches, block_size=self.args.block_size,
                                num_anchors=self.train_cfg.num_anchors, mask_token_id=self.args.mask_token_id,
                                seed=self.train_cfg.seed, epoch=epoch, tile=self.tile)
-        return make_loader(ds, self.train_cfg.num_workers, pin_memory=self.device.type == "cuda")
+        loader = make_loader(ds, self.train_cfg.num_workers, pin_memory=self.device.type == "cuda")
+        return self.ahead.launch(loader) if self.ahead is not None else loader
 
-    def step(self, micro_batches: list[dict]) -> tuple[StepStats, float, float]:
-        """One optimizer step over this rank's `grad_accum` micro-batches. Returns (stats summed over ranks, grad
-        norm, the learning rate the step used)."""
+    @property
+    def _features(self):
+        return self.ahead if self.ahead is not None else self.features_of
+
+    def step(self, micro_batches: list[dict], tokens: int) -> tuple[StepStats, float, float]:
+        """One optimizer step over this rank's `grad_accum` micro-batches (`tokens`: real tokens of the step over
+        all ranks, from the plan). Returns (stats summed over ranks, grad norm -- both possibly still on the
+        device --, the learning rate the step used)."""
         lr = current_lr(self.engine)  # the rate this step uses (the scheduler advances inside engine.step)
-        stats, grad_norm = train_step(self.engine, micro_batches, self.features_of, gamma=self.gamma,
+        stats, grad_norm = train_step(self.engine, micro_batches, self._features, gamma=self.gamma,
                                       chunk_rows=self.train_cfg.ce_chunk_tokens, attention=self.train_cfg.attention,
                                       world_size=self.dist.world_size, device=self.device, flops_shape=self.shape,
                                       kl=self.kl, final_norm=self.final_norm)
         self.position["global_step"] += 1
-        self.position["tokens_seen"] += int(stats.sums["tokens"])
+        self.position["tokens_seen"] += tokens
         return stats, grad_norm, lr
 
     def evaluate(self) -> dict | None:
@@ -167,7 +178,7 @@ class Trainer:
         if not self.plan.eval_steps:
             return None
         loader = self._loader(rank_micro_batches(self.plan.eval_steps, self.dist.rank), EVAL_EPOCH)
-        stats = eval_step(self.engine, loader, self.features_of, gamma=self.gamma,
+        stats = eval_step(self.engine, loader, self._features, gamma=self.gamma,
                           chunk_rows=self.train_cfg.ce_chunk_tokens, attention=self.train_cfg.attention,
                           device=self.device, kl=self.kl, final_norm=self.final_norm)
         metrics = stats.metrics()
@@ -191,23 +202,29 @@ class Trainer:
             steps = self.plan.epoch(pos["epoch"])
             batches = iter(self._loader(rank_micro_batches(steps, self.dist.rank, pos["step_in_epoch"]), pos["epoch"]))
             for s in range(pos["step_in_epoch"], len(steps)):
-                stats, grad_norm, lr = self.step([next(batches) for _ in range(train_cfg.grad_accum)])
+                tokens = sum(mb.tokens for rank in steps[s] for mb in rank)
+                stats, grad_norm, lr = self.step([next(batches) for _ in range(train_cfg.grad_accum)], tokens)
                 step = pos["global_step"]
                 window.add(stats)
                 bar.update(1)
                 if self.logger is not None and (step % train_cfg.log_every == 0 or step == total or step == 1):
-                    metrics = {**stats.metrics(), "lr": lr, "grad_norm": grad_norm, "epoch": pos["epoch"],
+                    metrics = {**stats.metrics(), "lr": lr, "grad_norm": float(grad_norm), "epoch": pos["epoch"],
                                **window.rates(self.peak, self.dist.world_size), "tokens_seen": pos["tokens_seen"]}
                     self.logger.log(step, "train", metrics)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_hat']:.2f}")
                     window = _Window(time.time())
                 pos["epoch"], pos["step_in_epoch"] = (pos["epoch"], s + 1) if s + 1 < len(steps) else (pos["epoch"] + 1, 0)
-                paused = time.time()  # eval/checkpoint time is not training throughput: keep it out of the window
-                if train_cfg.eval_every and step % train_cfg.eval_every == 0 and step < total:
-                    self.evaluate()
-                if train_cfg.save_every and step % train_cfg.save_every == 0 and step < total:
-                    self.save()
-                window.start += time.time() - paused
+                evaluate = train_cfg.eval_every and step % train_cfg.eval_every == 0 and step < total
+                save = train_cfg.save_every and step % train_cfg.save_every == 0 and step < total
+                if evaluate or save:  # eval/checkpoint time is not training throughput: keep it out of the window
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)  # the queued training work counts as training
+                    paused = time.time()
+                    if evaluate:
+                        self.evaluate()
+                    if save:
+                        self.save()
+                    window.start += time.time() - paused
                 if step >= total:
                     break
             del batches
@@ -280,29 +297,34 @@ def replica_digests(drafter: torch.nn.Module, out_dir: Path, rank: int, world: i
 
 @dataclass
 class _Window:
-    """Throughput since the last log: tokens and useful FLOPs over wall time (pauses subtracted from `start`)."""
+    """Throughput since the last log: tokens and useful FLOPs over wall time (pauses subtracted from `start`). The
+    steps' statistics are summed on the device and read once, when the window is logged."""
 
     start: float
-    tokens: float = 0.0
-    flops: float = 0.0
+    steps: list = field(default_factory=list)
 
     def add(self, stats: StepStats) -> None:
-        self.tokens += stats.sums["tokens"]
-        self.flops += stats.sums["flops"]
+        self.steps.append(stats)
 
     def rates(self, peak: float | None, world: int) -> dict:
+        sums = StepStats.total(self.steps).sums
         dt = max(time.time() - self.start, 1e-9)
-        out = {"tokens_per_s": self.tokens / dt, "tflops_per_s": self.flops / dt / 1e12}
+        out = {"tokens_per_s": sums["tokens"] / dt, "tflops_per_s": sums["flops"] / dt / 1e12}
         if peak:
-            out["mfu"] = self.flops / dt / (peak * world)
+            out["mfu"] = sums["flops"] / dt / (peak * world)
         return out
 
 
-def _features_fn(target, tap_ids: list[int], hidden_size: int, device, dtype):
+def features_fn(target, tap_ids: list[int], hidden_size: int, device, dtype, compile_setting: str = "off"):
     """mb -> (features [1, S, len(tap_ids)*D] on device, BlockBatch on device): stored features (offline), the
-    target's taps computed now (online), or zeros for a padding micro-batch. Columns: the drafter's taps, then
-    (distillation) the last layer's output (extract.layers.stored_tap_ids)."""
-    online = OnlineFeatures(target, tap_ids) if target is not None else None
+    target's taps computed now (online; its layers compiled per `extract.compile`, as offline extraction does), or
+    zeros for a padding micro-batch. Columns: the drafter's taps, then (distillation) the last layer's output
+    (extract.layers.stored_tap_ids)."""
+    online = None
+    if target is not None:
+        from extract.hf import compiled_forward
+
+        online = OnlineFeatures(target, tap_ids, forward=compiled_forward(target, tap_ids, compile_setting, device))
     width = len(tap_ids) * hidden_size
 
     def features_of(mb: dict):
@@ -317,6 +339,38 @@ def _features_fn(target, tap_ids: list[int], hidden_size: int, device, dtype):
         return features, batch
 
     return features_of
+
+
+class FeaturesAhead:
+    """`train.features_ahead`: each micro-batch's features are computed on a side CUDA stream one micro-batch
+    ahead, so the online target forward (or the offline copy to the GPU) of micro-batch k+1 overlaps the drafter's
+    step on k. `launch(batches)` yields the micro-batches with their work queued; calling the object with a
+    micro-batch (the step's `features_of`) makes the current stream wait for it. The same kernels run, only on
+    another stream: the features are identical."""
+
+    def __init__(self, features_of, device: torch.device):
+        self.features_of = features_of
+        self.stream = torch.cuda.Stream(device)
+
+    def launch(self, batches):
+        pending = None
+        for mb in batches:
+            with torch.cuda.stream(self.stream):  # reads only host copies and frozen target weights
+                mb["ahead"] = self.features_of(mb)
+                mb["ahead_done"] = self.stream.record_event()
+            if pending is not None:
+                yield pending
+            pending = mb
+        if pending is not None:
+            yield pending
+
+    def __call__(self, mb: dict):
+        current = torch.cuda.current_stream()
+        current.wait_event(mb.pop("ahead_done"))
+        features, batch = mb.pop("ahead")
+        for t in [features, *(v for v in vars(batch).values() if isinstance(v, torch.Tensor))]:
+            t.record_stream(current)  # made on the side stream, used (and freed) on this one
+        return features, batch
 
 
 def _init_from(drafter, args, path: str) -> None:

@@ -16,7 +16,7 @@ D, N_TAPS, V, B, MASK = 32, 2, 80, 4, 70
 
 def setup(device, dtype=torch.float32):
     args = DrafterArgs(
-        hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V, block_size=B, mask_token_id=MASK,
         target_layer_ids=[1, 2], num_target_layers=4, layer_types=["sliding_attention", "full_attention"],
         sliding_window=5,
