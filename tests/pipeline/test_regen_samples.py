@@ -4,11 +4,6 @@ kill -9 resume with nothing lost or duplicated, and prompt-format augmentation o
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -16,8 +11,8 @@ from pipeline.config import ConfigError
 from pipeline.regen.stage import run_regen
 from pipeline.runner import StageDir
 from pipeline.tokenize import run_tokenize
-from tests.conftest import CACHE, REPO, make_config
-from tests.pipeline.test_regen_stage import regen_rows, single_turn, write_curated
+from tests.conftest import make_config
+from tests.pipeline.test_regen_stage import kill_regen_after_units, regen_rows, single_turn, write_curated
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -80,19 +75,7 @@ def test_kill_9_during_sampled_regen_then_rerun_loses_and_duplicates_nothing(tmp
     overrides = [*SAMPLED, "regen.shard_size=2", "regen.batch_size=3"]
     cfg = make_config(tmp_path, overrides=overrides)
     write_curated(cfg.run_dir, single_turn(16))
-    cmd = [sys.executable, "-m", "drafter.cli", "regen", "--config", str(REPO / "configs/tiny.yaml"),
-           f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides]
-    env = {**os.environ, "DRAFTER_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    shards = cfg.run_dir / "regen" / "shards"
-    deadline = time.time() + 240
-    while len(list(shards.glob("*.done.json"))) < 2:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    stage = StageDir(cfg.run_dir, "regen")
+    stage = kill_regen_after_units(tmp_path, cfg, overrides, 2)
     assert not stage.is_complete() and 2 <= len(stage.done_units()) < 8, "the kill must land mid-run"
 
     manifest = run_regen(cfg)

@@ -153,24 +153,30 @@ def test_rank_slices_are_disjoint_complete_and_the_last_rank_writes_the_manifest
     assert tm["counts"]["input"] == 11 and tm["num_units"] == 6
 
 
-@pytest.mark.slow
-def test_kill_9_during_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
-    overrides = ["regen.max_new_tokens=24", "regen.shard_size=2", "regen.max_samples=null", "regen.batch_size=2"]
-    cfg = make_config(tmp_path, overrides=overrides)
-    write_curated(cfg.run_dir, single_turn(24))
+def kill_regen_after_units(tmp_path: Path, cfg, overrides: list[str], units: int) -> StageDir:
+    """Run `drafter regen` on configs/tiny.yaml + overrides in a subprocess and kill -9 it once `units` units are
+    done; returns the regen StageDir."""
     cmd = [sys.executable, "-m", "drafter.cli", "regen", "--config", str(REPO / "configs/tiny.yaml"),
            f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides]
     env = {**os.environ, "DRAFTER_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     shards = cfg.run_dir / "regen" / "shards"
     deadline = time.time() + 240
-    while len(list(shards.glob("*.done.json"))) < 3:
+    while len(list(shards.glob("*.done.json"))) < units:
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.time() < deadline
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    stage = StageDir(cfg.run_dir, "regen")
+    return StageDir(cfg.run_dir, "regen")
+
+
+@pytest.mark.slow
+def test_kill_9_during_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
+    overrides = ["regen.max_new_tokens=24", "regen.shard_size=2", "regen.max_samples=null", "regen.batch_size=2"]
+    cfg = make_config(tmp_path, overrides=overrides)
+    write_curated(cfg.run_dir, single_turn(24))
+    stage = kill_regen_after_units(tmp_path, cfg, overrides, 3)
     done_before = set(stage.done_units())
     assert not stage.is_complete() and 3 <= len(done_before) < 12, "the kill must land mid-run"
 
