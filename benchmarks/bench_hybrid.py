@@ -52,7 +52,6 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

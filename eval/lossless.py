@@ -21,7 +21,10 @@ position, mask or KV row) moves the chosen token's logit by whole units, far pas
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 NEAR_TIE_MARGIN = 0.5
 

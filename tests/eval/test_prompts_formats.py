@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.prompts import HUMANEVAL_PREFIX, REASON_SUFFIX, chat_prompt_ids, load_benchmark
+from eval.prompts import REASON_SUFFIX, chat_prompt_ids, load_benchmark
 from pipeline.config import BenchmarkConfig, ConfigError
 from pipeline.target import build_byte_tokenizer
 from tests.conftest import make_config, prompt_records
