@@ -187,7 +187,7 @@ def run_rank(a) -> dict:
     device = torch.device("cuda" if s["device"] == "cuda" else "cpu")  # CUDA_VISIBLE_DEVICES picks the GPU
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg, ctx, stage, index, units = plan(s)
-    stage.begin(ctx.config_hash)  # every rank: same hash, keeps the others' work and live temp files
+    stage.begin(ctx.config_hash, ranks=ranks)  # every rank: same hash, keeps the others' work; a lock per rank
     mine = units_for_rank(units, ranks)
     todo = [u for u in mine if stage.unit_done(u.name) is None]
 

@@ -19,6 +19,7 @@
 # PYTHON=... picks the interpreter. Exit status 1 when a stage failed.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT  # each training here is its own single process
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"

@@ -42,15 +42,15 @@ def target_shape(cfg: RunConfig) -> TargetShape:
     from the local dir or the hub (HF cache) otherwise; only a GGUF target is dequantized into the cache first."""
     if cfg.target.model in KNOWN_TARGETS:
         return KNOWN_TARGETS[cfg.target.model]
-    from pipeline.target import hf_config, open_target, random_target_config, text_config
+    from pipeline.target import open_config, open_target, random_target_config, text_config
 
     model = cfg.target.model
     if model.startswith("random:"):
         c = text_config(random_target_config(model[len("random:"):], dict(cfg.target.random_init)))
     elif model.startswith(("gguf:", "pkg:")):
         c = open_target(cfg.target, cfg.cache_dir).text
-    else:
-        c = text_config(hf_config(model, cfg.target))
+    else:  # a hub id or a local dir: its config only (nothing written, no tokenizer read)
+        c = text_config(open_config(cfg.target, cfg.cache_dir)[1])
     d, L, V, inter = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
     params = L * (4 * d * d + 3 * d * inter) + 2 * V * d
     return TargetShape(L, d, inter, V, float(params))

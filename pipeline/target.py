@@ -377,14 +377,20 @@ class OpenedTarget:
     fingerprint: dict  # {"target": target_fingerprint, "tokenizer": tokenizer_fingerprint}
 
 
+def open_config(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> tuple[str, Any]:
+    """(location, HF config) of the target, every failure one `ConfigError` line naming `target.model`: a local
+    path that does not exist, a hub id that does not exist (or is not cached offline), a dir that holds no model."""
+    location = materialize_target(tcfg, cache_dir)
+    try:
+        return location, hf_config(location, tcfg)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"target.model: cannot open {tcfg.model!r}: {_first_line(e)}") from e
+
+
 def open_target(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> OpenedTarget:
     """Materialize the target (`materialize_target`) and read its tokenizer, config and identity — the one
     place a stage opens its target. Loads no weights (`load_target(opened.location, tcfg)` does)."""
-    location = materialize_target(tcfg, cache_dir)
-    try:  # a hub id that does not exist (or is not cached offline), a directory that holds no model, ...
-        config = hf_config(location, tcfg)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"target.model: cannot open {tcfg.model!r}: {_first_line(e)}") from e
+    location, config = open_config(tcfg, cache_dir)
     try:
         tokenizer = load_tokenizer(location, tcfg)
     except (OSError, ValueError) as e:

@@ -34,6 +34,23 @@ def prompt_records(name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_rendezvous():
+    """An in-process training run exports the torch rendezvous variables (train.distributed.export_dist_env), as a
+    launched trainer must; put them back after every test, or a later test's subprocesses (SLURM array tasks,
+    concurrent trainings) inherit one fixed rank, world size and port."""
+    saved = {k: os.environ.get(k) for k in DIST_VARS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(autouse=True)
 def _repo_cwd(monkeypatch):
     """Configs use repo-relative paths (data/prompts/...): run every test from the repo root."""

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import CACHE, make_config, md5_b64, wandb_artifact_files, wandb_offline_records
+from tests.conftest import CACHE, DIST_VARS, make_config, md5_b64, wandb_artifact_files, wandb_offline_records
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FAST = ["train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.save_every=3",
         "train.micro_batch_tokens=512", "train.num_workers=0"]
 
