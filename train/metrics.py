@@ -185,9 +185,10 @@ class MetricsLogger:
         artifact.add_dir(str(export_dir))
         self.run.log_artifact(artifact)
 
-    def finish(self) -> None:
+    def finish(self, exit_code: int = 0) -> None:
+        """End the W&B run (marked failed with a non-zero `exit_code`); the JSONL file needs no closing."""
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
             self.run = None
 
 

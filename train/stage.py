@@ -48,9 +48,13 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
     barrier()
 
     trainer = Trainer(cfg, inputs, dist, device, stage.path)
-    trainer.resume()
-    trainer.fit()
-    result = trainer.finish()
+    try:
+        trainer.resume()
+        trainer.fit()
+        result = trainer.finish()
+    except BaseException:
+        trainer.abort()
+        raise
 
     if dist.is_main:
         stage.write_manifest(config_hash=config_hash, fingerprint=inputs.fingerprint,

@@ -232,6 +232,12 @@ class Trainer:
 
     # -- the end ---------------------------------------------------------------------------------------
 
+    def abort(self) -> None:
+        """After a failure inside resume / fit / finish: end the W&B run as failed, so a process that goes on
+        (a test, a notebook) does not keep it open."""
+        if self.logger is not None:
+            self.logger.finish(exit_code=1)
+
     def finish(self) -> TrainResult:
         """Final held-out eval, a checkpoint of the last step (unless just saved), the z-lab export (read back and
         compared) and the replica check."""

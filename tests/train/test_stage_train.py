@@ -255,3 +255,28 @@ def test_frozen_embedding_lm_head_and_final_norm_are_read_from_the_target_safete
     x = torch.randn(5, model.config.hidden_size)
     assert torch.equal(frozen.final_norm(x), model.model.norm(x))
     assert not any(p.requires_grad for p in frozen.final_norm.parameters())
+
+
+def test_a_training_that_fails_before_its_export_ends_its_wandb_run_as_failed(tmp_path, monkeypatch):
+    """A failure after the loop and before finish() (injected into Trainer.fit) must not leave the W&B run open in
+    the process: it ends with exit code 1, and the next run in the same process starts and finishes cleanly."""
+    from train.stage import run_train
+    from train.trainer import Trainer
+
+    fit = Trainer.fit
+
+    def fit_then_fail(self):
+        fit(self)
+        raise RuntimeError("injected failure before the export")
+
+    cfg = make_config(tmp_path, overrides=FAST)
+    write_extract_stage(cfg)
+    monkeypatch.setattr(Trainer, "fit", fit_then_fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run_train(cfg)
+    exits = [r.exit.exit_code for r in wandb_offline_records(cfg.run_dir / "train" / "wandb") if r.HasField("exit")]
+    assert exits == [1]
+    monkeypatch.setattr(Trainer, "fit", fit)
+    again = make_config(tmp_path / "again", overrides=FAST)
+    write_extract_stage(again)
+    assert run_train(again)["counts"]["steps"] == 6
