@@ -278,11 +278,10 @@ def read_unit(stage: StageDir, unit: Unit) -> list[ResponseRecord]:
     return [ResponseRecord.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def build_report(cfg: RunConfig, stage: StageDir, units: list[Unit], *, block_size: int, header: dict,
-                 lossless: dict[str, dict] | None = None) -> dict:
-    """Aggregate the unit shards into report.json's dict (every cell's numbers, see eval.report).
-    lossless: unit name -> `eval.lossless.lossless_summary` (from `check_lossless`)."""
-    by_unit = {u: read_unit(stage, u) for u in units}
+def build_report(cfg: RunConfig, stage: StageDir, by_unit: dict[Unit, list[ResponseRecord]], *, block_size: int,
+                 header: dict, lossless: dict[str, dict] | None = None) -> dict:
+    """Aggregate the units' responses (`read_unit` of every unit) into report.json's dict (every cell's numbers,
+    see eval.report). lossless: unit name -> `eval.lossless.lossless_summary` (from `check_lossless`)."""
     sidecars = stage.done_units()
     cells = []
     for u, recs in by_unit.items():
@@ -325,7 +324,7 @@ def check_overlap(cfg: RunConfig, benchmarks: dict[str, LoadedBenchmark]) -> dic
     return out
 
 
-def check_lossless(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: dict[str, LoadedBenchmark],
+def check_lossless(cfg: RunConfig, by_unit: dict[Unit, list[ResponseRecord]], benchmarks: dict[str, LoadedBenchmark],
                    tokenizer, location: str) -> dict[str, dict] | None:
     """unit name -> `eval.lossless.lossless_summary` of its responses against AR's, at temperature 0.
 
@@ -335,7 +334,6 @@ def check_lossless(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmark
     e = cfg.eval
     if not e.lossless_check or e.temperature != 0:
         return None
-    by_unit = {u: read_unit(stage, u) for u in units}
     todo: dict[str, list[tuple[ResponseRecord, ResponseRecord]]] = {}
     for u, recs in by_unit.items():
         ar = by_unit.get(Unit(u.benchmark, "ar"))
@@ -502,8 +500,9 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
         "skipped_methods": skipped_methods,
     }
     header["overlap"] = check_overlap(cfg, benchmarks)
-    lossless = check_lossless(cfg, stage, units, benchmarks, tokenizer, location)
-    report = build_report(cfg, stage, units, block_size=block_size, header=header, lossless=lossless)
+    responses = {u: read_unit(stage, u) for u in units}
+    lossless = check_lossless(cfg, responses, benchmarks, tokenizer, location)
+    report = build_report(cfg, stage, responses, block_size=block_size, header=header, lossless=lossless)
     table = write_report(report, stage.path)
     _log_wandb(cfg, report, stage.path)
     counts: dict[str, int] = {"units": len(units), "responses": sum(c["responses"] for c in report["cells"]),

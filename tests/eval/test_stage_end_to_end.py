@@ -276,7 +276,7 @@ def test_lossless_check_flags_a_response_that_leaves_ar_at_a_non_tie(cfg):
     victim.output_ids[3] = worst
     path = stage.shard_path(chain.name, "jsonl")
     path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in recs))
-    result = check_lossless(cfg, stage, units, benchmarks, tok, location)
+    result = check_lossless(cfg, {u: read_unit(stage, u) for u in units}, benchmarks, tok, location)
     s = result[chain.name]
     assert s["divergences"] == 1 and s["not_near_tie"] == 1 and s["identical_or_near_tie"] == 0.5
     ex = s["not_near_tie_examples"][0]
