@@ -255,7 +255,7 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
     n = samples_per_conversation(cfg)
     formats = cfg.regen.prompt_formats or {}
     failures: dict[str, tuple[str, str]] = {}
-    items = []  # (sample id, skeleton, curated row)
+    items = []  # (sample id, sample number k, skeleton, curated row)
     for row in rows:
         try:
             sk = skeleton(row["messages"] or [])
@@ -267,25 +267,25 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
             failures[row["id"]] = ("no_answer", "regen.backend is 'none' and the conversation has no assistant turn")
             continue
         for k in range(n):
-            items.append((sample_id(row["id"], k, n), formatted(sk, formats.get(row["source"]), k), row))
+            items.append((sample_id(row["id"], k, n), k, formatted(sk, formats.get(row["source"]), k), row))
 
     out_rows = []
     if cfg.regen.backend == "none":
-        for _, _, row in items:
+        for _, _, _, row in items:
             meta = _with_regen_metadata(row["metadata"], {"backend": "none", "off_policy": True})
             out_rows.append({**row, "metadata": meta})
         answered: dict[str, Answered] = {}
     else:
-        answered, gen_failures = regenerate(generator, tokenizer, [(sid, sk) for sid, sk, _ in items], cfg)
+        answered, gen_failures = regenerate(generator, tokenizer, [(sid, sk) for sid, _, sk, _ in items], cfg)
         failures.update(gen_failures)
-        for sid, sk, row in items:
+        for sid, k, sk, row in items:
             a = answered.get(sid)
             if a is None:
                 continue
             info = {"backend": cfg.regen.backend, "finish_reasons": a.finish_reasons,
                     "generated_tokens": a.generated_tokens}
             if n > 1:
-                info["sample"] = int(sid.rsplit("#", 1)[1])
+                info["sample"] = k
             out_rows.append({"id": sid, "source": row["source"], "messages": sk.conversation(a.answers),
                              "metadata": _with_regen_metadata(row["metadata"], info)})
 
