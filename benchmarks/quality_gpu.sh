@@ -13,6 +13,8 @@
 # Options: --out DIR (reports, tables, logs; default ./quality_out)  --config C (default configs/smollm2-135m-h200.yaml)
 # --target SPEC (target.model override)  --device cuda|cpu  --train-steps N (main run: train.max_steps; default: the
 # config's epochs)  --ablation-steps N (each ablation run's train.max_steps, default 400; 0 = no ablation)
+# --ablation-micro-batch-tokens N (each ablation run's train.micro_batch_tokens; default the config's: three
+# ablation trainings beside the main one hold four trainings' memory on one GPU)
 # --quick (eval on a few prompts: for smoke runs)  --runs-dir DIR (default runs)  -- KEY=VALUE... (overrides for
 # every command). The ablation trainings run beside the main training (the drafter step of a model this small
 # leaves the GPU mostly idle); the main eval runs alone, after every training has finished, so its speed is clean.
@@ -27,7 +29,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 
 OUT="quality_out" CONFIG="configs/smollm2-135m-h200.yaml" TARGET="" DEVICE="" TRAIN_STEPS="" ABL_STEPS=400 QUICK=""
-RUNS="runs" EXTRA=()
+RUNS="runs" EXTRA=() ABL_MBT=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
@@ -36,6 +38,7 @@ while [ $# -gt 0 ]; do
     --device) DEVICE="$2"; shift 2 ;;
     --train-steps) TRAIN_STEPS="$2"; shift 2 ;;
     --ablation-steps) ABL_STEPS="$2"; shift 2 ;;
+    --ablation-micro-batch-tokens) ABL_MBT="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --runs-dir) RUNS="$2"; shift 2 ;;
     --) shift; EXTRA+=("$@"); break ;;
@@ -95,6 +98,7 @@ for loss in "${ABLATIONS[@]}"; do
   abl="$NAME-abl-${loss/+/-}"
   (
     ARGS=("${COMMON[@]}" "name=$abl" "train.loss=$loss" "train.max_steps=$ABL_STEPS" "train.eval_every=0")
+    [ -n "$ABL_MBT" ] && ARGS+=("train.micro_batch_tokens=$ABL_MBT")
     timed "train[$loss]" "$OUT/train-$abl.log" drafter train --config "$CONFIG" "${ARGS[@]}" &&
     timed "eval[$loss]" "$OUT/eval-$abl.log" drafter eval --config "$CONFIG" "${ARGS[@]}" \
       "eval.methods=[chain, ddtree]" "eval.budgets=[64]" \
