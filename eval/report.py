@@ -104,7 +104,8 @@ def verdict(report: dict) -> dict:
 
     Per method (cell label), over benchmarks: mean speedup over AR, mean τ, the lossless share (responses
     whose output equals AR's at temperature 0, pooled) and, where the lossless check ran, the share that is identical
-    or parts from AR only at a near-tie (`eval.lossless`; anything below 100 % there is a bug). best = the highest
+    or parts from AR only by bf16 rounding (`eval.lossless`: a near-tie, or a divergence its fp32 replay does not
+    reproduce; anything below 100 % there is a bug). best = the highest
     mean speedup (mean τ when no speedup was measured). responses = (fewest, most) responses per cell. warnings:
     plain sentences, one per concern — speculation slower than AR, cells on fewer than FEW_RESPONSES responses,
     output differing from AR (a bug, or only near-ties), eval prompts found in the training prompts.
@@ -115,16 +116,16 @@ def verdict(report: dict) -> dict:
             continue
         cells = [c for c in report["cells"] if c["label"] == label]
         matched = [(c["ar_match"], c["responses"]) for c in cells if c.get("ar_match") is not None]
-        near = [(c["lossless"]["identical_or_near_tie"], c["responses"]) for c in cells
-                if (c.get("lossless") or {}).get("identical_or_near_tie") is not None]
+        near = [(c["lossless"]["identical_or_rounding"], c["responses"]) for c in cells
+                if (c.get("lossless") or {}).get("identical_or_rounding") is not None]
         methods[label] = {
             "speedup": _mean([c.get("speedup") for c in cells]),
             "tau": _mean([c.get("tau_mean") for c in cells]),
             "lossless": sum(m * n for m, n in matched) / sum(n for _, n in matched) if matched else None,
-            "lossless_or_near_tie": sum(m * n for m, n in near) / sum(n for _, n in near) if near else None,
+            "lossless_or_rounding": sum(m * n for m, n in near) / sum(n for _, n in near) if near else None,
         }
     counts = [c["responses"] for c in report["cells"]]
-    out = {"best": None, "speedup": None, "tau": None, "lossless": None, "lossless_or_near_tie": None,
+    out = {"best": None, "speedup": None, "tau": None, "lossless": None, "lossless_or_rounding": None,
            "responses": [min(counts), max(counts)] if counts else [0, 0], "methods": methods, "warnings": []}
     if not methods:
         out["warnings"].append("No speculative method was run: there is nothing to compare with AR.")
@@ -147,14 +148,15 @@ def verdict(report: dict) -> dict:
     for label, m in methods.items():
         if m["lossless"] is None or m["lossless"] >= 1:
             continue
-        if m["lossless_or_near_tie"] is None:
+        if m["lossless_or_rounding"] is None:
             out["warnings"].append(
                 f"{label}: only {m['lossless']:.0%} of responses equal AR's output at temperature 0 — speculative "
                 "decoding is lossless, so this is a bug or a bf16 near tie (see 'same output as AR').")
-        elif m["lossless_or_near_tie"] < 1:
+        elif m["lossless_or_rounding"] < 1:
             out["warnings"].append(
-                f"{label}: {1 - m['lossless_or_near_tie']:.0%} of responses leave AR's output at a token that is not "
-                "a near-tie in fp32 — a bug in speculative decoding (see 'Lossless check').")
+                f"{label}: {1 - m['lossless_or_rounding']:.0%} of responses leave AR's output at a token that is not "
+                "a near-tie in fp32, and decoding again in fp32 does not put them back — a bug in speculative decoding "
+                "(see 'Lossless check').")
     overlap = report.get("overlap") or {}
     if overlap.get("exact") or overlap.get("near"):
         out["warnings"].append(
@@ -168,8 +170,8 @@ def verdict_text(v: dict) -> str:
     if v["best"] is None:
         return "No speculative method was run."
     lossless = DASH if v["lossless"] is None else f"{v['lossless']:.0%}"
-    if v.get("lossless_or_near_tie") is not None:
-        lossless += f" ({v['lossless_or_near_tie']:.0%} identical or parting at a near-tie)"
+    if v.get("lossless_or_rounding") is not None:
+        lossless += f" ({v['lossless_or_rounding']:.0%} identical or parting by bf16 rounding)"
     lo, hi = v["responses"]
     per_cell = f"{lo}" if lo == hi else f"{lo}–{hi}"
     return (f"Best method: {v['best']} — speedup {fmt(v['speedup'], '.2f', 'x')} over AR, τ {fmt(v['tau'])}, "
@@ -201,27 +203,28 @@ def cells_table(report: dict) -> Table:
             c["benchmark"], c["label"], c["responses"], c["rounds"], c["new_tokens"],
             fmt(c["tau_mean"]), fmt(c["tau_pooled"]), fmt(c["tokens_per_second"], ".1f"),
             fmt(c.get("speedup"), ".2f", "x"), fmt(c.get("ar_match"), ".0%"),
-            fmt((c.get("lossless") or {}).get("identical_or_near_tie"), ".0%"),
+            fmt((c.get("lossless") or {}).get("identical_or_rounding"), ".0%"),
         ])
     return Table(["benchmark", "method", "responses", "rounds", "new tokens", "τ mean", "τ pooled",
-                  "tok/s", "speedup", "same output as AR", "same or near-tie"], rows)
+                  "tok/s", "speedup", "same output as AR", "same or rounding"], rows)
 
 
 def lossless_table(report: dict) -> Table:
-    """Per speculative cell: responses that differ from AR, how many part at a near-tie, the largest near-tie gap,
-    and the first non-tie divergence (a bug) if any."""
+    """Per speculative cell: responses that differ from AR, how many part at a near-tie (and the largest such gap),
+    how many lie beyond the margin, how many of those the fp32 replay puts back on AR's output (rounding), the
+    bugs left, and the first bug (else the first divergence beyond the margin)."""
     rows = []
     for c in report["cells"]:
         s = c.get("lossless")
         if not s:
             continue
-        ex = s["not_near_tie_examples"][0] if s["not_near_tie_examples"] else None
+        ex = (s["bug_examples"] or s["not_near_tie_examples"] or [None])[0]
         rows.append([c["benchmark"], c["label"], c["responses"], s["divergences"], s["divergences"] - s["not_near_tie"],
-                     fmt(s["max_near_tie_gap"], ".3f"), s["not_near_tie"],
+                     fmt(s["max_near_tie_gap"], ".3f"), s["not_near_tie"], s["fp32_replay_identical"], s["bugs"],
                      DASH if ex is None else f"{ex['prompt_id']} turn {ex['turn']} @ {ex['position']} "
-                                             f"(gap {fmt(ex['gap'], '.2f')})"])
+                                             f"(gap {fmt(ex['gap'], '.2f')}, fp32 replay {ex['fp32_replay'] or DASH})"])
     return Table(["benchmark", "method", "responses", "differ from AR", "near-tie", "largest near-tie gap",
-                  "not a near-tie", "first non-tie"], rows)
+                  "beyond the margin", "fp32 replay identical", "bugs", "first bug (or beyond the margin)"], rows)
 
 
 def overlap_text(report: dict) -> str:
@@ -531,7 +534,9 @@ def report_blocks(report: dict) -> list[tuple[str, Any]]:
         blocks += [("h2", "Lossless check"),
                    ("p", "Each response that differs from AR's is compared at its first differing token with the "
                          "target's fp32 logits: a gap of at most 0.5 logits between the two chosen tokens is a near-tie "
-                         "(bf16 rounding picked one of two equally good tokens); a larger gap is a bug."),
+                         "(bf16 rounding picked one of two equally good tokens). A larger gap is replayed: AR and the "
+                         "method decode that prompt again in fp32 through the divergence. If they agree, bf16 rounding "
+                         "made it; if they differ again, it is a bug."),
                    ("table", lossless_table(report))]
     if "overlap" in report:
         blocks += [("h2", "Eval prompts in the training set"), ("pre", overlap_text(report))]

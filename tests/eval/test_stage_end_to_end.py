@@ -19,6 +19,7 @@ from transformers import AutoConfig
 
 from extract.layers import configured_layer_ids
 from eval.decode import decode
+from eval.lossless import NEAR_TIE_MARGIN as NEAR_TIE
 from eval.stage import merge_ranks, run_conversation, run_eval
 from eval.prompts import EvalPrompt, chat_prompt_ids
 from pipeline.config import load_config
@@ -244,14 +245,16 @@ def test_report_has_the_lossless_check_and_names_eval_prompts_found_in_the_train
         if c["method"] == "ar":
             assert c["lossless"] is None
         else:  # fp32 on the CPU: identical, so nothing to classify
-            assert c["lossless"]["identical"] == 1.0 and c["lossless"]["identical_or_near_tie"] == 1.0
+            assert c["lossless"]["identical"] == 1.0 and c["lossless"]["identical_or_rounding"] == 1.0
     md = (cfg.run_dir / "eval" / "report.md").read_text()
     assert "## Lossless check" in md and "## Eval prompts in the training set" in md and "gsm8k/0 in leak/0" in md
 
 
-def test_lossless_check_flags_a_response_that_leaves_ar_at_a_non_tie(cfg):
+def test_lossless_check_finds_a_planted_divergence_and_replays_the_decoder_in_fp32(cfg):
     """The stage's check rebuilds each response's prompt ids (turn 2 after the shared turn-1 answer) and finds a
-    planted divergence to the target's least likely token, at turn 1 of a two-turn prompt."""
+    planted divergence to the target's least likely token, at turn 1 of a two-turn prompt: beyond the near-tie
+    margin. The fp32 replay re-decodes that prompt with the (correct) decoder, which agrees with AR: the replay
+    judges the decoder, not an edited response file (a decoder fault is the next test)."""
     from eval.stage import Unit, check_lossless, plan_units, read_unit
     from eval.prompts import load_benchmark
     from pipeline.target import load_target as load
@@ -281,4 +284,34 @@ def test_lossless_check_flags_a_response_that_leaves_ar_at_a_non_tie(cfg):
     assert s["divergences"] == 1 and s["not_near_tie"] == 1 and s["identical_or_near_tie"] == 0.5
     ex = s["not_near_tie_examples"][0]
     assert (ex["prompt_id"], ex["turn"], ex["position"], ex["method_token"]) == ("mt_bench/81", 1, 3, worst)
+    assert ex["fp32_replay"] == "identical" and s["fp32_replay_identical"] == 1 and s["bugs"] == 0
     assert result[Unit("gsm8k", "chain").name]["divergences"] == 0
+
+
+@pytest.mark.slow
+def test_a_decoder_that_commits_a_wrong_token_is_a_bug_the_fp32_replay_reproduces(cfg, monkeypatch):
+    """A fault injected into the decoder (the target's choice at the tree root replaced by its least likely token,
+    so every round that accepts no drafted token commits it) makes chain and DDTree leave AR's output; the fp32
+    replay runs the same faulty decoder, the divergence comes back, and the report calls it a bug."""
+    import eval.decode
+    from eval.walk import target_choices
+
+    def faulty_choices(logits, temperature, uniforms=None):
+        choices = target_choices(logits, temperature, uniforms)
+        if logits.shape[0] > 1:  # a drafted round (AR's rounds and every prefill have one row)
+            choices = choices.clone()
+            choices[0] = logits[0].argmin()
+        return choices
+
+    monkeypatch.setattr(eval.decode, "target_choices", faulty_choices)
+    run_eval(cfg)
+    report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
+    for c in report["cells"]:
+        if c["method"] == "ar":
+            continue
+        s = c["lossless"]
+        assert s["bugs"] >= 1 and s["identical_or_rounding"] < 1, c["label"]
+        assert s["bug_examples"][0]["fp32_replay"] == "differs" and s["bug_examples"][0]["gap"] > NEAR_TIE
+    assert any("a bug in speculative decoding" in w for w in report["verdict"]["warnings"])
+    md = (cfg.run_dir / "eval" / "report.md").read_text()
+    assert "fp32 replay differs" in md
