@@ -37,7 +37,10 @@ log = get_logger("extract.hf")
 WRITE_CHUNK_BYTES = 64 << 20  # one pwrite job; several run in parallel on the writer threads
 COMPILE_PROBES = ((2, 64), (1, 48))  # (B, S) of the probe batches: one graph for B >= 2, one for B == 1
 LOOP_MAX_ERROR = 1e-3  # eager layer loop vs forward_taps (the same kernels: expected 0)
-COMPILED_MAX_ERROR = 3e-2  # compiled vs eager (bf16 rounding through fused kernels; a wrong graph gives ~1)
+# compiled vs eager: bf16 rounding through fused kernels, summed over every layer. On SmolLM2-135M's real weights
+# (30 layers, random-token probes, H200) it reached 3.3e-2 and 5.5e-2 in two processes (docs/benchmarks.md); a wrong
+# graph gives more: a layer step without its residual ~1, one 5 % off ~0.2 (tests/extract/test_hf.py).
+COMPILED_MAX_ERROR = 0.1
 
 
 def plan_batches(lengths: Sequence[int], tokens_per_batch: int, overhead_tokens: int | None = None) -> list[tuple[int, int]]:
@@ -146,8 +149,8 @@ def compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torc
             raise RuntimeError(f"extract.compile=on: cannot compile the decoder layers: {e}") from e
         log.warning("extract.compile: running the eager forward (%s: %s)", type(e).__name__, e)
         return forward_taps
-    log.info("extract.compile: decoder layers compiled and checked against eager in %.1f s",
-             time.perf_counter() - started)
+    log.info("extract.compile: decoder layers compiled and checked against eager in %.1f s (relative error %.2e)",
+             time.perf_counter() - started, err)
     return lambda m, ids, taps: forward_taps_loop(m, ids, taps, layer_call)
 
 

@@ -80,6 +80,20 @@ def test_compile_auto_keeps_cpu_eager_and_compile_on_refuses_a_hybrid_target(ran
         compiled_forward(hybrid, [1, 3], "on", torch.device("cpu"))
 
 
+def test_compile_check_refuses_a_layer_graph_that_drops_the_residual_or_scales_its_output(random_target, monkeypatch):
+    """The probe check's bound (COMPILED_MAX_ERROR) is loose enough for bf16 rounding on real weights but not for a
+    wrong graph: a layer step without its residual (relative error ~1) or 5 % off (~0.2) is refused."""
+    import extract.hf as hf
+    from extract.layers import call_decoder_layer
+
+    _, model = random_target("qwen3")
+    for wrong in (lambda layer, h, cos, sin: call_decoder_layer(layer, h, cos, sin) - h,
+                  lambda layer, h, cos, sin: call_decoder_layer(layer, h, cos, sin) * 1.05):
+        monkeypatch.setattr(hf, "compiled_layer_call", lambda: wrong)
+        with pytest.raises(RuntimeError, match="compiled layers differ from eager"):
+            hf.compiled_forward(model, [1, 3], "on", torch.device("cpu"))
+
+
 @pytest.mark.slow
 def test_compiled_layers_match_eager_with_one_graph_per_batch_rank_for_all_layers_and_shapes(random_target):
     """~60 s on 2 CPU cores (inductor C++ compile). All layers share one graph; B >= 2 and B == 1 get one each."""
