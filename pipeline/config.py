@@ -370,7 +370,9 @@ class EvalConfig:
     )
     lossless_check: bool = doc(
         "at temperature 0, classify every response that differs from AR's at its first divergence with the "
-        "target's fp32 logits (near-tie or not; loads an fp32 copy of the target after decoding)", True
+        "target's fp32 logits (near-tie or not; beyond the margin, AR and the method decode that prompt again in fp32 "
+        "through the divergence: rounding if they agree, a bug if not; loads fp32 copies of the target (and the "
+        "drafter, for a replay) after decoding)", True
     )
     overlap_check: bool = doc(
         "report eval prompts that this run's curated training prompts contain (exact or near duplicates)", True
