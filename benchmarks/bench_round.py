@@ -25,7 +25,9 @@ Per method (medians over `--repeats` decodes):
   x AR       round / AR step
 `--out` writes the JSON the docs record (docs/results/round-h200/summary.json): under the mode's name
 ("qwen3_8b" / "tiny" / `--name`), ar_step_ms, verify_ms / round_ms per budget (+ round_ms chain), drafter_ms and
-overhead_ms at the largest budget, host_syncs_per_round, and every row in "rows". CPU smoke run (seconds):
+overhead_ms at the largest budget, host_syncs_per_round, and every row in "rows". `--profile-drafter STEPS`
+adds where a draft step's time goes: its kernels (CPU ops on a CPU) per step, their total, the step's wall time
+and the bound weight bytes / measured copy bandwidth ("drafter_profile" in the JSON). CPU smoke run (seconds):
 
       python benchmarks/bench_round.py --device cpu --shape tiny --budgets 4,16 --past 32 --new-tokens 16 --out x.json
 """
@@ -36,6 +38,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -163,6 +166,90 @@ def summary(rows: list[dict], budgets: list[int], mode: str) -> dict:
     return out
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of one device-to-device copy of `nbytes` (read + write counted): the memory a bandwidth-bound
+    kernel can hope to stream, measured in this run."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dst.copy_(src)
+    sync()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / statistics.median(times)
+
+
+def drafter_bytes(drafter: DFlashDrafter) -> int:
+    """Weight bytes one draft step reads: every drafter parameter (layers, fc, norms) and the LM head it shares
+    with the target (the embedding rows it gathers are negligible)."""
+    own = sum(p.numel() * p.element_size() for p in drafter.parameters())
+    head = drafter.lm_head_weight
+    return own + head.numel() * head.element_size()
+
+
+def profile_drafter(drafter: DFlashDrafter, past: int, steps: int, device: torch.device, top: int = 15) -> dict:
+    """Where a draft step's time goes: the step (compiled pieces where the round compiles them, no CUDA graph, so
+    the profiler sees every kernel) at a context of `past` rows, `steps` times under torch.profiler. Per kernel
+    (CPU op on a CPU): calls and time per step; totals: kernels per step, their time, the step's wall time with a
+    sync after it, and the lower bound weight bytes / copy bandwidth."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eval.draft_forward import STEP_FNS, DraftForward
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    B, F = drafter.args.block_size, drafter.args.num_taps * drafter.args.hidden_size
+    new = 4  # context rows each step appends (a round that accepted 3 tokens)
+    draft = DraftForward(drafter, graphs=False, compile="inductor" if cuda else None)
+    draft.reset(past + new * (steps + 8) + B)
+    gen = torch.Generator(device=device).manual_seed(0)
+    draft.prefill(torch.randn(past, F, generator=gen, device=device, dtype=draft.dtype))
+    rows = torch.randn(B, F, generator=gen, device=device, dtype=draft.dtype)
+    bonus = torch.zeros(1, dtype=torch.long, device=device)
+    for _ in range(4):  # compile (and check) outside the profile
+        draft(rows, bonus, draft.length + new)
+    sync()
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        draft(rows, bonus, draft.length + new)
+        sync()
+        walls.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            draft(rows, bonus, draft.length + new)
+        sync()
+    kernels = []
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) if cuda \
+            else e.self_cpu_time_total
+        if us > 0 and (not cuda or getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU):
+            kernels.append({"kernel": e.key, "calls_per_step": e.count / steps, "us_per_step": us / steps})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    total_us = sum(k["us_per_step"] for k in kernels)
+    nbytes, bw = drafter_bytes(drafter), copy_bandwidth(device)
+    return {"past": past, "steps": steps, "compiled": draft.fns is not STEP_FNS,
+            "kernels_per_step": sum(k["calls_per_step"] for k in kernels), "kernel_ms": total_us / 1e3,
+            "step_wall_ms": 1e3 * statistics.median(walls), "weight_bytes": nbytes, "copy_bandwidth_gbs": bw / 1e9,
+            "weight_read_ms": 1e3 * nbytes / bw, "top": kernels[:top]}
+
+
+def print_profile(p: dict) -> None:
+    print(f"\ndraft step profile: context {p['past']} rows, {p['steps']} steps, no CUDA graph "
+          f"({'compiled pieces' if p['compiled'] else 'plain pieces'})")
+    print(f"{'us/step':>9} {'share':>6} {'calls':>6}  kernel")
+    for k in p["top"]:
+        print(f"{k['us_per_step']:9.1f} {k['us_per_step'] / 1e3 / max(p['kernel_ms'], 1e-9):6.1%} "
+              f"{k['calls_per_step']:6.1f}  {k['kernel'][:110]}")
+    print(f"{p['kernels_per_step']:.0f} kernels per step, {p['kernel_ms']:.3f} ms of kernel time; step wall (synced) "
+          f"{p['step_wall_ms']:.3f} ms; weights {p['weight_bytes'] / 1e9:.2f} GB at the measured copy bandwidth "
+          f"{p['copy_bandwidth_gbs']:.0f} GB/s = {p['weight_read_ms']:.3f} ms (the bound)")
+
+
 def gsm8k_prompts(tokenizer, n: int, enable_thinking: bool) -> list[list[int]]:
     from eval.prompts import chat_prompt_ids, load_benchmark
 
@@ -184,6 +271,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="export mode: GSM8K prompts decoded per method")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per prompt")
     ap.add_argument("--repeats", type=int, default=3, help="passes over the prompts per method")
+    ap.add_argument("--profile-drafter", type=int, default=0, metavar="STEPS",
+                    help="also profile STEPS draft steps kernel by kernel (no CUDA graph) at the context of the "
+                         "first prompt; 0 = off")
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args()
 
@@ -221,6 +311,11 @@ def main() -> None:
                 for m, b in [("ar", None), ("chain", None)] + [("ddtree", b) for b in budgets]]
     print_rows(rows, title)
     result = {name: summary(rows, budgets, mode)}
+    if args.profile_drafter > 0:
+        with torch.inference_mode():
+            prof = profile_drafter(drafter, len(prompts[0]), args.profile_drafter, device)
+        print_profile(prof)
+        result[name]["drafter_profile"] = prof
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -30,7 +30,8 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_shape_mode_prints_every_method_and_writes_the_summary_keys(tmp_path):
     out = tmp_path / "tiny.json"
-    res = run_bench("--shape", "tiny", "--budgets", "4,16", "--past", "40", "--new-tokens", "12", "--out", str(out))
+    res = run_bench("--shape", "tiny", "--budgets", "4,16", "--past", "40", "--new-tokens", "12", "--out", str(out),
+                    "--profile-drafter", "3")
     assert res.returncode == 0, res.stderr[-3000:]
     labels = [line.split()[0] for line in res.stdout.splitlines() if line.split()[:1] in (["ar"], ["chain"],
                                                                                          ["ddtree@4"], ["ddtree@16"])]
@@ -42,6 +43,10 @@ def test_shape_mode_prints_every_method_and_writes_the_summary_keys(tmp_path):
     rows = {r["label"]: r for r in summary["rows"]}
     assert rows["ddtree@16"]["draft_path"] == "static context, eager" and rows["ar"]["draft_path"] == ""
     assert all(r["graphs_captured_while_timed"] == 0 and not r["graph_fallbacks"] for r in summary["rows"])
+    prof = summary["drafter_profile"]  # where a draft step's time goes (CPU ops here, CUDA kernels on a GPU)
+    assert prof["steps"] == 3 and prof["past"] == 40 and prof["kernels_per_step"] > 10
+    assert 0 < prof["kernel_ms"] and 0 < prof["step_wall_ms"] and prof["weight_bytes"] > 0
+    assert any(k["kernel"] == "aten::mm" for k in prof["top"]) and "draft step profile" in res.stdout
 
 
 @pytest.mark.slow
