@@ -60,7 +60,7 @@ from benchmarks.bench_eval_overhead import SHAPES as ATTENTION_SHAPES  # noqa: E
 from benchmarks.bench_eval_overhead import deepest_path, two_way_draft  # noqa: E402
 from benchmarks.bench_extract import (disk_bandwidth, flops_per_token, length_mix, matmul_rate,  # noqa: E402
                                       run_pipeline)
-from eval.decode import decode, round_ops  # noqa: E402
+from eval.decode import decode, round_ops, warm_up  # noqa: E402
 from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache  # noqa: E402
 from eval.target_cache import target_cache  # noqa: E402
 from eval.tree import chain_tree  # noqa: E402
@@ -152,10 +152,14 @@ class Rewind:
 
     def __call__(self) -> None:
         cache = self.cache
+        hybrid = isinstance(cache, HybridTargetCache)
         if getattr(cache, "static", False):
             cache._set_length(self.past)
+            if hybrid:
+                for live, saved in zip((cache.conv_states, cache.recurrent_states), self.states):
+                    live.copy_(saved)
+                cache._records = None
             return
-        hybrid = isinstance(cache, HybridTargetCache)
         for layer in cache.cache.layers if hybrid else cache.dynamic.layers:
             if getattr(layer, "keys", None) is not None:
                 layer.keys, layer.values = layer.keys[:, :, : self.past], layer.values[:, :, : self.past]
@@ -199,13 +203,18 @@ def verify_section(target, args, device, dtype, res: dict, save) -> None:
     capacity = args.past + max(args.budgets) + CHAIN_ROWS + 1
     res["gated_delta_kernels"] = gated_delta_kernels(target)
 
-    ar = decode("ar", target, None, prompt.tolist(), max_new_tokens=4, phase_timing=False)  # warm-up (kernels)
-    ar = decode("ar", target, None, prompt.tolist(), max_new_tokens=args.ar_tokens, phase_timing=False)
+    impl = args.cache
+    warm_up("ar", target, None, max_length=args.past + args.ar_tokens + 1, cache_impl=impl)
+    ar = decode("ar", target, None, prompt.tolist(), max_new_tokens=4, phase_timing=False,
+                cache_impl=impl)  # warm-up (kernels)
+    ar = decode("ar", target, None, prompt.tolist(), max_new_tokens=args.ar_tokens, phase_timing=False,
+                cache_impl=impl)
     res["ar_step_ms"] = ar.timings["decode"] / max(ar.num_rounds, 1) * 1e3
     res["verify_path"] = ar.verify_path
     print(f"AR step: {res['ar_step_ms']:.3f} ms/round ({ar.verify_path})", flush=True)
 
-    fast = HybridTargetCache(target, taps)
+    fast = HybridTargetCache(target, taps, static=impl in ("static", "graphs"), graphs=impl == "graphs")
+    res["hybrid_cache"] = impl
     rewind_fast = prefilled(fast, prompt, capacity)
     bonus = torch.tensor([7], device=device)
     logits = draft_logits(args.draft, L, vocab, device, dtype)
@@ -415,6 +424,9 @@ def main(argv=None) -> int:
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--disk-bytes", type=int, default=None, help="disk probe bytes (default 2 GiB GPU, 64 MiB CPU)")
     ap.add_argument("--sections", default="verify,extract,reference", help="any of verify, extract, reference")
+    ap.add_argument("--cache", choices=["dynamic", "static", "graphs"], default="dynamic",
+                    help="the hybrid verify's cache: HF's dynamic cache (the default), the static K/V buffer, or the "
+                         "static buffer with every verify a CUDA graph (eval/recurrent_cache.py)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"

@@ -182,7 +182,7 @@ class KVTargetCache(TargetCache):
         if fn is None:
             fn = functools.partial(self._static_verify, kv_len)
             if self.graphs:
-                fn = CudaGraphFn(fn, f"verify forward N={tree.size} keys={kv_len}", check=_logits_close)
+                fn = CudaGraphFn(fn, f"verify forward N={tree.size} keys={kv_len}", check=logits_close)
             self._verify_fns[key] = fn
         logits, features = fn(tree.tokens, vin.positions, vin.mask, vin.visibility)
         return ForwardOutput(logits, features)
@@ -266,7 +266,7 @@ def keep_dynamic_rows(layers, length: int, keep: Tensor, contiguous: bool) -> No
         layer.values = layer.values[:, :, :end]
 
 
-def _logits_close(graph_out, eager_out) -> bool:
+def logits_close(graph_out, eager_out) -> bool:
     """The verify graph's self-check: its logits equal an eager run's up to rounding
     (`pipeline.cuda_graphs.rounding_tolerance`, the same allowance as the fused forward against HF's). A failure
     logs the error."""

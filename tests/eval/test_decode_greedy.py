@@ -234,7 +234,13 @@ def test_hybrid_target_ar_chain_and_ddtree_equal_greedy_tree_aware_and_path_batc
         chain = decode("chain", hybrid, oracle, prompt, max_new_tokens=24)
         assert chain.output_ids == greedy[:24]
         assert any(1 < t < BLOCK for t in chain.accept_lengths)  # partial acceptances: a prefix committed
-        for impl in ("auto", "paths"):
+        static_ar = decode("ar", hybrid, None, prompt, max_new_tokens=24, cache_impl="static")
+        assert static_ar.verify_path.startswith("hybrid: static KV under the tree mask")
+        for impl in ("static", "dynamic"):  # AR and chain on the static K/V cache too
+            assert decode("ar", hybrid, None, prompt, max_new_tokens=24, cache_impl=impl).output_ids == greedy[:24]
+            assert decode("chain", hybrid, oracle, prompt, max_new_tokens=24, cache_impl=impl).output_ids == \
+                greedy[:24]
+        for impl in ("auto", "static", "paths"):
             for budget in (2, 16, 64):
                 tree = decode("ddtree", hybrid, oracle, prompt, max_new_tokens=24, budget=budget, cache_impl=impl)
                 assert tree.output_ids == greedy[:24], (impl, budget)
@@ -369,6 +375,27 @@ def test_hybrid_rounds_on_cuda_equal_ar_greedy_and_sync_once_per_round():
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     # the prefill (HF's forward and the first bonus token) and the timers may sync a few times; a round once
     assert len(syncs) <= res.num_rounds + 5, [str(w.message) for w in syncs[:5]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_hybrid_rounds_on_cuda_graphs_equal_ar_greedy_and_never_fall_back():
+    """The static hybrid cache under CUDA graphs (cache impl 'graphs'): every verify (AR steps, chains, trees) a
+    captured graph checked against eager on its first replay, the output AR's greedy one, no graph falling back."""
+    from pipeline.cuda_graphs import GRAPH_LOG
+
+    target = tiny_target("qwen3_5_text", device="cuda")
+    fallbacks = len(GRAPH_LOG.fallbacks)
+    for i, prompt in enumerate(prompts(2, 12)):
+        greedy = naive_greedy(target, prompt, 40 + BLOCK)
+        oracle = OracleDrafter(target, prompt, greedy, seed=i)
+        ar = decode("ar", target, None, prompt, max_new_tokens=40, cache_impl="graphs")
+        assert ar.output_ids == greedy[:40] and ar.verify_path.endswith("CUDA graphs"), ar.verify_path
+        chain = decode("chain", target, oracle, prompt, max_new_tokens=40, cache_impl="graphs")
+        assert chain.output_ids == ar.output_ids
+        for budget in (16, 64):
+            res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=budget, cache_impl="graphs")
+            assert res.output_ids == ar.output_ids, (i, budget)
+    assert GRAPH_LOG.fallbacks[fallbacks:] == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")

@@ -37,6 +37,23 @@ def test_hybrid_benchmark_writes_the_summary_keys_at_the_tiny_shape(tmp_path):
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").rglob("*.safetensors"))
 
 
+@pytest.mark.slow
+def test_hybrid_benchmark_measures_the_static_kv_verify(tmp_path):
+    """`--cache static` (what `--cache graphs` captures on a GPU) runs the same verify section on the static K/V."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_hybrid.py", "--device", "cpu", "--shape", "tiny", "--out",
+         str(tmp_path / "out"), "--past", "32", "--budgets", "4,16", "--iters", "1", "--ar-tokens", "3",
+         "--sections", "verify", "--cache", "static"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert res["hybrid_cache"] == "static" and res["verify_path"].startswith("hybrid: static KV")
+    assert res["chain_verify_ms"] > 0 and set(res["tree_verify_ms"]) == {"4", "16"}
+    assert all(v > 0 for v in res["overhead_ms"].values())
+
+
 def test_the_27b_shape_has_the_qwen36_layout_and_size():
     sys.path.insert(0, str(REPO))
     from benchmarks.bench_hybrid import hybrid_config, random_model

@@ -44,13 +44,16 @@ def trees(gen: torch.Generator, vocab: int, device) -> list[Tree]:
 
 
 def attention_rows(cache) -> list[torch.Tensor]:
+    """The committed K rows [1, KVH, length, hd] of every attention layer (HF's dynamic cache, or the static buffer)."""
+    if cache.static:
+        return [cache.kv[j, 0, :, :, : cache.length] for j in range(cache.kv.shape[0])]
     return [layer.keys for layer in cache.cache.layers if getattr(layer, "keys", None) is not None]
 
 
-def check_tree_aware_verify_equals_path_batched(target, tol: float) -> None:
+def check_tree_aware_verify_equals_path_batched(target, tol: float, *, static: bool = False) -> None:
     device = target.get_input_embeddings().weight.device
     gen = torch.Generator().manual_seed(0)
-    fast, ref = HybridTargetCache(target, TAPS), PathBatchedTargetCache(target, TAPS)
+    fast, ref = HybridTargetCache(target, TAPS, static=static), PathBatchedTargetCache(target, TAPS)
     prompt = torch.tensor(prompts(1, 3)[0], device=device)
     for cache in (fast, ref):
         cache.reset(256)
@@ -84,9 +87,30 @@ def test_tree_aware_verify_and_commit_equal_the_path_batched_reference_round_aft
     check_tree_aware_verify_equals_path_batched(hybrid, 1e-4)
 
 
+def test_the_static_kv_verify_and_commit_equal_the_path_batched_reference_round_after_round(hybrid):
+    """The static hybrid cache (attention K/V in one preallocated buffer, the mask built from the ancestor matrix and
+    the device length, fixed shapes per (N, key bucket): what CUDA graphs capture) gives the same rows."""
+    check_tree_aware_verify_equals_path_batched(hybrid, 1e-4, static=True)
+
+
+def test_the_static_cache_keeps_its_buffers_across_prompts_and_reallocates_only_to_grow(hybrid):
+    cache = HybridTargetCache(hybrid, TAPS, static=True)
+    cache.reset(64)
+    cache.prefill(torch.tensor(prompts(1, 4)[0]))
+    buffers = (cache.kv.data_ptr(), cache.conv_states.data_ptr(), cache.recurrent_states.data_ptr())
+    first = cache.recurrent_states.clone()
+    cache.reset(100)  # still inside the 2048-row bucket
+    cache.prefill(torch.tensor(prompts(2, 4)[1]))
+    assert (cache.kv.data_ptr(), cache.conv_states.data_ptr(), cache.recurrent_states.data_ptr()) == buffers
+    assert not torch.equal(first, cache.recurrent_states) and cache.generation == 1  # new prompt, same addresses
+    cache.reset(5000)
+    assert cache.kv.shape[4] == 6144 and cache.generation == 2  # grown: graphs on the old buffer are stale
+
+
 def test_hybrid_targets_get_the_tree_aware_cache_by_default_and_the_reference_on_request(hybrid):
-    assert type(target_cache(hybrid, TAPS)) is HybridTargetCache
-    assert type(target_cache(hybrid, TAPS, "graphs")) is HybridTargetCache  # no static/graph path for hybrids
+    assert type(target_cache(hybrid, TAPS)) is HybridTargetCache and not target_cache(hybrid, TAPS).static
+    for impl in ("static", "fused", "graphs"):  # static K/V (+ CUDA graphs for 'graphs', on CUDA only)
+        assert target_cache(hybrid, TAPS, impl).static and not target_cache(hybrid, TAPS, impl).graphs
     assert type(target_cache(hybrid, TAPS, "paths")) is PathBatchedTargetCache
     with pytest.raises(ValueError, match="hybrid targets only"):
         target_cache(tiny_target("qwen3"), TAPS, "paths")
