@@ -56,32 +56,61 @@ log = get_logger("eval.draft_forward")
 # ----------------------------------------------------------------------------------------------
 
 
-def _context_kv(drafter: DFlashDrafter, features: Tensor, cos: Tensor, sin: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """Per layer, K and V [KVH, T, hd] of context rows with target features [T, F] at the positions of cos/sin:
-    H_t = fuse(features) through each layer's k_proj/k_norm/v_proj, RoPE'd."""
-    ctx = drafter.fuse(features)
-    return [layer.self_attn.key_value(ctx, cos, sin) for layer in drafter.layers]
+def _context_kv(drafter: DFlashDrafter, kv_weight: Tensor, k_norm_weight: Tensor, features: Tensor, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V [layers, KVH, T, hd] of context rows with target features [T, F], every layer at once: H_t =
+    fuse(features), ONE batched GEMM against the layers' k|v rows kv_weight [layers, 2*KVH*hd, D], each layer's
+    k_norm (k_norm_weight [layers, hd]) and RoPE at cos/sin (train/model.py `Attention.key_value`, per layer)."""
+    a = drafter.args
+    kv = torch.matmul(drafter.fuse(features), kv_weight.transpose(1, 2))  # [layers, T, 2*KVH*hd]
+    k, v = kv.view(kv.shape[0], kv.shape[1], 2, a.num_key_value_heads, a.head_dim).unbind(2)  # [layers, T, KVH, hd]
+    dtype = k.dtype
+    k = k.float()
+    k = k_norm_weight[:, None, None, :] * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + a.rms_norm_eps)).to(dtype)
+    return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
 
-def _block_qkv(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Queries [H, B, hd] and keys/values [KVH, B, hd] of the block rows x [B, D] (train/model.py `Attention`)."""
+def _block_qkv(layer: DecoderLayer, kvq_weight: Tensor, x: Tensor, cos: Tensor,
+               sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries [H, B, hd] and keys/values [KVH, B, hd] of the block rows x [B, D] (train/model.py `Attention`), the
+    three projections as ONE GEMM against the layer's k|v|q rows kvq_weight [(2*KVH + H)*hd, D]."""
     attn, B = layer.self_attn, x.shape[0]
-    h = layer.input_layernorm(x)
-    q = apply_rope(attn.q_norm(attn.q_proj(h).view(B, attn.num_heads, attn.head_dim)).transpose(0, 1), cos, sin)
-    k, v = attn.key_value(h, cos, sin)
-    return q, k, v
+    kv_cols = attn.num_kv_heads * attn.head_dim
+    k, v, q = (layer.input_layernorm(x) @ kvq_weight.t()).split([kv_cols, kv_cols, attn.num_heads * attn.head_dim],
+                                                                dim=-1)
+    q = apply_rope(attn.q_norm(q.reshape(B, attn.num_heads, attn.head_dim)).transpose(0, 1), cos, sin)
+    k = apply_rope(attn.k_norm(k.reshape(B, attn.num_kv_heads, attn.head_dim)).transpose(0, 1), cos, sin)
+    return q, k, v.reshape(B, attn.num_kv_heads, attn.head_dim).transpose(0, 1)
 
 
-def _block_out(layer: DecoderLayer, x: Tensor, attended: Tensor) -> Tensor:
-    """The layer's output [B, D] from its input x and the attention output [H, B, hd] (o_proj, residual, MLP)."""
+def _block_out(layer: DecoderLayer, gate_up_weight: Tensor, x: Tensor, attended: Tensor) -> Tensor:
+    """The layer's output [B, D] from its input x and the attention output [H, B, hd]: o_proj, residual, then the
+    MLP with gate and up as ONE GEMM against the layer's gate|up rows gate_up_weight [2*I, D]."""
     attn, B = layer.self_attn, x.shape[0]
     x = x + attn.o_proj(attended.transpose(0, 1).reshape(B, attn.num_heads * attn.head_dim))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    gate, up = (layer.post_attention_layernorm(x) @ gate_up_weight.t()).chunk(2, dim=-1)
+    return x + layer.mlp.down_proj(F.silu(gate) * up)
 
 
 def _final_norm(drafter: DFlashDrafter, x: Tensor) -> Tensor:
     """norm(x) of the block slots 1..B-1 [B-1, D], in the LM head's dtype."""
     return drafter.norm(x[1:]).to(drafter.lm_head_weight.dtype)
+
+
+def fused_weights(drafter: DFlashDrafter) -> tuple[Tensor, Tensor, Tensor]:
+    """The draft step's GEMM weights, copied once from the drafter's projections (the step's GEMMs are fewer and
+    larger; the copies cost 2*KVH*hd + H*hd + 2*I rows of D per layer):
+      kvq      [layers, (2*KVH + H)*hd, D]  each layer's k | v | q rows; kvq[:, :2*KVH*hd] (a view) is every
+                                            layer's k | v, the context K/V's one batched GEMM
+      gate_up  [layers, 2*I, D]             each layer's gate | up rows
+      k_norm   [layers, hd]                 each layer's k_norm weight (the context K/V's batched k_norm)
+    Copies taken when the DraftForward is made: a drafter whose weights change afterwards needs a new one (eval
+    only decodes trained, frozen drafters)."""
+    layers = drafter.layers
+    kvq = torch.stack([torch.cat([l.self_attn.k_proj.weight, l.self_attn.v_proj.weight, l.self_attn.q_proj.weight])
+                       for l in layers])
+    gate_up = torch.stack([torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in layers])
+    return kvq, gate_up, torch.stack([l.self_attn.k_norm.weight for l in layers])
 
 
 STEP_FNS = {"context": _context_kv, "qkv": _block_qkv, "out": _block_out, "norm": _final_norm}
@@ -108,6 +137,8 @@ class DraftForward:
                                    device=self.device)  # the new rows of a prompt's first round (none are new)
         self.logits = torch.empty(self.block - 1, drafter.lm_head_weight.shape[0], dtype=drafter.lm_head_weight.dtype,
                                   device=self.device)
+        self.kvq_weight, self.gate_up_weight, self.k_norm_weight = fused_weights(drafter)
+        self.ctx_kv_weight = self.kvq_weight[:, : 2 * drafter.args.num_key_value_heads * drafter.args.head_dim]
         self._steps: dict[tuple[int, int], object] = {}  # (R, kv_len) -> step fn / CUDA graph
         self.fns = STEP_FNS  # the step's pieces; with `compile` (a torch.compile backend) compiled ones, checked
         self.compiled = compile is not None  # against these on the first step
@@ -197,23 +228,23 @@ class DraftForward:
         cos, sin = rope_cos_sin(rows, self.args.head_dim, self.args.rope_theta, self.dtype)
         masks = {t: self._block_mask(t, start, kv_len) for t in set(self.args.layer_types)}
         for i, layer in enumerate(d.layers):
-            q, k, v = fns["qkv"](layer, x, cos, sin)
+            q, k, v = fns["qkv"](layer, self.kvq_weight[i], x, cos, sin)
             kv = self.kv[i]  # [2, KVH, cap, hd]: the block's K/V at `rows`, then attention over rows [0, kv_len)
             kv[0].index_copy_(1, rows, k)
             kv[1].index_copy_(1, rows, v)
             attended = F.scaled_dot_product_attention(q[None], kv[0, :, :kv_len][None], kv[1, :, :kv_len][None],
                                                       attn_mask=masks[layer.layer_type],
                                                       scale=layer.self_attn.head_dim**-0.5, enable_gqa=True)[0]
-            x = fns["out"](layer, x, attended)
+            x = fns["out"](layer, self.gate_up_weight[i], x, attended)
         return torch.mm(fns["norm"](d, x), d.lm_head_weight.t(), out=self.logits)
 
     def _write_context(self, features: Tensor, at: Tensor, fns: dict = STEP_FNS) -> None:
         """K/V of context rows `features` [T, F] at rows/positions at..at+T-1 of every layer (at: 0-dim device)."""
         rows = at + torch.arange(features.shape[0], device=self.device)
         cos, sin = rope_cos_sin(rows, self.args.head_dim, self.args.rope_theta, self.dtype)
-        for i, (k, v) in enumerate(fns["context"](self.drafter, features, cos, sin)):
-            self.kv[i, 0].index_copy_(1, rows, k)
-            self.kv[i, 1].index_copy_(1, rows, v)
+        k, v = fns["context"](self.drafter, self.ctx_kv_weight, self.k_norm_weight, features, cos, sin)
+        self.kv[:, 0].index_copy_(2, rows, k)  # every layer's rows at once
+        self.kv[:, 1].index_copy_(2, rows, v)
 
     def _block_mask(self, layer_type: str, start: Tensor, kv_len: int) -> Tensor:
         """Additive mask [B, kv_len] of the block's queries over key rows 0..kv_len-1 (module docstring)."""
