@@ -27,6 +27,10 @@ block's q/k/v, the layer output, the final norm) are torch.compile'd, one compil
 norms, RoPE and residual adds between the matmuls run fused; the first compiled step is checked against the plain
 one and a failure or a difference beyond rounding keeps the plain pieces.
 
+The step's GEMMs are few and large (`fused_weights`): each layer's q|k|v and gate|up projections are one GEMM each,
+and the context K/V of every layer one batched GEMM, so a 5-layer step runs 23 GEMMs instead of 47 (a draft step
+is bound by kernel latency as much as by its weights, docs/benchmarks.md "round").
+
 The decoder passes the L+1 = B path rows its walk gathered (fixed shape) as `new_rows`; the first round of a prompt
 has no new rows (`start == length` after the prefill) and passes None.
 """
