@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.kv_cache import KVTargetCache  # noqa: E402
-from eval.target_cache import target_cache  # noqa: E402
+from eval.caches import target_cache  # noqa: E402
 from eval.decode import decode, round_ops, warm_up  # noqa: E402
 from eval.tree import build_tree, build_tree_heap  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402

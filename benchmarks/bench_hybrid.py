@@ -62,7 +62,7 @@ from benchmarks.bench_extract import (disk_bandwidth, flops_per_token, length_mi
                                       run_pipeline)
 from eval.decode import decode, round_ops, warm_up  # noqa: E402
 from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache  # noqa: E402
-from eval.target_cache import target_cache  # noqa: E402
+from eval.caches import target_cache  # noqa: E402
 from eval.tree import chain_tree  # noqa: E402
 from eval.tree_recurrent import tree_walk  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402

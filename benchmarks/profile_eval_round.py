@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_eval_overhead import SHAPES, build_drafter, build_target  # noqa: E402
 from eval.kv_cache import KVTargetCache  # noqa: E402
-from eval.target_cache import target_cache  # noqa: E402
+from eval.caches import target_cache  # noqa: E402
 from eval.decode import round_ops  # noqa: E402
 from eval.target_forward import VerifyForward  # noqa: E402
 from eval.tree import build_tree, build_tree_heap, top_log_probs  # noqa: E402

@@ -32,9 +32,10 @@ import torch
 from torch import Tensor
 
 from eval import triton_kernels
+from eval.caches import target_cache
 from eval.draft_forward import draft_forward
 from eval.round_record import RoundRecord, parse_record, record_size
-from eval.target_cache import TargetCache, TreeUnsupportedError, VerifyInputs, target_cache, tree_unsupported_reason
+from eval.target_cache import TargetCache, TreeUnsupportedError, VerifyInputs, tree_unsupported_reason
 from eval.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
 from eval.verify import ancestor_table
 from eval.walk import Walk, target_choices, walk_tree
@@ -105,7 +106,7 @@ def decode(method: str, target, drafter, prompt_ids: Sequence[int] | Tensor, *, 
     target: HF causal LM (sdpa/eager attention for 'ddtree'). drafter: train.model.DFlashDrafter with the target
     head attached, run by eval.draft_forward (or an object implementing DraftForward's calls); unused for 'ar'.
     budget: DDTree node budget. tree_builder: 'device' (default) or 'heap' (the
-    CPU reference, identical trees). cache_impl: eval.target_cache.target_cache impl ('auto': CUDA graphs on GPU,
+    CPU reference, identical trees). cache_impl: eval.caches.target_cache impl ('auto': CUDA graphs on GPU,
     dynamic KV on CPU). phase_timing: synchronize at phase boundaries to fill the per-phase timings.
     """
     if method not in METHODS:

@@ -1,6 +1,6 @@
 """The target's cache behind ONE interface, so the decoders never touch KV or recurrent state directly.
 
-    cache = target_cache(target, tap_ids)       # one per (target, taps, impl); reused across decode calls
+    cache = target_cache(target, tap_ids)       # eval/caches.py: one per (target, taps, impl), reused
     cache.reset(capacity)                       # empty; capacity = rows the decode may ever hold
     out = cache.prefill(prompt_ids [S])         # rows 0..S-1; out.logits [1, V] (last row), out.features [S, F]
     vin = cache.verify_inputs(tree)             # positions start+depth and the 4-D tree mask (start = length)
@@ -12,7 +12,7 @@
 features: the target's taps (extract/layers.py convention, concatenated shallow -> deep) recorded with
 `extract.layers.TapHooks` during the same forward; None when no taps were requested (AR).
 
-Implementations, one module per kind:
+Implementations, one module per kind (`eval.caches.target_cache` picks one):
   * `eval.kv_cache.KVTargetCache`: targets with only (full or sliding) attention layers: dynamic (HF
     `DynamicCache`, the reference path) or static (one preallocated K/V buffer, optionally the fused verify forward
     of eval/target_forward.py and CUDA graphs).
@@ -27,7 +27,6 @@ Targets must run with attn_implementation "sdpa" or "eager" for tree masks (neve
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -154,44 +153,3 @@ class TargetCache:
     def commit_compacted(self, n: int) -> None:
         """After `compact_path`: the host length += n."""
         raise NotImplementedError
-
-
-# ----------------------------------------------------------------------------------------------
-# Factory (one cache per target/taps/impl, reused across decode calls)
-# ----------------------------------------------------------------------------------------------
-
-_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-IMPLS = ("auto", "dynamic", "static", "fused", "graphs", "paths")
-
-
-def target_cache(target, tap_ids: Sequence[int] = (), impl: str = "auto") -> TargetCache:
-    """The target's cache object. impl: 'dynamic' (reference, HF forward), 'static' (HF forward on the static
-    buffer), 'fused' (static + eval.target_forward, eager), 'graphs' (fused with compiled pointwise ops where the
-    target allows, else HF's forward, + CUDA graphs; CUDA only), or 'auto' (graphs on CUDA, dynamic on CPU).
-    Hybrid targets get `HybridTargetCache` for every impl but 'paths' (the path-batched reference, hybrids only):
-    dynamic for 'auto' and 'dynamic', static K/V for 'static' and 'fused', static + CUDA graphs for 'graphs'."""
-    if impl not in IMPLS:
-        raise ValueError(f"cache impl must be one of {IMPLS}, got {impl!r}")
-    device = target.get_input_embeddings().weight.device
-    recurrent = bool(recurrent_layer_types(target.config))
-    if impl == "paths" and not recurrent:
-        raise ValueError("cache impl 'paths' (path-batched tree verify) is for hybrid targets only")
-    if impl == "auto":  # hybrids: the static / graphed verify is not measured on a GPU yet (eval/recurrent_cache.py)
-        impl = "graphs" if device.type == "cuda" and not recurrent else "dynamic"
-    if recurrent and impl == "fused":  # no fused forward for hybrids: HF's forward on the static cache
-        impl = "static"
-    key = (("hybrid-" + impl) if recurrent else impl, tuple(tap_ids))
-    per_target = _CACHES.setdefault(target, {})
-    if key not in per_target:
-        from eval.kv_cache import KVTargetCache  # the implementations import this module's interface
-        from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache
-
-        if recurrent and impl == "paths":
-            per_target[key] = PathBatchedTargetCache(target, tap_ids)
-        elif recurrent:
-            per_target[key] = HybridTargetCache(target, tap_ids, static=impl in ("static", "graphs"),
-                                                graphs=impl == "graphs")
-        else:
-            per_target[key] = KVTargetCache(target, tap_ids, static=impl in ("static", "fused", "graphs"),
-                                            graphs=impl == "graphs", fused=impl in ("fused", "graphs"))
-    return per_target[key]

@@ -277,7 +277,7 @@ def test_drafter_loaded_from_the_zlab_layout_decodes_like_the_original(qwen3, tm
 def test_cuda_graph_rounds_equal_ar_greedy_stay_on_graphs_and_sync_once_per_round():
     import warnings
 
-    from eval.target_cache import target_cache
+    from eval.caches import target_cache
     from pipeline.cuda_graphs import GRAPH_LOG
 
     target = tiny_target("qwen3", device="cuda")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache
-from eval.target_cache import target_cache
+from eval.caches import target_cache
 from eval.tree import Tree
 from tests.eval.test_decode_greedy import TAPS, prompts, tiny_target
 from tests.eval.test_tree_recurrent import SHAPES, root_path, tree_of

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eval.kv_cache import KV_BUCKET
-from eval.target_cache import target_cache
+from eval.caches import target_cache
 from eval.decode import round_ops
 from eval.round_record import record_size
 

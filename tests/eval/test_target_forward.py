@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eval.target_cache import target_cache
+from eval.caches import target_cache
 from eval.decode import decode
 from eval.target_forward import _are_row_views, fuse_projections, refusal
 from eval.tree import build_tree

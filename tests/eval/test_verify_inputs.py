@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.target_cache import target_cache
+from eval.caches import target_cache
 from eval.tree import Tree, build_tree
 from eval.verify import ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions
 from extract.layers import tap_features
