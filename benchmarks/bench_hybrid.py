@@ -364,11 +364,18 @@ def extract_section(target, args, device, res: dict, save) -> None:
     roofline = mm / flops_per_token(target, layer_ids, ctx_mean)
     res.update(matmul_tflops=mm / 1e12, matmul=mm_desc, disk_write_GBps=disk / 1e9, compute_roofline_tok_s=roofline,
                extract_tok_s={}, extract_ceiling_tok_s={}, extract_disk_ceiling_tok_s={})
+    def run_args(storage: str):
+        return SimpleNamespace(storage_dtype=storage, tokens_per_batch=args.tokens_per_batch,
+                               shard_tokens=max(args.extract_tokens // 4, 1), writer_threads=args.writer_threads,
+                               staging_buffers=4, parallel_shards=2, compile="auto")
+
+    if args.extract_warmup_tokens > 0:  # untimed: the kernels' first compilations (fla's Triton) land here
+        run_pipeline(run_args("bfloat16"), target, device, layer_ids, out_dir / "warmup",
+                     length_mix(args.extract_warmup_tokens, seed=1))
+        shutil.rmtree(out_dir / "warmup", ignore_errors=True)
+    res["extract_warmup_tokens"] = args.extract_warmup_tokens
     for storage, key in (("bfloat16", "bf16"), ("fp8", "fp8")):
-        run_args = SimpleNamespace(storage_dtype=storage, tokens_per_batch=args.tokens_per_batch,
-                                   shard_tokens=max(args.extract_tokens // 4, 1), writer_threads=args.writer_threads,
-                                   staging_buffers=4, parallel_shards=2, compile="auto")
-        seconds, tokens, _, _, _ = run_pipeline(run_args, target, device, layer_ids, out_dir / key, lengths)
+        seconds, tokens, _, _, _ = run_pipeline(run_args(storage), target, device, layer_ids, out_dir / key, lengths)
         shutil.rmtree(out_dir / key, ignore_errors=True)
         disk_ceiling = disk / bytes_per_token(len(layer_ids), cfg.hidden_size, storage)
         res["extract_tok_s"][key] = tokens / seconds
@@ -420,6 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--path-batched-memory", type=float, default=0.8,
                     help="skip the path-batched verify when its replicated cache exceeds this share of free memory")
     ap.add_argument("--extract-tokens", type=int, default=None, help="tokens per extraction run (default 150K GPU)")
+    ap.add_argument("--extract-warmup-tokens", type=int, default=20000,
+                    help="an untimed extraction of this many tokens before the timed ones (first compilations); 0 = none")
     ap.add_argument("--tokens-per-batch", type=int, default=None)
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--disk-bytes", type=int, default=None, help="disk probe bytes (default 2 GiB GPU, 64 MiB CPU)")
