@@ -2,7 +2,7 @@
 # Everything the eval stage's GPU numbers need, in one command (one device call): the CUDA-only eval tests
 # (Triton kernels compiled, fused verify, CUDA-graph rounds with one sync, the drafter's graph steps, warm-up
 # coverage, regen's graphed decode step), the full-round table (benchmarks/bench_round.py: drafter, build+walk,
-# verify, round vs an AR step, syncs; its JSON in --out), then the verify-forward table
+# verify, round vs an AR step, syncs, and the draft step kernel by kernel; its JSON in --out), then the verify-forward table
 # (benchmarks/profile_eval_round.py) and the per-round overhead table (benchmarks/bench_eval_overhead.py), each
 # into its own log under --out. Prints the summary lines of each.
 #
@@ -54,8 +54,9 @@ if [ -n "$TESTS" ]; then
 fi
 if [ -n "$ROUND" ]; then
   "$PY" benchmarks/bench_round.py --device cuda --shape qwen3-8b --budgets "$RBUDGETS" --past 1024 --new-tokens 128 \
-    --out "$OUT/round_qwen3_8b.json" > "$OUT/round.log" 2>&1 || status=1
+    --profile-drafter 20 --out "$OUT/round_qwen3_8b.json" > "$OUT/round.log" 2>&1 || status=1
   grep -E "^ +(ar|chain|ddtree@[0-9]+) |^random-init|^-+$|method" "$OUT/round.log"
+  sed -n '/^draft step profile/,/the bound/p' "$OUT/round.log"
   if [ -n "$EXPORT" ]; then
     "$PY" benchmarks/bench_round.py --device cuda --config "$CONFIG" --export "$EXPORT" --budgets 64 --prompts 8 \
       --new-tokens 256 --out "$OUT/round_export.json" > "$OUT/round_export.log" 2>&1 || status=1
