@@ -3,8 +3,8 @@
 # (Triton kernels compiled, fused verify, CUDA-graph rounds with one sync, the drafter's graph steps, warm-up
 # coverage, regen's graphed decode step), the full-round table (benchmarks/bench_round.py: drafter, build+walk,
 # verify, round vs an AR step, syncs, and the draft step kernel by kernel; its JSON in --out), then the
-# verify-forward table (benchmarks/profile_eval_round.py) and the per-round overhead table (benchmarks/bench_eval_overhead.py), each
-# into its own log under --out. Prints the summary lines of each.
+# verify-forward table (benchmarks/profile_eval_round.py) and the per-round overhead table
+# (benchmarks/bench_eval_overhead.py), each into its own log under --out. Prints the summary lines of each.
 #
 #   bash benchmarks/eval_gpu.sh --out $OUT        (H200: ~12 min: ~6 the tests, ~3 the round bench)
 #   bash benchmarks/eval_gpu.sh --out $OUT --skip-tests --skip-profile --skip-bench     (the round bench alone)
