@@ -72,9 +72,11 @@ def test_plan_writes_nothing_and_estimates_from_the_sources_without_curate_total
     est = estimate(cfg)  # minus the 8 held out, capped by regen.max_samples (64)
     assert est["samples"] == min(575 - cfg.curate.eval_size, cfg.regen.max_samples) * cfg.regen.samples_per_prompt > 0
     assert "from the sources' records (curate.total unset" in out and f"samples                 {est['samples']:,}" in out
-    big = estimate(load_config(REPO / "configs/smollm2-135m.yaml", ["curate.total=null", "regen.max_samples=null"]))
+    # runs_dir in tmp_path: a checkout where `make demo` ran has runs/smollm2-135m, whose curate manifest plan reads
+    big = estimate(load_config(REPO / "configs/smollm2-135m.yaml", ["curate.total=null", "regen.max_samples=null",
+                                                                      f"runs_dir={runs}"]))
     assert big["samples"] == (1000 + 1000 + 175 - 32) * 1 and big["gpu_hours"]["extract"] > 0
-    with_total = estimate(load_config(REPO / "configs/tiny.yaml", ["curate.total=100"]))
+    with_total = estimate(load_config(REPO / "configs/tiny.yaml", ["curate.total=100", f"runs_dir={runs}"]))
     assert with_total["samples_from"] == "curate.total"
 
 
