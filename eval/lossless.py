@@ -116,16 +116,17 @@ def fp32_logits_at(target) -> Callable[[list[int]], "Tensor"]:
 
 
 def fp32_replay(decode: Callable[..., object], target, drafter, method: str, budget: int | None,
-                stop_token_ids: Sequence[int] = ()) -> Callable[[list[int], int], str]:
+                stop_token_ids: Sequence[int] = (), cache_impl: str = "auto") -> Callable[[list[int], int], str]:
     """replay for `classify`: AR and `method` decode `n` tokens of the prompt with `decode` (eval.decode.decode)
-    on `target` / `drafter` (both fp32) and are compared. Never raises: a replay that cannot run says why."""
+    on `target` / `drafter` (both fp32; the verify path `cache_impl`, the eval's) and are compared. Never raises: a
+    replay that cannot run says why."""
 
     def replay(prompt_ids: list[int], n: int) -> str:
         try:
             ar = decode("ar", target, None, prompt_ids, max_new_tokens=n, stop_token_ids=stop_token_ids,
-                        phase_timing=False)
+                        phase_timing=False, cache_impl=cache_impl)
             got = decode(method, target, drafter, prompt_ids, max_new_tokens=n, budget=budget,
-                         stop_token_ids=stop_token_ids, phase_timing=False)
+                         stop_token_ids=stop_token_ids, phase_timing=False, cache_impl=cache_impl)
         except Exception as e:  # noqa: BLE001 -- reported in the cell (the divergence then counts as a bug)
             return f"failed: {type(e).__name__}: {e}"[:300]
         return "identical" if list(ar.output_ids) == list(got.output_ids) else "differs"

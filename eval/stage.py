@@ -362,7 +362,8 @@ def check_lossless(cfg: RunConfig, by_unit: dict[Unit, list[ResponseRecord]], be
         def replay(prompt_ids: list[int], n: int) -> str:
             if not fp32_drafter:
                 fp32_drafter.append(load_drafter(drafter_dir(cfg), target, target.device)[0])
-            run = fp32_replay(decode, target, fp32_drafter[0], u.method, u.budget, _stop_token_ids(tokenizer, target))
+            run = fp32_replay(decode, target, fp32_drafter[0], u.method, u.budget, _stop_token_ids(tokenizer, target),
+                              cache_impl=e.target_cache)
             return run(prompt_ids, n)
         return replay
 
@@ -583,7 +584,8 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
         @torch.inference_mode()
         def generate(ids: list[int], max_new: int = e.max_new_tokens):
             result = decode(unit.method, target, drafter, ids, max_new_tokens=max_new, budget=unit.budget,
-                            temperature=e.temperature, seed=e.seed, stop_token_ids=stop, phase_timing=e.phase_timing)
+                            temperature=e.temperature, seed=e.seed, stop_token_ids=stop, phase_timing=e.phase_timing,
+                            cache_impl=e.target_cache)
             paths[0].add(result.verify_path)
             paths[1].add(result.draft_path)
             return result
@@ -593,7 +595,7 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
                 longest = longest_context(todo, tokenizer, enable_thinking=thinking, max_new_tokens=e.max_new_tokens,
                                           limit=max_prompt + e.max_new_tokens)
                 warm_up(unit.method, target, drafter, max_length=longest, budget=unit.budget,
-                        temperature=e.temperature)
+                        temperature=e.temperature, cache_impl=e.target_cache)
             generate(warm_ids, min(e.warmup_tokens, e.max_new_tokens))
         captured = GRAPH_LOG.captured
         for prompt in todo:

@@ -119,16 +119,19 @@ def test_mt_bench_second_turn_is_asked_after_the_targets_own_first_answer(cfg):
 
 
 @pytest.mark.slow
-def test_hybrid_target_runs_ar_chain_and_tree_aware_ddtree(tmp_path):
+@pytest.mark.parametrize("target_cache", ["auto", "static"])
+def test_hybrid_target_runs_ar_chain_and_tree_aware_ddtree(tmp_path, target_cache):
     cfg = make_config(tmp_path, ["target.model=random:qwen3_5_text", "eval.budgets=[4]",
-                                 "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
+                                 "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]",
+                                 f"eval.target_cache={target_cache}"])
     export_random_drafter(cfg, cfg.run_dir / "train")
     manifest = run_eval(cfg, force=False)
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
     assert [c["label"] for c in report["cells"]] == ["ar", "chain", "ddtree@4"]
     assert all(c["ar_match"] == 1.0 for c in report["cells"][1:])
     assert report["skipped_methods"] == [] and manifest["skipped_methods"] == []
-    assert all(c["verify_paths"] and c["verify_paths"][0].startswith("hybrid:") for c in report["cells"])
+    kind = "hybrid: static KV" if target_cache == "static" else "hybrid: dynamic KV"
+    assert all(c["verify_paths"] and c["verify_paths"][0].startswith(kind) for c in report["cells"])
     assert "tree-walked Gated-DeltaNet layers" in (cfg.run_dir / "eval" / "report.md").read_text()
 
 
