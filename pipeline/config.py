@@ -221,6 +221,10 @@ class TokenizeConfig:
     max_len: int = doc("truncate samples to this many tokens (prompt + response)", 3072, ge=16)
     min_loss_tokens: Optional[int] = doc("drop samples with fewer supervised tokens (None = 2*drafter.block_size)",
                                          None, ge=1)
+    unstable_template: Literal["split", "drop"] = doc(
+        "a multi-turn conversation whose template re-renders earlier turns (Qwen3 with thinking off drops the "
+        "empty think block of past turns): 'split' starts a new sample at each such turn, its context the "
+        "history as the target saw it; 'drop' drops the conversation (reason template_not_prefix_stable)", "split")
 
 
 @dataclass

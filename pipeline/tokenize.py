@@ -7,16 +7,23 @@
 The loss mask is found by rendering, not by offsets (assistant_loss_mask): for assistant turn k,
     prompt_k = render(messages before turn k, generation prompt)   # what the target saw
     full_k   = render(messages through turn k)                    # prompt + the turn, closed by the template
-tokens(prompt_k) must extend the sequence built so far and be a prefix of tokens(full_k) (else the
-template is not prefix-stable, e.g. it rewrites earlier turns, and the sample is dropped with that reason);
-the turn's tokens are tokens(full_k)[len(tokens(prompt_k)):], supervised up to and including the first
+tokens(prompt_k) must be a prefix of tokens(full_k) (else the sample is dropped: template_not_prefix_stable),
+and should extend the sequence built so far. Where it does not, the template re-renders earlier turns (Qwen3
+with thinking off writes the empty think block on the last assistant turn only, so a past turn renders without
+it), and no single sequence holds every turn as the target saw it. With `tokenize.unstable_template: split` (the
+default) a new sample starts at such a turn k: its tokens are tokens(prompt_k) (the history as the target saw
+it when it wrote turn k, unsupervised) followed by turn k and every later turn that extends it. Sample ids: the
+first sample keeps the conversation's id, a sample starting at assistant turn k is `<id>@t<k>` (pipeline/sample_ids.py). With `drop` the
+conversation is dropped (template_not_prefix_stable), as every conversation is when the generation prompt itself
+is not a prefix of the turn. Every supervised token thus has exactly the context the target generated it in.
+The turn's tokens are tokens(full_k)[len(tokens(prompt_k)):], supervised up to and including the first
 end-of-turn id (what the target generated, e.g. `...<|im_end|>`), unsupervised after it (template glue
 such as the newline after <|im_end|>). A turn cut by max_new_tokens (regen metadata finish 'length')
 keeps its end-of-turn id unsupervised: the target did not write it there.
 
 Then: truncate to `tokenize.max_len`; drop samples with fewer than `tokenize.min_loss_tokens`
-(default 2 * drafter.block_size: `RunConfig.min_loss_tokens`) supervised tokens. Every drop is counted under its reason:
-input = written + dropped.<reason>.
+(default 2 * drafter.block_size: `RunConfig.min_loss_tokens`) supervised tokens. Every drop is counted under its reason,
+and every extra sample a split made under `split`: input + split = written + dropped.<reason>.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,6 +41,7 @@ from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import encode_chat, end_of_turn_ids
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint,
                              input_ref, units_for_rank)
+from pipeline.sample_ids import turn_id
 from pipeline.target import OpenedTarget, open_target, render_chat
 
 log = get_logger("tokenize")
@@ -57,17 +66,33 @@ class Dropped(ValueError):
         self.detail = detail
 
 
-def assistant_loss_mask(tokenizer, messages: list[dict], *, enable_thinking: bool, end_of_turn: set[int],
-                        ended: list[bool] | None = None) -> tuple[list[int], list[int]]:
-    """messages -> (input_ids [S], loss_mask [S] in {0,1}); 1 exactly on the assistant turns' tokens
-    including each turn's end-of-turn id, except where `ended[k]` is False (turn k was cut by
-    max_new_tokens: the target never wrote its end-of-turn id, the template did). Raises Dropped
+@dataclass
+class TurnSample:
+    """One tokenized sample of a conversation: input_ids [S], loss_mask [S] in {0,1}, and the index (among the
+    conversation's assistant turns) of the first turn it supervises."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    first_turn: int
+
+    def sample_id(self, conversation_id: str) -> str:
+        """The conversation's id for its first sample, `<id>@t<k>` for one that starts at assistant turn k."""
+        return turn_id(conversation_id, self.first_turn)
+
+
+def assistant_samples(tokenizer, messages: list[dict], *, enable_thinking: bool, end_of_turn: set[int],
+                      ended: list[bool] | None = None, split: bool = True) -> list[TurnSample]:
+    """messages -> the conversation's samples (module docstring): one, unless the template re-renders earlier
+    turns and `split` is on, then one per run of turns that extend each other. In each, loss_mask is 1 exactly on
+    its assistant turns' tokens including each turn's end-of-turn id, except where `ended[k]` is False (turn k was
+    cut by max_new_tokens: the target never wrote its end-of-turn id, the template did). Raises Dropped
     (no_assistant_turn, template_not_prefix_stable, no_end_of_turn_token)."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise Dropped("no_assistant_turn")
     if ended is None or len(ended) != len(turns):
         ended = [True] * len(turns)
+    samples: list[TurnSample] = []
     ids: list[int] = []
     mask: list[int] = []
     for k, i in enumerate(turns):
@@ -75,17 +100,30 @@ def assistant_loss_mask(tokenizer, messages: list[dict], *, enable_thinking: boo
                                                     enable_thinking=enable_thinking))
         full = encode_chat(tokenizer, render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False,
                                                   enable_thinking=enable_thinking))
-        if prompt[: len(ids)] != ids:
-            raise Dropped("template_not_prefix_stable", f"turn {k}: the template re-renders earlier turns differently")
         if full[: len(prompt)] != prompt:
             raise Dropped("template_not_prefix_stable", f"turn {k}: the generation prompt is not a prefix of the turn")
+        if not samples or prompt[: len(ids)] != ids:
+            if samples and not split:
+                raise Dropped("template_not_prefix_stable",
+                              f"turn {k}: the template re-renders earlier turns differently")
+            ids, mask = [], []  # a new sample (filled in place below): this turn's context as the target saw it
+            samples.append(TurnSample(ids, mask, k))
         turn = full[len(prompt):]
         end = next((j for j, t in enumerate(turn) if t in end_of_turn), None)
         if end is None:
             raise Dropped("no_end_of_turn_token", f"turn {k}: no end-of-turn id {sorted(end_of_turn)} in the turn")
         mask += [0] * (len(prompt) - len(ids)) + [1] * end + [int(ended[k])] + [0] * (len(turn) - end - 1)
-        ids = full
-    return ids, mask
+        ids[:] = full
+    return samples
+
+
+def assistant_loss_mask(tokenizer, messages: list[dict], *, enable_thinking: bool, end_of_turn: set[int],
+                        ended: list[bool] | None = None) -> tuple[list[int], list[int]]:
+    """messages -> (input_ids [S], loss_mask [S]) of the whole conversation as ONE sample (`assistant_samples`
+    without splitting): Dropped(template_not_prefix_stable) where the template re-renders earlier turns."""
+    (sample,) = assistant_samples(tokenizer, messages, enable_thinking=enable_thinking, end_of_turn=end_of_turn,
+                                  ended=ended, split=False)
+    return sample.input_ids, sample.loss_mask
 
 
 def turn_ended(row: dict) -> list[bool] | None:
@@ -121,29 +159,40 @@ def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: R
     out, drops, examples = [], Counter(), []
     truncated = 0
     floor, max_len = cfg.min_loss_tokens, cfg.tokenize.max_len
+    split = cfg.tokenize.unstable_template == "split"
+    extra = 0  # samples beyond one per conversation, made by splits
+
+    def drop(sample_id: str, e: Dropped) -> None:
+        drops[e.reason] += 1
+        if len(examples) < MAX_DROP_EXAMPLES:
+            examples.append({"id": sample_id, "reason": e.reason, "detail": e.detail})
+
     for row in rows:
         try:
-            ids, mask = assistant_loss_mask(tokenizer, row["messages"] or [], end_of_turn=end_of_turn,
-                                            enable_thinking=cfg.target.enable_thinking, ended=turn_ended(row))
+            samples = assistant_samples(tokenizer, row["messages"] or [], end_of_turn=end_of_turn,
+                                        enable_thinking=cfg.target.enable_thinking, ended=turn_ended(row), split=split)
+        except Dropped as e:
+            drop(row["id"], e)
+            continue
+        extra += len(samples) - 1
+        for sample in samples:
+            sid, ids, mask = sample.sample_id(row["id"]), sample.input_ids, sample.loss_mask
             if len(ids) > max_len:
                 ids, mask = ids[:max_len], mask[:max_len]
                 truncated += 1
             if sum(mask) < floor:
-                raise Dropped("too_few_loss_tokens", f"{sum(mask)} supervised tokens < tokenize.min_loss_tokens {floor}")
-        except Dropped as e:
-            drops[e.reason] += 1
-            if len(examples) < MAX_DROP_EXAMPLES:
-                examples.append({"id": row["id"], "reason": e.reason, "detail": e.detail})
-            continue
-        out.append({"id": row["id"], "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
-                    "num_loss_tokens": sum(mask)})
+                drop(sid, Dropped("too_few_loss_tokens",
+                                  f"{sum(mask)} supervised tokens < tokenize.min_loss_tokens {floor}"))
+                continue
+            out.append({"id": sid, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
+                        "num_loss_tokens": sum(mask)})
     table = pa.Table.from_pylist(out, schema=TOKENIZED_SCHEMA).replace_schema_metadata(
         {FINGERPRINT_KEY: json.dumps(fingerprint, sort_keys=True)})
     path = stage.shard_path(unit, "parquet")
     with AtomicFile(path) as tmp:
         pq.write_table(table, tmp)
     return stage.finish_unit(
-        unit, [path], input=len(rows), written=len(out), dropped=dict(drops), drop_examples=examples,
+        unit, [path], input=len(rows), split=extra, written=len(out), dropped=dict(drops), drop_examples=examples,
         truncated=truncated, tokens=sum(r["num_tokens"] for r in out),
         loss_tokens=sum(r["num_loss_tokens"] for r in out),
     )
@@ -156,22 +205,23 @@ def _finalize(stage: StageDir, units: list[str], *, regen: StageDir, config_hash
     if missing:
         log.info("tokenize: %d of %d units still missing: manifest not written yet", len(missing), len(units))
         return None
-    counts = Counter(dict.fromkeys(("input", "written", "dropped", "truncated", "tokens", "loss_tokens"), 0))
+    counts = Counter(dict.fromkeys(("input", "split", "written", "dropped", "truncated", "tokens", "loss_tokens"), 0))
     for u in units:
         rec = done[u]
-        for key in ("input", "written", "truncated", "tokens", "loss_tokens"):
+        for key in ("input", "split", "written", "truncated", "tokens", "loss_tokens"):
             counts[key] += rec[key]
         for reason, n in rec["dropped"].items():
             counts[f"dropped.{reason}"] += n
             counts["dropped"] += n
-    if counts["written"] + counts["dropped"] != counts["input"]:
+    if counts["written"] + counts["dropped"] != counts["input"] + counts["split"]:
         raise StageError(f"tokenize accounting broken: {dict(counts)}")
     examples = [e for u in units for e in done[u]["drop_examples"]][:MAX_DROP_EXAMPLES]
     manifest = stage.write_manifest(config_hash=config_hash, fingerprint=fingerprint,
                                     inputs={"regen": input_ref(regen)}, counts=dict(counts), started=started,
                                     extra={"drop_examples": examples})
+    split = f" (+{counts['split']} from turn splits)" if counts["split"] else ""
     summary("tokenize", f"{counts['written']} samples, {counts['tokens']} tokens ({counts['loss_tokens']} supervised), "
-                        f"{counts['dropped']} dropped of {counts['input']}")
+                        f"{counts['dropped']} dropped of {counts['input']} conversations{split}")
     return manifest
 
 
@@ -186,7 +236,8 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     check_fingerprint({k: fingerprint[k] for k in ("target", "tokenizer", "enable_thinking")},
                       regen_manifest["fingerprint"], what="the regenerated data (regen stage)", producer="drafter regen")
     config_hash, settings = config_record(target=cfg.target, tokenize={"max_len": cfg.tokenize.max_len,
-                                                                       "min_loss_tokens": cfg.min_loss_tokens},
+                                                                       "min_loss_tokens": cfg.min_loss_tokens,
+                                                                       "unstable_template": cfg.tokenize.unstable_template},
                                           regen_output=regen_manifest["config_hash"])
     stage = StageDir(cfg.run_dir, "tokenize")
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):

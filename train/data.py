@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from pipeline.sample_ids import prompt_id
 from train.blocks import BlockBatch, build_block_batch, sample_anchors
 
 EVAL_EPOCH = -1  # the anchor "epoch" of held-out evaluation: the same anchors at every eval
@@ -48,14 +49,16 @@ def _unit_hash(text: str) -> float:
 
 
 def heldout_split(ids: Sequence[str], fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, eval indices): sample i is held out iff hash(id) < fraction.
+    """(train indices, eval indices): sample i is held out iff hash(prompt_id(id)) < fraction.
 
-    Depends only on the id, so the split is the same for offline and online mode and for any data order.
+    Depends only on the id, so the split is the same for offline and online mode and for any data order; every
+    sample made from one curated conversation (its repeats, its sampled responses, its turn splits:
+    pipeline/sample_ids.py) shares that hash, so no held-out sample shares its prompt with a training sample.
     With fraction > 0 and at least two samples, at least one sample is held out (the smallest hash).
     """
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"train.eval_fraction must be in [0, 1), got {fraction}")
-    h = np.array([_unit_hash(f"heldout/{i}") for i in ids], dtype=np.float64)
+    h = np.array([_unit_hash(f"heldout/{prompt_id(i)}") for i in ids], dtype=np.float64)
     held = h < fraction
     if fraction > 0 and not held.any() and len(ids) >= 2:
         held[int(np.argmin(h))] = True

@@ -35,6 +35,7 @@ from pipeline.curate.schema import CONVERSATION_SCHEMA, KEY_BYTES
 from pipeline.curate.sources import Chunk, check_sources, plan_chunks
 from pipeline.log import get_logger, progress, summary
 from pipeline.runner import AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, atomic_write_text
+from pipeline.sample_ids import repeat_id
 
 SCHEMA_VERSION = "curate.conversation.v1"
 DEDUP_UNIT = "dedup"
@@ -253,7 +254,7 @@ def _write_shards(stage: StageDir, pool: WorkPool, sel: Selection, shard_size: i
         table = pool.take(rows)
         if (copies > 0).any():
             ids = table.column("id").to_pylist()
-            ids = [i if k == 0 else f"{i}#r{k}" for i, k in zip(ids, copies.tolist())]
+            ids = [repeat_id(i, k) for i, k in zip(ids, copies.tolist())]
             table = table.set_column(0, CONVERSATION_SCHEMA.field("id"), pa.array(ids, pa.string()))
         path = stage.shard_path(unit, "parquet")
         with AtomicFile(path) as tmp:

@@ -45,6 +45,7 @@ from pipeline.regen.conversation import (MalformedConversation, Skeleton, end_of
 from pipeline.regen.generator import Generator, Sampling
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, input_ref,
                              units_for_rank)
+from pipeline.sample_ids import response_id
 from pipeline.target import OpenedTarget, open_target
 
 log = get_logger("regen")
@@ -127,11 +128,6 @@ def sampling_fields(cfg: RunConfig) -> dict:
     if r.samples_per_prompt != 1 or r.prompt_formats:  # absent at the defaults: earlier runs keep their hash
         fields.update(samples_per_prompt=r.samples_per_prompt, prompt_formats=r.prompt_formats or {})
     return fields
-
-
-def sample_id(conv_id: str, k: int, n: int) -> str:
-    """The id of response k of n for one conversation: the conversation's own id when n == 1."""
-    return conv_id if n == 1 else f"{conv_id}#{k}"
 
 
 def formatted(sk: Skeleton, templates: list[str] | None, k: int) -> Skeleton:
@@ -261,13 +257,13 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
             sk = skeleton(row["messages"] or [])
         except MalformedConversation as e:
             for k in range(n):
-                failures[sample_id(row["id"], k, n)] = (e.reason, e.detail)
+                failures[response_id(row["id"], k, n)] = (e.reason, e.detail)
             continue
         if cfg.regen.backend == "none" and not any(m["role"] == "assistant" for m in row["messages"]):
             failures[row["id"]] = ("no_answer", "regen.backend is 'none' and the conversation has no assistant turn")
             continue
         for k in range(n):
-            items.append((sample_id(row["id"], k, n), k, formatted(sk, formats.get(row["source"]), k), row))
+            items.append((response_id(row["id"], k, n), k, formatted(sk, formats.get(row["source"]), k), row))
 
     out_rows = []
     if cfg.regen.backend == "none":

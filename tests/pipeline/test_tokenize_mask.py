@@ -1,5 +1,7 @@
-"""tokenize: assistant-only loss masks found by prefix rendering, prefix-stability refusal, the
-2*block_size filter, truncation, and fingerprint refusal of regen output from another tokenizer/target."""
+"""tokenize: assistant-only loss masks found by prefix rendering, multi-turn conversations of templates that
+re-render earlier turns split at those turns (every supervised token in the context the target generated it in)
+or dropped, the 2*block_size filter, truncation, and fingerprint refusal of regen output from another
+tokenizer/target."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pipeline.regen.conversation import encode_chat
 from pipeline.regen.stage import run_regen, write_conversations
 from pipeline.runner import FingerprintMismatch, StageDir
 from pipeline.target import build_byte_tokenizer, load_tokenizer, materialize_target, render_chat
-from pipeline.tokenize import Dropped, assistant_loss_mask, run_tokenize, shard_fingerprint
+from pipeline.tokenize import Dropped, assistant_loss_mask, assistant_samples, run_tokenize, shard_fingerprint
 from tests.conftest import make_config
 
 EOT = "<|im_end|>"
@@ -72,6 +74,48 @@ def test_prompt_only_template_tokens_are_unsupervised_and_history_rewrites_are_r
     assert e.value.reason == "template_not_prefix_stable" and e.value.detail.startswith("turn 1")
 
 
+def _supervised_spans(mask: list[int]) -> list[tuple[int, int]]:
+    starts = [j for j in range(len(mask)) if mask[j] and (j == 0 or not mask[j - 1])]
+    return [(a, next((j for j in range(a, len(mask)) if not mask[j]), len(mask))) for a in starts]
+
+
+THREE_TURNS = CONVERSATION + [{"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6, and 4+4 is 8"}]
+
+
+def test_a_template_that_re_renders_history_splits_a_conversation_where_it_does():
+    # Qwen3-like (thinking off): each assistant turn was generated after "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    # but is re-rendered without its think block once a later turn follows: one sample per assistant turn, each
+    # with the history exactly as the target saw it when it wrote that turn
+    tok = build_byte_tokenizer()
+    tok.chat_template = QWEN3_LIKE_TEMPLATE
+    eot = {tok.convert_tokens_to_ids(EOT)}
+    samples = assistant_samples(tok, THREE_TURNS, enable_thinking=False, end_of_turn=eot)
+    assert [s.first_turn for s in samples] == [0, 1, 2]
+    assert [s.sample_id("c/1") for s in samples] == ["c/1", "c/1@t1", "c/1@t2"]
+    turns = [i for i, m in enumerate(THREE_TURNS) if m["role"] == "assistant"]
+    for s, i in zip(samples, turns):
+        (a, b), = _supervised_spans(s.loss_mask)
+        seen = encode_chat(tok, render_chat(tok, THREE_TURNS[:i], add_generation_prompt=True, enable_thinking=False))
+        assert s.input_ids[:a] == seen  # the context is what the target was prompted with
+        assert tok.decode(s.input_ids[a:b]) == THREE_TURNS[i]["content"] + EOT
+        assert len(s.input_ids) == len(s.loss_mask) == b + 1  # closed by the template's newline, unsupervised
+    assert "Hello, how can I help?<|im_end|>" in tok.decode(samples[2].input_ids)  # history kept, unsupervised
+    assert tok.decode(samples[2].input_ids).count("<think>") == 1  # only the turn being written has it
+    with pytest.raises(Dropped) as e:  # 'drop': the conversation as one sample cannot be rendered
+        assistant_samples(tok, THREE_TURNS, enable_thinking=False, end_of_turn=eot, split=False)
+    assert e.value.reason == "template_not_prefix_stable" and e.value.detail.startswith("turn 1")
+
+
+def test_a_prefix_stable_template_keeps_a_conversation_in_one_sample():
+    tok = build_byte_tokenizer()
+    eot = {tok.convert_tokens_to_ids(EOT)}
+    (sample,) = assistant_samples(tok, THREE_TURNS, enable_thinking=False, end_of_turn=eot)
+    assert sample.first_turn == 0 and sample.sample_id("c/1") == "c/1"
+    assert (sample.input_ids, sample.loss_mask) == assistant_loss_mask(tok, THREE_TURNS, enable_thinking=False,
+                                                                       end_of_turn=eot)
+    assert len(_supervised_spans(sample.loss_mask)) == 3
+
+
 def test_a_template_without_end_of_turn_token_is_refused():
     tok = build_byte_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m.role + ': ' + m.content + '\n' }}{% endfor %}" \
@@ -110,6 +154,46 @@ def test_samples_under_two_blocks_of_loss_tokens_are_dropped_and_long_ones_trunc
     assert c["loss_tokens"] == sum(r["num_loss_tokens"] for r in rows.values())
     assert shard_fingerprint(path) == m["fingerprint"]
     assert set(m["fingerprint"]) == {"target", "tokenizer", "enable_thinking", "max_len"}
+
+
+def _qwen3_like_tokenizer(cfg, tmp_path):
+    location = materialize_target(cfg.target, cfg.cache_dir)
+    tok = load_tokenizer(location, cfg.target)
+    tok.chat_template = QWEN3_LIKE_TEMPLATE
+    path = tmp_path / "qwen3-like-template"
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["split", "drop"])
+def test_tokenize_stage_splits_or_drops_conversations_of_an_unstable_template_and_counts_them(tmp_path, mode):
+    base = make_config(tmp_path)
+    template = _qwen3_like_tokenizer(base, tmp_path)
+    cfg = make_config(tmp_path, overrides=["regen.backend=none", f"target.tokenizer={template}",
+                                           "drafter.block_size=4", f"tokenize.unstable_template={mode}"])
+    long = "a long enough answer to be kept"
+    rows = [{"id": "t/0", "source": "t", "metadata": "{}", "messages": [
+                {"role": "user", "content": "q0"}, {"role": "assistant", "content": long},
+                {"role": "user", "content": "q1"}, {"role": "assistant", "content": long + " too"},
+                {"role": "user", "content": "q2"}, {"role": "assistant", "content": "ok"}]},  # too short: dropped
+            {"id": "t/1", "source": "t", "metadata": "{}",
+             "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": long}]}]
+    stage = StageDir(cfg.run_dir, "curate")
+    write_conversations(stage.shards / "train-00000.parquet", rows)
+    stage.write_manifest(config_hash="curated-for-tests", fingerprint={}, started=time.time())
+    run_regen(cfg)
+    run_tokenize(cfg)
+    m = StageDir(cfg.run_dir, "tokenize").manifest()
+    c = m["counts"]
+    written = {r["id"]: r for r in pq.read_table(StageDir(cfg.run_dir, "tokenize").shard_path("00000", "parquet")).to_pylist()}
+    assert c["input"] == 2 and c["written"] + c["dropped"] == c["input"] + c["split"]
+    if mode == "split":
+        assert set(written) == {"t/0", "t/0@t1", "t/1"} and c["split"] == 2
+        assert c["dropped.too_few_loss_tokens"] == 1 and m["drop_examples"][0]["id"] == "t/0@t2"
+        assert written["t/0@t1"]["num_loss_tokens"] == len(long + " too") + 1
+    else:
+        assert set(written) == {"t/1"} and c["split"] == 0 and c["dropped.template_not_prefix_stable"] == 1
+    assert c["loss_tokens"] == sum(r["num_loss_tokens"] for r in written.values())
 
 
 def test_tokenize_refuses_regen_output_from_another_template_or_target(tmp_path):

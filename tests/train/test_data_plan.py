@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.sample_ids import prompt_id
 from train.data import (MicroBatchDataset, collate, heldout_split, make_loader, plan_epoch, plan_eval,
                         rank_micro_batches, total_steps)
 
@@ -93,6 +94,19 @@ def test_heldout_split_depends_only_on_the_sample_id():
     assert {shuffled[i] for i in held2} == {ids[i] for i in held}
     assert len(heldout_split(ids[:5], 0.01)[1]) == 1  # a tiny set still gets one held-out sample
     assert len(heldout_split(ids, 0.0)[1]) == 0
+
+
+def test_heldout_split_keeps_every_sample_of_one_prompt_on_the_same_side():
+    # repeats (#r<k>), sampled responses (#<k>) and turn splits (@t<k>) of one conversation share its prompt: a
+    # held-out sample that shares it with a training sample would read the drafter's held-out loss too low
+    prompts = [f"src/{i}" for i in range(400)]
+    ids = [p + suffix for p in prompts for suffix in ("", "#r1", "#1", "#r1#1@t2", "@t1", "#0@t3")]
+    train, held = heldout_split(ids, 0.1)
+    held_prompts = {prompt_id(ids[i]) for i in held}
+    assert held_prompts.isdisjoint(prompt_id(ids[i]) for i in train)
+    assert 20 < len(held_prompts) < 70 and len(held) == 6 * len(held_prompts)
+    assert {prompt_id(i) for i in ids} == set(prompts)
+    assert prompt_id("src/7.2#r3#1@t4") == "src/7.2" and prompt_id("src/7") == "src/7"
 
 
 def _sample(i: int, n: int) -> dict:
