@@ -16,10 +16,17 @@ scratch [L+1, HV, d_k, d_v] fp32 (48 MiB at the Qwen3.6-27B shape with L = 15, r
 node's state is kept once the walk has passed it. A root path has no forks: the commit runs the same steps in the
 same order as the verify did for that node (fp32 stores and reloads in between are exact).
 
-Cost model (not measured here): the walk is sequential over the N nodes (each step: two l2 norms over d_k, a decay,
-two reductions over d_k on a [d_k, BV] block), parallel over HV * d_v / BV programs (48 * 16 = 768 at the 27B shape,
-BV = 8 as fla's decode kernel). A chunked form over the ancestor mask (UT transform restricted to ancestors) would
-replace the N sequential steps by matrix products if the walk turns out latency-bound.
+Cost model: the walk is sequential over the N nodes (each step: two l2 norms over d_k, a decay, two reductions
+over d_k on a [d_k, BV] block), parallel over HV * d_v / BV programs (48 * 16 = 768 at the 27B shape, BV = 8 as
+fla's decode kernel). Measured on the H200 before the prefetch below (docs/benchmarks.md, "hybrid"): 25 ms for the
+48 layers at N = 257, ≈ 2 µs a step, so a step waited on its loads (node index, then that node's rows, then a
+forked parent's state) rather than on its arithmetic.
+
+Prefetch. Each step therefore computes on inputs loaded during the step before and issues the next step's loads
+(and the index of the one after) before its own arithmetic; a reload of a forked parent's state is loaded one step
+early too (safe: that parent is a strict ancestor of the current node, so the current node's own fork store goes to
+a deeper slot). Not yet timed on a GPU. A chunked form over the ancestor mask (UT transform restricted to
+ancestors) would replace the N sequential steps by matrix products if the walk stays latency-bound.
 
 `walk_order` is torch (fixed shapes, no host sync: CUDA-graph friendly) and runs on any device.
 tests/eval/test_tree_recurrent_triton.py runs the kernels in Triton's CPU interpreter and compiles them for sm_90.
@@ -105,7 +112,11 @@ if triton is not None:
         verify walk (module docstring; one layer): reload from scratch when the parent is not the previous node,
         write o, store forks. Not TREE: order is one root path; write the last state to ht. State block h [BK, BV]
         fp32 = S[:, block]. layer_*: element strides between layers of k, v, g/beta and h0/ht (the commit of every
-        Gated-DeltaNet layer in one launch)."""
+        Gated-DeltaNet layer in one launch).
+
+        Software-pipelined ("Prefetch" in the module docstring): step t computes on node inputs loaded during step
+        t-1 and issues the loads of step t+1 (its rows, and under TREE its parent, depth, fork flag and, when it
+        reloads, its parent's stored state) and the index of step t+2, so no step waits on a global load."""
         iv, hv, il = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         k += il * layer_k
         v += il * layer_v
@@ -120,27 +131,51 @@ if triton is not None:
         h_ok = k_ok[:, None] & v_ok[None, :]
         h_at = hv * DK * DV + dk[:, None] * DV + dv[None, :]  # the block in a [HV, DK, DV] state
         h = tl.load(h0 + h_at, mask=h_ok, other=0.0).to(tl.float32)
-        prev = tl.load(order)  # = 0 = parents[0]: the root never reloads
+        # step 0's inputs (the root never reloads), and the index of step 1
+        node = tl.load(order)
+        kt = tl.load(k + node * stride_k + hk * DK + dk, mask=k_ok, other=0.0).to(tl.float32)
+        vt = tl.load(v + node * stride_v + hv * DV + dv, mask=v_ok, other=0.0).to(tl.float32)
+        gt = tl.load(g + node * HV + hv)
+        bt = tl.load(beta + node * HV + hv)
+        if TREE:
+            qt = tl.load(q + node * stride_q + hk * DK + dk, mask=k_ok, other=0.0).to(tl.float32)
+            depth = tl.load(depths + node)
+            forks = tl.load(fork + node)
+            reload = depth < 0  # False
+            stored = h
+        nxt = tl.load(order + 1 % M)
         for t in range(0, M):
-            node = tl.load(order + t)
+            # issue step t+1's loads (node nxt), then step t+2's index; past the end the indices wrap to valid
+            # nodes whose loads are never used
+            k1 = tl.load(k + nxt * stride_k + hk * DK + dk, mask=k_ok, other=0.0)
+            v1 = tl.load(v + nxt * stride_v + hv * DV + dv, mask=v_ok, other=0.0)
+            g1 = tl.load(g + nxt * HV + hv)
+            b1 = tl.load(beta + nxt * HV + hv)
             if TREE:
-                depth = tl.load(depths + node)
-                if tl.load(parents + node) != prev:  # an earlier sibling's subtree ran in between: parent forked
-                    h = tl.load(scratch + (depth - 1) * HV * DK * DV + h_at, mask=h_ok, other=0.0)
-            kt = tl.load(k + node * stride_k + hk * DK + dk, mask=k_ok, other=0.0).to(tl.float32)
+                q1 = tl.load(q + nxt * stride_q + hk * DK + dk, mask=k_ok, other=0.0)
+                depth1 = tl.load(depths + nxt)
+                forks1 = tl.load(fork + nxt)
+                # an earlier sibling's subtree ran in between: the parent forked and sits at depth1 - 1 (a strict
+                # ancestor of `node`, so step t's own fork store goes to a deeper slot than this load reads)
+                reload1 = tl.load(parents + nxt) != node
+                stored1 = tl.load(scratch + (depth1 - 1) * HV * DK * DV + h_at, mask=tl.where(reload1, h_ok, False),
+                                  other=0.0)  # (a scalar & block mask is refused by the interpreter: where)
+            nxt2 = tl.load(order + (t + 2) % M)
+            # step t
+            if TREE:
+                h = tl.where(reload, stored, h)
             kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
-            vt = tl.load(v + node * stride_v + hv * DV + dv, mask=v_ok, other=0.0).to(tl.float32)
-            h = h * tl.exp(tl.load(g + node * HV + hv))
-            delta = (vt - tl.sum(h * kt[:, None], 0)) * tl.load(beta + node * HV + hv)
+            h = h * tl.exp(gt)
+            delta = (vt - tl.sum(h * kt[:, None], 0)) * bt
             h = h + kt[:, None] * delta[None, :]
             if TREE:
-                qt = tl.load(q + node * stride_q + hk * DK + dk, mask=k_ok, other=0.0).to(tl.float32)
                 qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6) * scale
                 o = tl.sum(h * qt[:, None], 0)
                 tl.store(out + (node * HV + hv) * DV + dv, o.to(out.dtype.element_ty), mask=v_ok)
-                if tl.load(fork + node) != 0:
+                if forks != 0:
                     tl.store(scratch + depth * HV * DK * DV + h_at, h, mask=h_ok)
-            prev = node
+                qt, depth, forks, reload, stored = q1.to(tl.float32), depth1, forks1, reload1, stored1
+            node, kt, vt, gt, bt, nxt = nxt, k1.to(tl.float32), v1.to(tl.float32), g1, b1, nxt2
         if not TREE:
             tl.store(ht + h_at, h, mask=h_ok)
 
