@@ -14,9 +14,12 @@
 # --target SPEC (target.model override)  --device cuda|cpu  --train-steps N (main run: train.max_steps; default: the
 # config's epochs)  --ablation-steps N (each ablation run's train.max_steps, default 200; 0 = no ablation)
 # --ablation-micro-batch-tokens N (each ablation run's train.micro_batch_tokens; default 16384)
-# --quick (eval on a few prompts: for smoke runs)  --runs-dir DIR (default runs)  -- KEY=VALUE... (overrides for
-# every command). Stages run one at a time: the main training, the main eval, then each ablation's training and
-# eval, so the main results land first and every speed is measured alone.
+# --quick (eval on a few prompts: for smoke runs)  --runs-dir DIR (default runs)  --stop-after curate|regen|train|eval
+# (end after that stage: a run split over several device calls of at most 10 min each, every later call the same
+# command with a later stage; finished stages are no-ops)  -- KEY=VALUE... (overrides for every command). Stages run
+# one at a time: the main training, the main eval, then each ablation's training and eval, so the main results land
+# first and every speed is measured alone. stage_seconds.txt in --out is appended to: a stage's time is the sum of
+# its calls.
 # PYTHON=... picks the interpreter. Exit status 1 when a stage failed.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -28,7 +31,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 
 OUT="quality_out" CONFIG="configs/smollm2-135m-h200.yaml" TARGET="" DEVICE="" TRAIN_STEPS="" ABL_STEPS=200 QUICK=""
-RUNS="runs" EXTRA=() ABL_MBT=16384
+RUNS="runs" EXTRA=() ABL_MBT=16384 STOP_AFTER=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
@@ -40,10 +43,12 @@ while [ $# -gt 0 ]; do
     --ablation-micro-batch-tokens) ABL_MBT="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --runs-dir) RUNS="$2"; shift 2 ;;
+    --stop-after) STOP_AFTER="$2"; shift 2 ;;
     --) shift; EXTRA+=("$@"); break ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+case "$STOP_AFTER" in ""|curate|regen|train|eval) ;; *) echo "--stop-after: curate, regen, train or eval" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 NAME="$("$PY" -c 'import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).name)' "$CONFIG")"
@@ -62,7 +67,8 @@ fi
 
 drafter() { "$PY" -m drafter.cli "$@"; }
 status=0
-: > "$OUT/stage_seconds.txt"
+touch "$OUT/stage_seconds.txt"
+stop_after() { [ "$STOP_AFTER" = "$1" ] && { echo "== stopped after $1 (--stop-after)"; exit $status; }; return 0; }
 timed() {  # timed LABEL LOG cmd...: run with its output in LOG; append "LABEL SECONDS EXIT" to stage_seconds.txt
   local label="$1" log="$2"; shift 2
   local t0; t0=$(date +%s)
@@ -77,7 +83,9 @@ timed() {  # timed LABEL LOG cmd...: run with its output in LOG; append "LABEL S
 
 echo "== recipe $CONFIG (run $NAME) -> $OUT"
 timed curate "$OUT/curate.log" drafter curate --config "$CONFIG" "${MAIN[@]}" || exit 1
+stop_after curate
 timed regen "$OUT/regen.log" drafter regen --config "$CONFIG" "${MAIN[@]}" || exit 1
+stop_after regen
 
 # Ablation runs share the main run's curate / regen / tokenize stages (same config sections: same hashes).
 ABLATIONS=()
@@ -94,11 +102,13 @@ fi
 # beside the main training (2026-12-02, H200), three ablation trainings cut its tokens/s from 79K to 20-45K and
 # the four together made less than the main one alone.
 timed train "$OUT/train.log" drafter train --config "$CONFIG" "${MAIN[@]}" || exit 1
+[ -f "$RUNS/$NAME/train/metrics.jsonl" ] && cp "$RUNS/$NAME/train/metrics.jsonl" "$OUT/train_metrics.jsonl"
+stop_after train
 timed eval "$OUT/eval.log" drafter eval --config "$CONFIG" "${MAIN[@]}" "${QUICK_EVAL[@]}" || status=1
 for f in report.json report.md report.html; do
   [ -f "$RUNS/$NAME/eval/$f" ] && cp "$RUNS/$NAME/eval/$f" "$OUT/$f"
 done
-[ -f "$RUNS/$NAME/train/metrics.jsonl" ] && cp "$RUNS/$NAME/train/metrics.jsonl" "$OUT/train_metrics.jsonl"
+stop_after eval
 
 for loss in "${ABLATIONS[@]}"; do
   abl="$NAME-abl-${loss/+/-}"

@@ -30,11 +30,14 @@ def _manifest(run_dir: Path, stage: str) -> dict:
 
 
 def stage_seconds(out: Path) -> dict[str, dict]:
-    rows = {}
+    """label -> {seconds: summed over its lines (a stage run over several calls, `--stop-after`), exit: the last}."""
+    rows: dict[str, dict] = {}
     path = out / "stage_seconds.txt"
     for line in path.read_text().splitlines() if path.exists() else []:
         label, seconds, rc = line.split()
-        rows[label] = {"seconds": int(seconds), "exit": int(rc)}
+        row = rows.setdefault(label, {"seconds": 0, "exit": 0})
+        row["seconds"] += int(seconds)
+        row["exit"] = int(rc)
     return rows
 
 

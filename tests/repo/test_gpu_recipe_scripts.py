@@ -1,6 +1,6 @@
 """The GPU recipe's scripts run end to end on the CPU (so a GPU session cannot fail on a typo): the offline bundle
 rebuilds the GGUF byte for byte from its parts and refuses a missing part; quality_gpu.sh runs every stage and the
-loss ablation on configs/tiny.yaml and prints its table."""
+loss ablation on configs/tiny.yaml, over two calls as a device session splits it, and prints its table."""
 
 from __future__ import annotations
 
@@ -35,18 +35,30 @@ def test_offline_bundle_rebuilds_the_gguf_from_its_parts_and_refuses_a_missing_o
 
 
 @pytest.mark.slow
-def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config(tmp_path):
-    out = subprocess.run(
-        ["bash", "benchmarks/quality_gpu.sh", "--out", tmp_path / "q", "--runs-dir", tmp_path / "runs",
-         "--config", "configs/tiny.yaml", "--device", "cpu", "--ablation-steps", "2", "--train-steps", "2", "--quick",
-         "--", "train.online=true", f"cache_dir={REPO / '.cache'}"],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
-        timeout=1500)
+def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_over_two_calls(tmp_path):
+    # one device call runs at most 10 minutes: the recipe is the same command per call, `--stop-after` ending one
+    def call(*extra):
+        return subprocess.run(
+            ["bash", "benchmarks/quality_gpu.sh", "--out", tmp_path / "q", "--runs-dir", tmp_path / "runs",
+             "--config", "configs/tiny.yaml", "--device", "cpu", "--ablation-steps", "2", "--train-steps", "2",
+             "--quick", *extra, "--", "train.online=true", f"cache_dir={REPO / '.cache'}"],
+            cwd=REPO, capture_output=True, text=True, timeout=1500,
+            env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
+
+    assert call("--stop-after", "nonsense").returncode == 2
+    first = call("--stop-after", "regen")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "stopped after regen" in first.stdout and not (tmp_path / "runs" / "tiny" / "train").exists()
+    out = call()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    stages = dict(line.split()[:2] for line in (tmp_path / "q" / "stage_seconds.txt").read_text().splitlines())
-    assert set(stages) == {"curate", "regen", "train", "eval", "train[ce]", "train[kl]", "train[ce+kl]", "eval[ce]",
+    lines = (tmp_path / "q" / "stage_seconds.txt").read_text().splitlines()
+    labels = [line.split()[0] for line in lines]
+    assert labels[:4] == ["curate", "regen", "curate", "regen"]  # the second call's are no-ops, appended
+    assert set(labels) == {"curate", "regen", "train", "eval", "train[ce]", "train[kl]", "train[ce+kl]", "eval[ce]",
                            "eval[kl]", "eval[ce+kl]"}
     summary = json.loads((tmp_path / "q" / "summary.json").read_text())
+    regen_seconds = sum(int(line.split()[1]) for line in lines if line.startswith("regen "))
+    assert summary["stages"]["regen"] == {"seconds": regen_seconds, "exit": 0}  # a stage's time sums its calls
     assert set(summary["ablation"]) == {"ce", "kl", "ce+kl"}
     assert summary["train"]["steps"] == 2 and summary["data"]["regen"]["written"] > 0
     assert "gsm8k/chain" in summary["eval"] and (tmp_path / "q" / "report.md").exists()
