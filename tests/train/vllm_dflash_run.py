@@ -29,12 +29,18 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this pr
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+# An explicit KV cache (one 512-token request needs a few MiB): the default, gpu_memory_utilization of the first NUMA
+# node's memory less the process's RSS, is below zero where that node holds half of a 24 GiB machine's memory.
+KV_CACHE_BYTES = 256 << 20
+
+
 def _engine(target: str, drafter: str, **extra):
     from vllm import LLM
 
     block_size = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
     return LLM(model=target, dtype="float32", max_model_len=512, max_num_batched_tokens=512, max_num_seqs=1,
-               enforce_eager=True, seed=0, gpu_memory_utilization=0.15, enable_prefix_caching=False,
+               enforce_eager=True, seed=0, gpu_memory_utilization=0.15, kv_cache_memory_bytes=KV_CACHE_BYTES,
+               enable_prefix_caching=False,
                disable_log_stats=False, per_request_spec_decode_metrics="detailed",
                speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1},
                **extra)
