@@ -143,7 +143,7 @@ if triton is not None:
             forks = tl.load(fork + node)
             reload = depth < 0  # False
             stored = h
-        nxt = tl.load(order + 1 % M)
+        nxt = tl.load(order + (1 % M))
         for t in range(0, M):
             # issue step t+1's loads (node nxt), then step t+2's index; past the end the indices wrap to valid
             # nodes whose loads are never used

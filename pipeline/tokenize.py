@@ -13,9 +13,10 @@ with thinking off writes the empty think block on the last assistant turn only, 
 it), and no single sequence holds every turn as the target saw it. With `tokenize.unstable_template: split` (the
 default) a new sample starts at such a turn k: its tokens are tokens(prompt_k) (the history as the target saw
 it when it wrote turn k, unsupervised) followed by turn k and every later turn that extends it. Sample ids: the
-first sample keeps the conversation's id, a sample starting at assistant turn k is `<id>@t<k>` (pipeline/sample_ids.py). With `drop` the
-conversation is dropped (template_not_prefix_stable), as every conversation is when the generation prompt itself
-is not a prefix of the turn. Every supervised token thus has exactly the context the target generated it in.
+first sample keeps the conversation's id, a sample starting at assistant turn k is `<id>@t<k>`
+(pipeline/sample_ids.py). With `drop` the conversation is dropped (template_not_prefix_stable), as every
+conversation is when the generation prompt itself is not a prefix of the turn. Every supervised token thus has
+exactly the context the target generated it in.
 The turn's tokens are tokens(full_k)[len(tokens(prompt_k)):], supervised up to and including the first
 end-of-turn id (what the target generated, e.g. `...<|im_end|>`), unsupervised after it (template glue
 such as the newline after <|im_end|>). A turn cut by max_new_tokens (regen metadata finish 'length')
@@ -93,8 +94,6 @@ def assistant_samples(tokenizer, messages: list[dict], *, enable_thinking: bool,
     if ended is None or len(ended) != len(turns):
         ended = [True] * len(turns)
     samples: list[TurnSample] = []
-    ids: list[int] = []
-    mask: list[int] = []
     for k, i in enumerate(turns):
         prompt = encode_chat(tokenizer, render_chat(tokenizer, messages[:i], add_generation_prompt=True,
                                                     enable_thinking=enable_thinking))
@@ -102,18 +101,19 @@ def assistant_samples(tokenizer, messages: list[dict], *, enable_thinking: bool,
                                                   enable_thinking=enable_thinking))
         if full[: len(prompt)] != prompt:
             raise Dropped("template_not_prefix_stable", f"turn {k}: the generation prompt is not a prefix of the turn")
-        if not samples or prompt[: len(ids)] != ids:
+        if not samples or prompt[: len(samples[-1].input_ids)] != samples[-1].input_ids:
             if samples and not split:
                 raise Dropped("template_not_prefix_stable",
                               f"turn {k}: the template re-renders earlier turns differently")
-            ids, mask = [], []  # a new sample (filled in place below): this turn's context as the target saw it
-            samples.append(TurnSample(ids, mask, k))
+            samples.append(TurnSample([], [], k))  # a new sample: this turn's context as the target saw it
+        sample = samples[-1]
         turn = full[len(prompt):]
         end = next((j for j, t in enumerate(turn) if t in end_of_turn), None)
         if end is None:
             raise Dropped("no_end_of_turn_token", f"turn {k}: no end-of-turn id {sorted(end_of_turn)} in the turn")
-        mask += [0] * (len(prompt) - len(ids)) + [1] * end + [int(ended[k])] + [0] * (len(turn) - end - 1)
-        ids[:] = full
+        sample.loss_mask += ([0] * (len(prompt) - len(sample.input_ids)) + [1] * end + [int(ended[k])]
+                             + [0] * (len(turn) - end - 1))
+        sample.input_ids = full
     return samples
 
 
@@ -235,9 +235,9 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     fingerprint = tokenize_fingerprint(cfg, target)
     check_fingerprint({k: fingerprint[k] for k in ("target", "tokenizer", "enable_thinking")},
                       regen_manifest["fingerprint"], what="the regenerated data (regen stage)", producer="drafter regen")
-    config_hash, settings = config_record(target=cfg.target, tokenize={"max_len": cfg.tokenize.max_len,
-                                                                       "min_loss_tokens": cfg.min_loss_tokens,
-                                                                       "unstable_template": cfg.tokenize.unstable_template},
+    tokenize_settings = {"max_len": cfg.tokenize.max_len, "min_loss_tokens": cfg.min_loss_tokens,
+                         "unstable_template": cfg.tokenize.unstable_template}
+    config_hash, settings = config_record(target=cfg.target, tokenize=tokenize_settings,
                                           regen_output=regen_manifest["config_hash"])
     stage = StageDir(cfg.run_dir, "tokenize")
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):

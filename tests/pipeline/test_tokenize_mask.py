@@ -79,13 +79,14 @@ def _supervised_spans(mask: list[int]) -> list[tuple[int, int]]:
     return [(a, next((j for j in range(a, len(mask)) if not mask[j]), len(mask))) for a in starts]
 
 
-THREE_TURNS = CONVERSATION + [{"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6, and 4+4 is 8"}]
+THREE_TURNS = CONVERSATION + [{"role": "user", "content": "And 3+3?"},
+                              {"role": "assistant", "content": "6, and 4+4 is 8"}]
 
 
 def test_a_template_that_re_renders_history_splits_a_conversation_where_it_does():
-    # Qwen3-like (thinking off): each assistant turn was generated after "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    # but is re-rendered without its think block once a later turn follows: one sample per assistant turn, each
-    # with the history exactly as the target saw it when it wrote that turn
+    # Qwen3-like (thinking off): each assistant turn was generated after the generation prompt with its empty think
+    # block but is re-rendered without it once a later turn follows: one sample per assistant turn, each with the
+    # history exactly as the target saw it when it wrote that turn
     tok = build_byte_tokenizer()
     tok.chat_template = QWEN3_LIKE_TEMPLATE
     eot = {tok.convert_tokens_to_ids(EOT)}
@@ -185,7 +186,8 @@ def test_tokenize_stage_splits_or_drops_conversations_of_an_unstable_template_an
     run_tokenize(cfg)
     m = StageDir(cfg.run_dir, "tokenize").manifest()
     c = m["counts"]
-    written = {r["id"]: r for r in pq.read_table(StageDir(cfg.run_dir, "tokenize").shard_path("00000", "parquet")).to_pylist()}
+    shard = StageDir(cfg.run_dir, "tokenize").shard_path("00000", "parquet")
+    written = {r["id"]: r for r in pq.read_table(shard).to_pylist()}
     assert c["input"] == 2 and c["written"] + c["dropped"] == c["input"] + c["split"]
     if mode == "split":
         assert set(written) == {"t/0", "t/0@t1", "t/1"} and c["split"] == 2
