@@ -294,12 +294,21 @@ def _layer_step(layer: DecoderLayer, x: Tensor, ctx: Tensor, ctx_cos: Tensor, ct
     return layer(x, ctx_k, ctx_v, cos, sin, mask)
 
 
+def _first_layer_step(layer: DecoderLayer, x: Tensor, ctx: Tensor, ctx_cos: Tensor, ctx_sin: Tensor, cos: Tensor,
+                      sin: Tensor, mask) -> Tensor:
+    """`_layer_step` of the first layer, whose x (the frozen embedding of the block) needs no gradient where every
+    later layer's does. A function of its own so that compiled it has its own graphs: sharing one would make each
+    step alternate between two requires_grad guards, and with the shape guards that exhausted torch._dynamo's
+    recompile limit (8) in the first minutes of the 2026-12-02 H200 run."""
+    return _layer_step(layer, x, ctx, ctx_cos, ctx_sin, cos, sin, mask)
+
+
 def _final_step(drafter: "DFlashDrafter", x: Tensor, row_valid: Tensor) -> Tensor:
     """norm(x) [Q, D], zero on the rows of padded blocks (row_valid Bool[Q] False)."""
     return torch.where(row_valid[:, None], drafter.norm(x), 0.0)
 
 
-_TRAIN_FNS = {"fuse": _fuse_step, "layer": _layer_step, "final": _final_step}
+_TRAIN_FNS = {"fuse": _fuse_step, "first_layer": _first_layer_step, "layer": _layer_step, "final": _final_step}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,15 +399,16 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"attention must be 'dense', 'flex' or 'auto', got {attention!r}")
         if features.dim() != 3 or features.shape[0] != 1 or features.shape[1] != batch.seq_len:
             raise ValueError(f"features must be [1, {batch.seq_len}, n*D], got {tuple(features.shape)}")
-        fns = self._train_fns
+        # the held-out evaluation (no gradient) runs eager: compiled, it would double every graph's variants
+        fns = self._train_fns if torch.is_grad_enabled() else _TRAIN_FNS
         ctx = fns["fuse"](self, features[0])  # [S, D]
         dtype = ctx.dtype
         x = self._embed(batch.block_ids, dtype)  # [Q, D]
         ctx_cos, ctx_sin = self._rope(batch.context_positions, dtype)
         cos, sin = self._rope(batch.block_positions, dtype)
         masks = {t: self._train_mask(batch, t, attention) for t in set(self.args.layer_types)}
-        for layer in self.layers:
-            run = fns["layer"]
+        for i, layer in enumerate(self.layers):
+            run = fns["first_layer" if i == 0 else "layer"]
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(
                     run, layer, x, ctx, ctx_cos, ctx_sin, cos, sin, masks[layer.layer_type], use_reentrant=False

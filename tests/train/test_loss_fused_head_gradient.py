@@ -124,3 +124,37 @@ def test_compiled_training_forward_has_no_graph_break_and_equals_eager():
     for name, g in eager_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
     torch.testing.assert_close(flex, eager_flex, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_training_compiles_each_piece_twice_then_never_again():
+    """Each compiled piece gets a static graph, then (second shape) a dynamic one, and nothing more: over batches of
+    four shapes with backward, each followed by a held-out forward under no_grad (which runs eager). The failure
+    this guards against: the first layer's input (the frozen embedding) needs no gradient and every later layer's
+    does, so one shared layer graph recompiled on every alternation and, with grad_mode and shape guards, hit
+    torch._dynamo's recompile limit (8) within minutes on the H200 (2026-12-02); pieces past the limit ran eager."""
+    from torch._dynamo.utils import counters
+
+    D, V, B, MASK = 32, 80, 4, 70
+    args = DrafterArgs(hidden_size=D, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=V, block_size=B,
+                       mask_token_id=MASK, target_layer_ids=[1, 2], num_target_layers=4,
+                       layer_types=["sliding_attention", "full_attention", "full_attention"], sliding_window=5)
+    torch.manual_seed(0)
+    model = DFlashDrafter(args)
+    model.attach_target_head(torch.randn(V, D), torch.randn(V, D))
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile_training(backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    for S, pad in [(40, 10), (56, 12), (48, 10), (64, 16)]:
+        ids = torch.randint(0, 60, (S,), generator=gen)
+        anchors = torch.sort(torch.randperm(S - B, generator=gen)[:8]).values
+        batch = build_block_batch(ids, torch.ones(S, dtype=torch.bool), anchors, B, MASK,
+                                  seq_lens=[S // 2, S - S // 2], pad_to=pad)
+        feats = torch.randn(1, S, 2 * D, generator=gen)
+        loss, _ = dflash_loss(model.forward_train(feats, batch, "dense"), model.lm_head_weight, batch, 4.0, 7)
+        loss.backward()
+        with torch.no_grad():
+            model.forward_train(feats, batch, "dense")
+    pieces = len(model._train_fns)  # fuse, first layer, later layers, final norm
+    assert counters["stats"]["unique_graphs"] == 2 * pieces, dict(counters["stats"])
