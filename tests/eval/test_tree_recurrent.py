@@ -94,11 +94,22 @@ def random_rows(N: int, HK: int, HV: int, dk: int, dv: int, gen: torch.Generator
     return q, k, v, g, beta, state
 
 
+def hf_torch_recurrence():
+    """transformers' torch definition of the recurrent gated delta rule. Where fla-core is installed, transformers
+    binds the module-level name to fla's Triton kernel (a hub-kernel wrapper), which cannot take these CPU tensors
+    (the failure of the H200 run of 2026-12-02): unwrap it."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
+
+
 def test_tree_rule_equals_hf_recurrence_along_every_root_path():
     """o[i] = the last output of HF's torch_recurrent_gated_delta_rule over node i's root path from the committed
     state, and path_gated_delta_state(path) = its final state, on every tree shape (GQA: 2 q/k heads, 4 value
     heads)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+    torch_recurrent_gated_delta_rule = hf_torch_recurrence()
 
     gen = torch.Generator().manual_seed(0)
     for name, tree in shapes_and_random_trees(6, seed=1):
@@ -119,7 +130,7 @@ def test_tree_rule_equals_hf_recurrence_along_every_root_path():
 def test_tree_rule_differs_from_a_recurrence_over_the_flattened_order():
     """The check above can fail: running the rows in flattened order (each node after its predecessor) gives
     other outputs as soon as a predecessor is not the parent."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+    torch_recurrent_gated_delta_rule = hf_torch_recurrence()
 
     tree = tree_of(SHAPES["branches at several depths"])
     q, k, v, g, beta, state = random_rows(tree.size, 2, 2, 8, 6, torch.Generator().manual_seed(3))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.eval.test_tree_recurrent import SHAPES, random_rows, shapes_and_random_trees, tree_of
+from tests.eval.test_tree_recurrent import SHAPES, random_rows, root_path, shapes_and_random_trees, tree_of
 from tests.eval.test_triton_kernels import compile_for_sm90, run_interpreted
 from tests.eval.test_walk_device import random_tree
 
@@ -134,6 +134,66 @@ def check_stacked_path_state_equals_each_layer(device: str = "cpu"):
     assert torch.equal(in_place, got)
 
 
+_GUARDED = []  # the mappings behind guarded() tensors, alive until the process ends
+
+
+def guarded(t: torch.Tensor, at_end: bool) -> torch.Tensor:
+    """A CPU copy of t that starts right after (or, at_end, ends right before) a page the process may not read:
+    an unmasked load one element outside it kills the process (SIGSEGV) instead of reading a neighbour's bytes."""
+    import ctypes
+    import mmap
+
+    page, nbytes = mmap.PAGESIZE, t.numel() * t.element_size()
+    body = -(-nbytes // page) * page
+    mm = mmap.mmap(-1, body + 2 * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    libc = ctypes.CDLL(None)
+    for at in (base, base + page + body):
+        assert libc.mprotect(ctypes.c_void_p(at), ctypes.c_size_t(page), 0) == 0  # PROT_NONE
+    copy = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=page + (body - nbytes if at_end else 0))
+    _GUARDED.append(mm)
+    return copy.view(t.shape).copy_(t)
+
+
+def check_walk_reads_nothing_outside_its_tensors(device: str = "cpu"):
+    """Every tensor the walk reads (rows, decays, tree, walk order, states, scratch; and the tree convolution's)
+    sits against an unreadable page, before it and then after it: no kernel may load an element outside any of
+    them, also on the steps whose prefetched loads are discarded (past the last node the indices wrap to the root).
+    Written after the H200 run of 2026-12-02: the wrapped step reloaded the root's "parent" from scratch slot -1 (an
+    illegal address at budget 64; unnoticed in the interpreter, whose neighbouring bytes were readable)."""
+    from eval import tree_recurrent, tree_recurrent_triton
+
+    gen = torch.Generator().manual_seed(7)
+    HK, HV, dk, dv = 2, 4, 12, 10
+    for at_end in (False, True):
+        for name, tree in [("branches at several depths", tree_of(SHAPES["branches at several depths"])),
+                           ("random", random_tree(gen, 40, 6, 3)), ("root only", tree_of([0]))]:
+            q, k, v, g, beta, state = random_rows(tree.size, HK, HV, dk, dv, gen, torch.bfloat16)
+            mixed = guarded(torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1), at_end)
+            q, k, v = (t.unflatten(1, s) for t, s in zip(mixed.split([HK * dk, HK * dk, HV * dv], 1),
+                                                         [(HK, dk), (HK, dk), (HV, dv)]))
+            g, beta, state = (guarded(t.float().contiguous(), at_end) for t in (g, beta, state))
+            parents, depths = guarded(tree.parents, at_end), guarded(tree.depths, at_end)
+            walk = tuple(guarded(t, at_end) for t in tree_recurrent_triton.walk_order(parents, depths,
+                                                                                      tree.depth_limit))
+            scratch = guarded(torch.zeros(tree.depth_limit + 1, HV, dk, dv), at_end)
+            got = tree_recurrent_triton.tree_gated_delta_rule(q, k, v, g, beta, parents, depths, state, walk,
+                                                              tree.depth_limit, scratch)
+            ref = tree_recurrent.tree_gated_delta_rule(q, k, v, g, beta, parents, depths, state)
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.float().abs().max()),
+                                       msg=name)
+            x, conv_state, weight = (guarded(torch.randn(*shape, generator=gen), at_end)
+                                     for shape in ((tree.size, 24), (24, 4), (24, 4)))
+            torch.testing.assert_close(
+                tree_recurrent_triton.tree_causal_conv1d(x, conv_state, weight, parents, depths),
+                tree_recurrent.tree_causal_conv1d(x, conv_state, weight, parents, depths), rtol=1e-5, atol=1e-5)
+            path = guarded(torch.tensor(root_path(tree, tree.size - 1)), at_end)
+            out = guarded(torch.zeros_like(state), at_end)
+            tree_recurrent_triton.path_gated_delta_state(k, v, g, beta, path, state, out)
+            torch.testing.assert_close(out, tree_recurrent.path_gated_delta_state(k, v, g, beta, path, state),
+                                       rtol=1e-5, atol=1e-5 * float(out.abs().max()), msg=name)
+
+
 CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch",
           "check_stacked_path_state_equals_each_layer"]
 
@@ -143,6 +203,12 @@ CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch",
 @pytest.mark.slow
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
     run_interpreted(check, MODULE)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="guard pages are host memory: the interpreter reads it")
+@pytest.mark.slow
+def test_walk_reads_nothing_outside_its_tensors_in_the_interpreter():
+    run_interpreted("check_walk_reads_nothing_outside_its_tensors", MODULE)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA (run on the GPU machine)")
