@@ -37,7 +37,7 @@ status=0
 if [ -n "$TESTS" ]; then
   "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/eval/test_tree_recurrent.py \
     tests/eval/test_tree_recurrent_triton.py tests/eval/test_hybrid_cache.py tests/eval/test_decode_greedy.py \
-    tests/extract/test_hf.py -k "(cuda and not graph) or fla or hybrid_rounds_on_cuda_graphs" > "$OUT/tests.log" 2>&1 || status=1
+    tests/extract/test_hf.py -k "(cuda and not graph) or fla_kernels or hybrid_rounds_on_cuda_graphs" > "$OUT/tests.log" 2>&1 || status=1
   grep -E "^E |passed|failed" "$OUT/tests.log" | tail -12
 fi
 # shellcheck disable=SC2086
