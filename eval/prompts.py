@@ -25,18 +25,15 @@ from typing import Any
 
 from pipeline.config import BenchmarkConfig, ConfigError
 from pipeline.curate.sources import Unparsed, parse_json, unreadable_file
+from pipeline.rejects import Rejected
 from pipeline.target import render_chat
 
 REASON_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n"
 
 
-class MalformedRecord(ValueError):
+class MalformedRecord(Rejected):
     """A benchmark record lacks what its prompt format needs; `reason` is the counter key."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True)

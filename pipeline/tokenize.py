@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import encode_chat, end_of_turn_ids
+from pipeline.rejects import Rejected
 from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint,
                              input_ref, units_for_rank)
 from pipeline.sample_ids import turn_id
@@ -58,13 +59,8 @@ FINGERPRINT_KEY = b"drafter.fingerprint"
 MAX_DROP_EXAMPLES = 20
 
 
-class Dropped(ValueError):
+class Dropped(Rejected):
     """A sample that cannot be tokenized faithfully; `reason` is its counter name."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass

@@ -13,19 +13,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.rejects import Rejected
 from pipeline.target import render_chat
 
 ROLES = ("system", "user", "assistant")
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
-class MalformedConversation(ValueError):
+class MalformedConversation(Rejected):
     """A conversation breaks the curate contract; `reason` is the counter name it is recorded under."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass
