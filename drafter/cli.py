@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
     except (ConfigError, StageError) as e:
         print(f"drafter {args.command}: error: {error_message(e)}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_status", 2)  # train's Preempted: 75, "run it again"
     except OSError as e:
         print(f"drafter {args.command}: error: {os_error_message(e)}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ import torch
 
 from pipeline.sample_ids import prompt_id
 from train.blocks import BlockBatch, build_block_batch, sample_anchors
+from train.preempt import ignore_in_worker
 
 EVAL_EPOCH = -1  # the anchor "epoch" of held-out evaluation: the same anchors at every eval
 
@@ -308,10 +309,12 @@ class MicroBatchDataset(torch.utils.data.Dataset):
 
 def make_loader(dataset: MicroBatchDataset, num_workers: int, pin_memory: bool = False) -> torch.utils.data.DataLoader:
     """Ordered prefetching DataLoader (one collated micro-batch per item; workers build blocks too). With
-    `pin_memory` (GPU training) the features arrive in page-locked memory for a fast host-to-device copy."""
+    `pin_memory` (GPU training) the features arrive in page-locked memory for a fast host-to-device copy. Workers
+    ignore the stop signals (train/preempt.py): the main process stops the run."""
     return torch.utils.data.DataLoader(
         dataset, batch_size=None, shuffle=False, num_workers=num_workers,
         prefetch_factor=4 if num_workers > 0 else None, persistent_workers=False, pin_memory=pin_memory,
+        worker_init_fn=ignore_in_worker if num_workers > 0 else None,
     )
 
 

@@ -6,7 +6,9 @@
 
 `run_train` reads top to bottom: process group (train/distributed.py) -> inputs + fingerprint check
 (train/inputs.py) -> stage dir -> `Trainer` (train/trainer.py: data plan, drafter + frozen target pieces, engine;
-resume; the loop; final eval, checkpoint, export, replica check) -> manifest.
+resume; the loop; final eval, checkpoint, export, replica check) -> manifest. SIGTERM / SIGUSR1 during resume or the
+loop stop the run after the step in flight with a checkpoint of it (train/preempt.py): exit status 75, and the same
+command resumes.
 
 Outputs (runs/<run>/train/): checkpoints/ (train/checkpoint.py), metrics.jsonl + wandb/ (train/metrics.py),
 export/ (z-lab DFlash layout), manifest.json (fingerprint = drafter args + the feature fingerprint trained on).
@@ -21,6 +23,7 @@ from pipeline.log import get_logger, summary
 from pipeline.runner import RankInfo, StageDir, input_ref
 from train.distributed import barrier, init_distributed, rank0_first
 from train.inputs import TrainInputs, open_inputs
+from train.preempt import Preempted, StopSignals
 from train.trainer import Trainer
 
 log = get_logger("train")
@@ -49,9 +52,13 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
 
     trainer = Trainer(cfg, inputs, dist, device, stage.path)
     try:
-        trainer.resume()
-        trainer.fit()
+        with StopSignals() as trainer.stop:  # SIGTERM / SIGUSR1: checkpoint the step in flight, exit 75
+            trainer.resume()
+            trainer.fit()
         result = trainer.finish()
+    except Preempted:
+        trainer.abort(Preempted.exit_status)
+        raise
     except BaseException:
         trainer.abort()
         raise

@@ -35,6 +35,7 @@ from train.loss import default_gamma, kl_share
 from train.metrics import DrafterShape, MetricsLogger, peak_flops
 from train.model import DFlashDrafter
 from train.online import OnlineFeatures
+from train.preempt import Preempted, StopSignals, any_rank_stopping
 from train.step import StepStats, eval_step, train_step
 
 log = get_logger("train")
@@ -84,6 +85,7 @@ class Trainer:
         self.resumed = False
         self.last_saved = -1
         self.logger: MetricsLogger | None = None
+        self.stop: StopSignals | None = None  # set by run_train: fit checks it after every step
 
     def _build_drafter(self) -> tuple[DFlashDrafter, torch.nn.Module | None, torch.nn.Module | None]:
         """The drafter (seeded init, or `drafter.init_from`) with the target's frozen embedding and LM head attached;
@@ -225,18 +227,28 @@ class Trainer:
                     if save:
                         self.save()
                     window.start += time.time() - paused
+                if self.stop is not None and any_rank_stopping(self.stop.received is not None,
+                                                               self.dist.world_size, self.device):
+                    self._stop_here(step, total)
                 if step >= total:
                     break
             del batches
         bar.close()
 
+    def _stop_here(self, step: int, total: int) -> None:
+        """A stop signal reached some rank (train/preempt.py): checkpoint this step (collective) and leave."""
+        if self.last_saved != step:
+            self.save()
+        raise Preempted(f"stopped by {self.stop.received or 'a signal on another rank'} after step {step} of "
+                        f"{total}; checkpoint step-{step:08d} saved: run the same command to resume")
+
     # -- the end ---------------------------------------------------------------------------------------
 
-    def abort(self) -> None:
-        """After a failure inside resume / fit / finish: end the W&B run as failed, so a process that goes on
-        (a test, a notebook) does not keep it open."""
+    def abort(self, exit_code: int = 1) -> None:
+        """After a failure inside resume / fit / finish (or a stop signal: exit_code 75): end the W&B run with that
+        exit code, so a process that goes on (a test, a notebook) does not keep it open."""
         if self.logger is not None:
-            self.logger.finish(exit_code=1)
+            self.logger.finish(exit_code=exit_code)
 
     def finish(self) -> TrainResult:
         """Final held-out eval, a checkpoint of the last step (unless just saved), the z-lab export (read back and
