@@ -32,7 +32,8 @@ class _VocabLimit:
 
 class HFGenerator:
     def __init__(self, model, *, pad_id: int, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
-                 batch_size: int, decode: str = "auto", cuda_graphs: bool = True, gqa_fold: bool = True):
+                 batch_size: int, decode: str = "auto", cuda_graphs: bool = True, gqa_fold: bool = True,
+                 length_bucket: int = 128):
         self.model = model
         self.device = next(model.parameters()).device
         self.pad_id = pad_id
@@ -47,7 +48,8 @@ class HFGenerator:
             decode = "generate"
         self.decode = decode
         self.static = (StaticDecoder(model, vocab_limit=vocab_limit, stop_ids=self.stop_ids, sampling=sampling,
-                                     cuda_graphs=cuda_graphs, gqa_fold=gqa_fold) if decode == "static" else None)
+                                     cuda_graphs=cuda_graphs, gqa_fold=gqa_fold, length_bucket=length_bucket)
+                       if decode == "static" else None)
 
     @classmethod
     def load(cls, location: str, tcfg: TargetConfig, rcfg: RegenConfig, *, tokenizer, stop_ids, sampling):

@@ -11,7 +11,10 @@ length) and replayed:
     positions:    slot j of row b has RoPE position j - pad_b (the unpadded position)
     mask [B,1,Q,L] additive: query slot i sees key slot j  iff  j <= i and (j >= pad_b or j == i)
 
-(a padding query sees only itself, so no softmax row is empty and no NaN reaches the cache.)
+(a padding query sees only itself, so no softmax row is empty and no NaN reaches the cache.) L is a multiple of
+`length_bucket`, and a decode step attends over the buckets written so far only (the first `live` slots of cache
+and mask; one graph per live length): the K/V reads that dominate a large-batch step grow with the answer instead
+of costing the whole preallocated cache from the first token.
 
 The same code runs on CPU without graphs; for greedy decoding it produces the same tokens as
 `model.generate` (tests/pipeline/test_regen_hf.py). Only models whose layers are all full attention
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -44,7 +47,7 @@ def gqa_folded_sdpa(module, query, key, value, attention_mask, scaling=None, dro
 
     The H/H_kv query heads that share a KV head are folded into the query axis ([B, H_kv, H/H_kv, D]), so
     K/V are read once instead of being copied H/H_kv times (`repeat_kv`, what sdpa does whenever a mask is
-    given): the decode step reads the whole static cache, so this is most of its memory traffic.
+    given): reading the cache's live slots is most of a decode step's memory traffic.
     Prefill (more than one query) goes to transformers' sdpa unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -97,6 +100,7 @@ class SlotCache:
 
     def __init__(self, max_len: int, device):
         self.max_len = max_len
+        self.live = max_len  # slots 0..live-1 are returned to attention (the rest are unwritten)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.write_pos = torch.zeros((), dtype=torch.long, device=device)
@@ -108,7 +112,8 @@ class SlotCache:
         self.write_pos.fill_(slot)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """key/value_states [B, H_kv, T, D] -> the layer's full buffers [B, H_kv, L, D]."""
+        """key/value_states [B, H_kv, T, D] -> views [B, H_kv, live, D] of the layer's buffers (the written slots
+        must lie below `live`)."""
         if layer_idx == len(self.keys):  # first forward allocates (outside any graph capture)
             b, h, _, d = key_states.shape
             self.keys.append(key_states.new_zeros(b, h, self.max_len, d))
@@ -116,7 +121,7 @@ class SlotCache:
         slots = self.write_pos + torch.arange(key_states.shape[2], device=key_states.device)
         self.keys[layer_idx].index_copy_(2, slots, key_states)
         self.values[layer_idx].index_copy_(2, slots, value_states)
-        return self.keys[layer_idx], self.values[layer_idx]
+        return self.keys[layer_idx][:, :, : self.live], self.values[layer_idx][:, :, : self.live]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._pos
@@ -130,7 +135,7 @@ class _State:
     ids: torch.Tensor  # [B, 1] input token of the step
     pos: torch.Tensor  # [B, 1] RoPE position of the step
     mask: torch.Tensor  # [B, 1, 1, L] additive mask of the step
-    step: CudaGraphFn | None = None  # the one-token step over these buffers, captured on first use (CUDA)
+    steps: dict[int, CudaGraphFn] = field(default_factory=dict)  # the one-token step per live length (CUDA)
 
 
 class StaticDecoder:
@@ -186,6 +191,7 @@ class StaticDecoder:
             (slots[None, :] >= pad[:, None]) & (slots[None, :] < width), 0.0, torch.finfo(self.dtype).min
         ).to(self.dtype)
         state.pos.copy_(lens[:, None])
+        bucket = self.length_bucket
         for k in range(steps):
             nxt = sample_next(mask_padded_vocab(logits.float(), self.vocab_limit), self.sampling, generator)
             out[:, k] = nxt
@@ -195,14 +201,15 @@ class StaticDecoder:
             state.ids.copy_(nxt[:, None])
             state.mask[:, :, :, width + k] = 0.0
             state.cache.set_write_pos(width + k)
+            state.cache.live = min(cache_len, -(-(width + k + 1) // bucket) * bucket)  # the filled buckets
             logits = self._step(state)
             state.pos.add_(1)
         return [row.tolist() for row in out[:n]]
 
     def on_graphs(self) -> bool:
-        """True when the last shape's step replays a CUDA graph (captured and checked against eager)."""
-        step = self._state.step if self._state is not None else None
-        return step is not None and not step.disabled
+        """True when the last shape's steps replay CUDA graphs (each captured and checked against eager)."""
+        steps = list(self._state.steps.values()) if self._state is not None else []
+        return bool(steps) and not any(step.disabled for step in steps)
 
     # -- internals -----------------------------------------------------------------------------
     def _prepare(self, batch: int, cache_len: int) -> _State:
@@ -234,22 +241,27 @@ class StaticDecoder:
             mask = torch.where(seen, 0.0, neg).to(self.dtype)[:, None]
             pos = (q[None, :] - pad[:, None]).clamp(min=0)
             state.cache.set_write_pos(a)
+            state.cache.live = cache_len
             out = self.model(input_ids=ids[:, a:b], position_ids=pos, attention_mask=mask,
                              past_key_values=state.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1, :]
         return logits
 
-    def _forward_step(self, state: _State) -> torch.Tensor:
-        out = self.model(input_ids=state.ids, position_ids=state.pos, attention_mask=state.mask,
+    def _forward_step(self, state: _State, live: int) -> torch.Tensor:
+        out = self.model(input_ids=state.ids, position_ids=state.pos, attention_mask=state.mask[..., :live],
                          past_key_values=state.cache, use_cache=True)
         return out.logits[:, -1, :]
 
     def _step(self, state: _State) -> torch.Tensor:
-        """One token for every row: logits [B, V]. A CUDA graph (pipeline.cuda_graphs) when graphs are on; the step
-        reads only `state`'s buffers and rewrites the same K/V slot, so the capture's extra runs change nothing."""
+        """One token for every row: logits [B, V], attending over the cache's `live` slots only (the buckets of
+        `length_bucket` slots written so far: a step reads the K/V it needs, not the whole preallocated cache).
+        A CUDA graph per live length (pipeline.cuda_graphs) when graphs are on; the step reads only `state`'s
+        buffers and rewrites the same K/V slot, so the capture's extra runs change nothing."""
+        live = state.cache.live
         if not self.use_graphs:
-            return self._forward_step(state)
-        if state.step is None:
-            state.step = CudaGraphFn(functools.partial(self._forward_step, state), "regen decode step",
-                                     check=lambda g, e: relative_error(g, e) <= rounding_tolerance(self.dtype))
-        return state.step()
+            return self._forward_step(state, live)
+        if live not in state.steps:
+            state.steps[live] = CudaGraphFn(
+                functools.partial(self._forward_step, state, live), f"regen decode step ({live} slots)",
+                check=lambda g, e: relative_error(g, e) <= rounding_tolerance(self.dtype))
+        return state.steps[live]()

@@ -33,22 +33,48 @@ def target():
     torch.set_num_threads(threads)
 
 
-def _gen(target, decode: str, batch_size: int, sampling=Sampling()):
+def _gen(target, decode: str, batch_size: int, sampling=Sampling(), length_bucket: int = 128):
     model, tok, stop, _ = target
     return HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=sampling,
-                       batch_size=batch_size, decode=decode)
+                       batch_size=batch_size, decode=decode, length_bucket=length_bucket)
 
 
 def test_static_cache_decode_equals_generate_token_for_token_for_greedy(target):
+    """Also with 8-slot buckets: the step attends over the filled buckets only, and crosses several of them."""
     prompts = target[3]
     limits = [40, 40, 12, 40, 33]
     reference = _gen(target, "generate", 1).generate(prompts, limits)  # unbatched: no padding at all
-    for decode, batch_size in [("generate", 5), ("static", 5), ("static", 2), ("static", 1)]:
-        outs = _gen(target, decode, batch_size).generate(prompts, limits)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (decode, batch_size)
+    for decode, batch_size, bucket in [("generate", 5, 128), ("static", 5, 128), ("static", 2, 128),
+                                       ("static", 1, 128), ("static", 5, 8), ("static", 2, 8)]:
+        outs = _gen(target, decode, batch_size, length_bucket=bucket).generate(prompts, limits)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (decode, batch_size, bucket)
         assert [o.finish_reason for o in outs] == [r.finish_reason for r in reference]
     assert {r.finish_reason for r in reference} == {"stop", "length"}  # both endings are exercised
     assert len({len(r.token_ids) for r in reference}) > 2
+
+
+def test_static_decode_attending_over_filled_buckets_gives_the_full_cache_logits_at_every_step(target, monkeypatch):
+    """Every step's logits with 8-slot buckets (the step reads the buckets written so far, crossing a bucket edge
+    every 8 tokens) equal those over the whole preallocated cache. Greedy tokens alone would not show a step that
+    lost its own key at a bucket edge: a random tiny model's argmax rarely moves."""
+    import pipeline.regen.static_decode as static_decode
+
+    def logits_per_step(bucket: int) -> list[torch.Tensor]:
+        seen = []
+
+        def recording(logits, *args, **kwargs):
+            seen.append(logits.clone())
+            return sample_next(logits, *args, **kwargs)
+
+        monkeypatch.setattr(static_decode, "sample_next", recording)
+        _gen(target, "static", 5, length_bucket=bucket).generate(target[3], [40, 40, 12, 40, 33])
+        return seen
+
+    sample_next = static_decode.sample_next
+    whole, bucketed = logits_per_step(1024), logits_per_step(8)
+    assert len(whole) == len(bucketed) == 40
+    for k, (a, b) in enumerate(zip(whole, bucketed)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {k}")
 
 
 def test_padded_vocab_rows_are_never_generated(target):
