@@ -10,11 +10,17 @@ resumes). torchrun gives its workers 30 s after passing SIGTERM on: the step in 
 With several ranks the agreement is a one-element all-reduce after each step (a host sync per step).
 
 DataLoader workers ignore both signals (`ignore_in_worker`): SLURM signals every process of a job step, and a
-worker that died of it would fail the step before the checkpoint is written.
+worker that died of it would fail the step before the checkpoint is written. A worker that ignores SIGTERM would
+also ignore the `terminate()` with which multiprocessing ends daemonic children at interpreter exit, and its
+`join()` would then wait forever (as when a run fails with its loader still referenced from the traceback): so
+the main process kills its leftover children at exit first (`kill_leftover_children`, an atexit hook registered
+after multiprocessing's, hence run before it).
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import signal
 import threading
 
@@ -45,6 +51,7 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignals":
+        _register_exit_hook()
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -73,3 +80,23 @@ def ignore_in_worker(_worker_id: int) -> None:
     """DataLoader worker_init_fn: the main process decides when the run stops."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def kill_leftover_children() -> None:
+    """SIGKILL the multiprocessing children still alive (DataLoader workers, which ignore SIGTERM), with PyTorch's
+    SIGCHLD handler (which reports a killed worker as an error) put away first: at exit nothing waits for them."""
+    children = multiprocessing.active_children()
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
+
+
+_hooked = False
+
+
+def _register_exit_hook() -> None:
+    global _hooked
+    if not _hooked:
+        atexit.register(kill_leftover_children)
+        _hooked = True
