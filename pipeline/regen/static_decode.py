@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
@@ -136,13 +137,20 @@ class _State:
     pos: torch.Tensor  # [B, 1] RoPE position of the step
     mask: torch.Tensor  # [B, 1, 1, L] additive mask of the step
     steps: dict[int, CudaGraphFn] = field(default_factory=dict)  # the one-token step per live length (CUDA)
+    compact: dict[int, "_State"] = field(default_factory=dict)  # views of the first rows, per smaller batch
 
 
 class StaticDecoder:
-    """Generate for a batch of prompts: prefill in chunks, then one-token steps over a SlotCache."""
+    """Generate for a batch of prompts: prefill in chunks, then one-token steps over a SlotCache.
+
+    Compaction: at each finished-rows check (every STOP_CHECK_EVERY steps), once the rows still generating fit in
+    half the batch or less, they move to the first rows of the same buffers and decoding goes on at the smallest
+    power of two that holds them (not below `min_compact_batch`): sampled answers end at very different lengths,
+    and a batch no longer decodes at full size for its longest answer."""
 
     def __init__(self, model, *, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
-                 cuda_graphs: bool = True, gqa_fold: bool = True, prefill_chunk: int = 512, length_bucket: int = 128):
+                 cuda_graphs: bool = True, gqa_fold: bool = True, prefill_chunk: int = 512, length_bucket: int = 128,
+                 min_compact_batch: int = 8):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -152,6 +160,7 @@ class StaticDecoder:
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk
         self.length_bucket = length_bucket
+        self.min_compact_batch = min_compact_batch
         self.attention = None
         if gqa_fold and model.config._attn_implementation in ("sdpa", GQA_FOLDED):
             _register_attention()
@@ -192,11 +201,23 @@ class StaticDecoder:
         ).to(self.dtype)
         state.pos.copy_(lens[:, None])
         bucket = self.length_bucket
+        root, row_of, real = state, torch.arange(len(rows), device=self.device), len(rows)
         for k in range(steps):
             nxt = sample_next(mask_padded_vocab(logits.float(), self.vocab_limit), self.sampling, generator)
-            out[:, k] = nxt
+            out[row_of[:real], k] = nxt[:real]
             done |= torch.isin(nxt, self.stop_ids) | (k + 1 >= limit_t)
-            if k + 1 == steps or ((k + 1) % STOP_CHECK_EVERY == 0 and bool(done.all())):
+            if k + 1 < steps and (k + 1) % STOP_CHECK_EVERY == 0:
+                alive = int((~done).sum())  # the host sync of the check
+                if alive == 0:
+                    return [row[: k + 1].tolist() for row in out[:n]]
+                size = max(self.min_compact_batch, 1 << (alive - 1).bit_length())
+                if size <= len(done) // 2:  # half the rows or more finished: go on with the others only
+                    keep = torch.nonzero(~done).flatten()
+                    idx = torch.cat([keep, keep[:1].expand(size - alive)])  # then copies of a live row
+                    state = self._compact(root, idx, size)
+                    nxt, limit_t, done, row_of, real = nxt[idx], limit_t[idx], done[idx], row_of[idx], alive
+                    done[alive:] = True
+            if k + 1 == steps:
                 return [row[: k + 1].tolist() for row in out[:n]]
             state.ids.copy_(nxt[:, None])
             state.mask[:, :, :, width + k] = 0.0
@@ -206,9 +227,24 @@ class StaticDecoder:
             state.pos.add_(1)
         return [row.tolist() for row in out[:n]]
 
+    def _compact(self, root: _State, idx: Tensor, size: int) -> _State:
+        """Rows `idx` of the batch in flight (rows 0.. of `root`'s buffers) moved to rows 0..size-1 of the same
+        buffers (cache, positions, mask), and the state over those first rows (kept per size: its graphs are
+        reused by every later batch). Nothing is allocated but the gathered copies."""
+        for buf in [*root.cache.keys, *root.cache.values, root.pos, root.mask]:
+            buf[:size].copy_(buf[idx])  # buf[idx] gathers (a copy) before the first rows are overwritten
+        if size not in root.compact:
+            cache = SlotCache(root.cache.max_len, self.device)
+            cache.keys = [t[:size] for t in root.cache.keys]
+            cache.values = [t[:size] for t in root.cache.values]
+            root.compact[size] = _State(cache=cache, ids=root.ids[:size], pos=root.pos[:size], mask=root.mask[:size])
+        return root.compact[size]
+
     def on_graphs(self) -> bool:
-        """True when the last shape's steps replay CUDA graphs (each captured and checked against eager)."""
-        steps = list(self._state.steps.values()) if self._state is not None else []
+        """True when the last shape's steps (at every batch size it was compacted to) replay CUDA graphs, each
+        captured and checked against eager."""
+        states = [self._state, *self._state.compact.values()] if self._state is not None else []
+        steps = [step for st in states for step in st.steps.values()]
         return bool(steps) and not any(step.disabled for step in steps)
 
     # -- internals -----------------------------------------------------------------------------

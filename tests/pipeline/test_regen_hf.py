@@ -3,6 +3,8 @@ are never generated, per-request limits and stop ids hold, sampling is seeded.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,22 +23,37 @@ TINY_QWEN3 = TargetConfig(model="random:qwen3", device="cpu", dtype="float32",
                                            intermediate_size=256, num_hidden_layers=4))
 
 
+# The same shape with 10x the init scale: at the default (0.02) the random model's greedy answers barely depend on
+# their prompts, so a row decoded from another row's cache would go unnoticed.
+CONTEXT_SENSITIVE = dataclasses.replace(TINY_QWEN3, random_init={**TINY_QWEN3.random_init, "initializer_range": 0.2})
+
+
+def _open(tcfg):
+    location = materialize_target(tcfg, CACHE)
+    tok = load_tokenizer(location, tcfg)
+    prompts = [prompt_ids(tok, [{"role": "user", "content": t}], enable_thinking=False) for t in TEXTS]
+    return load_target(location, tcfg), tok, end_of_turn_ids(tok, location), prompts
+
+
 @pytest.fixture(scope="module")
 def target():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # overhead-bound tiny model on a shared 2-core machine
-    tcfg = TINY_QWEN3
-    location = materialize_target(tcfg, CACHE)
-    tok = load_tokenizer(location, tcfg)
-    prompts = [prompt_ids(tok, [{"role": "user", "content": t}], enable_thinking=False) for t in TEXTS]
-    yield load_target(location, tcfg), tok, end_of_turn_ids(tok, location), prompts
+    yield _open(TINY_QWEN3)
     torch.set_num_threads(threads)
 
 
-def _gen(target, decode: str, batch_size: int, sampling=Sampling(), length_bucket: int = 128):
+@pytest.fixture(scope="module")
+def sensitive_target(target):
+    return _open(CONTEXT_SENSITIVE)
+
+
+def _gen(target, decode: str, batch_size: int, sampling=Sampling(), length_bucket: int = 128,
+         min_compact_batch: int = 8):
     model, tok, stop, _ = target
     return HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=sampling,
-                       batch_size=batch_size, decode=decode, length_bucket=length_bucket)
+                       batch_size=batch_size, decode=decode, length_bucket=length_bucket,
+                       min_compact_batch=min_compact_batch)
 
 
 def test_static_cache_decode_equals_generate_token_for_token_for_greedy(target):
@@ -75,6 +92,26 @@ def test_static_decode_attending_over_filled_buckets_gives_the_full_cache_logits
     assert len(whole) == len(bucketed) == 40
     for k, (a, b) in enumerate(zip(whole, bucketed)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {k}")
+
+
+def test_a_batch_compacted_to_its_unfinished_rows_decodes_what_the_full_batch_would(sensitive_target):
+    """Three of five rows end at 9 tokens: at the check after step 16 the others (two, or one where an answer
+    stopped early) move to a smaller batch. Greedy output equals model.generate's; sampled output is seeded, within its limits, and
+    every row gets its own tokens (a row written by another row's stream would show as a copy)."""
+    prompts = sensitive_target[3]
+    limits = [40, 9, 9, 9, 40]
+    reference = _gen(sensitive_target, "generate", 1).generate(prompts, limits)
+    for bucket in (128, 8):
+        gen = _gen(sensitive_target, "static", 5, length_bucket=bucket, min_compact_batch=1)
+        outs = gen.generate(prompts, limits)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], bucket
+        assert gen.static._state.compact, "the batch was not compacted"
+    hot = Sampling(temperature=1.0, top_p=0.9, top_k=50)
+    a, b = (_gen(sensitive_target, "static", 5, hot, min_compact_batch=1).generate(prompts, [40, 9, 9, 9, 40], seeds=[3] * 5)
+            for _ in range(2))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) <= lim for o, lim in zip(a, limits))
+    assert a[0].token_ids != a[4].token_ids
 
 
 def test_padded_vocab_rows_are_never_generated(target):
