@@ -27,8 +27,9 @@ Prefetch. Each step therefore computes on inputs loaded during the step before a
 early too (safe: that parent is a strict ancestor of the current node, so the current node's own fork store goes to
 a deeper slot). Past the last node the prefetch indices wrap to the root, which never reloads; no load of the
 walk leaves its tensors (tests/eval/test_tree_recurrent_triton.py puts every tensor against an unreadable page).
-Not yet timed on a GPU: its first H200 run (2026-12-02) met the wrap's out-of-bounds reload, since fixed. A chunked form over the ancestor mask (UT transform restricted to
-ancestors) would replace the N sequential steps by matrix products if the walk stays latency-bound.
+Not yet timed on a GPU: its first H200 run (2026-12-02) met the wrap's out-of-bounds reload, since fixed. A
+chunked form over the ancestor mask (UT transform restricted to ancestors) would replace the N sequential steps by
+matrix products if the walk stays latency-bound.
 
 `walk_order` is torch (fixed shapes, no host sync: CUDA-graph friendly) and runs on any device.
 tests/eval/test_tree_recurrent_triton.py runs the kernels in Triton's CPU interpreter and compiles them for sm_90.

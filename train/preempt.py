@@ -20,6 +20,7 @@ after multiprocessing's, hence run before it).
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing
 import signal
 import threading
@@ -92,11 +93,7 @@ def kill_leftover_children() -> None:
         child.kill()
 
 
-_hooked = False
-
-
+@functools.cache
 def _register_exit_hook() -> None:
-    global _hooked
-    if not _hooked:
-        atexit.register(kill_leftover_children)
-        _hooked = True
+    """Once per process."""
+    atexit.register(kill_leftover_children)

@@ -44,7 +44,7 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def sensitive_target(target):
+def sensitive_target(target):  # (inside `target`'s one-thread setting)
     return _open(CONTEXT_SENSITIVE)
 
 
@@ -96,8 +96,8 @@ def test_static_decode_attending_over_filled_buckets_gives_the_full_cache_logits
 
 def test_a_batch_compacted_to_its_unfinished_rows_decodes_what_the_full_batch_would(sensitive_target):
     """Three of five rows end at 9 tokens: at the check after step 16 the others (two, or one where an answer
-    stopped early) move to a smaller batch. Greedy output equals model.generate's; sampled output is seeded, within its limits, and
-    every row gets its own tokens (a row written by another row's stream would show as a copy)."""
+    stopped early) move to a smaller batch. Greedy output equals model.generate's; sampled output is seeded, within
+    its limits, and every row gets its own tokens (a row written by another row's stream would show as a copy)."""
     prompts = sensitive_target[3]
     limits = [40, 9, 9, 9, 40]
     reference = _gen(sensitive_target, "generate", 1).generate(prompts, limits)
@@ -107,7 +107,7 @@ def test_a_batch_compacted_to_its_unfinished_rows_decodes_what_the_full_batch_wo
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference], bucket
         assert gen.static._state.compact, "the batch was not compacted"
     hot = Sampling(temperature=1.0, top_p=0.9, top_k=50)
-    a, b = (_gen(sensitive_target, "static", 5, hot, min_compact_batch=1).generate(prompts, [40, 9, 9, 9, 40], seeds=[3] * 5)
+    a, b = (_gen(sensitive_target, "static", 5, hot, min_compact_batch=1).generate(prompts, limits, seeds=[3] * 5)
             for _ in range(2))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) <= lim for o, lim in zip(a, limits))
