@@ -236,10 +236,15 @@ def verify_section(target, args, device, dtype, res: dict, save) -> None:
         res["tree_shape"][b] = {"nodes": tree.size, "depth": int(tree.depths.max()), "paths": leaves(tree),
                                 "accepted_path": len(path)}
         res["tree_verify_ms"][b] = median_ms(device, lambda: fast.verify(tree, vin), args.iters, after=rewind_fast)
-        res["overhead_ms"][b], syncs = overhead(fast, ops, tree, vin, logits, bonus, path, L, device, args.iters,
-                                                rewind_fast)
+        res["overhead_ms"][b], syncs, sites = overhead(fast, ops, tree, vin, logits, bonus, path, L, device,
+                                                       args.iters, rewind_fast)
+        res.setdefault("host_syncs_by_budget", {})[b] = syncs
+        res.setdefault("sync_sites", {})[b] = sites
         if budget == max(args.budgets):
             res["host_syncs_per_round"] = syncs
+            if args.profile_overhead:
+                res["overhead_profile"] = profile_overhead(fast, ops, tree, vin, logits, bonus, path, L,
+                                                           rewind_fast)
         res["gdn_walk_ms"][b] = gdn_walk(fast, tree, device, args.iters)
         res["path_batched_verify_ms"][b] = path_batched(ref, tree, rewind_ref, device, args, res)
         pb = res["path_batched_verify_ms"][b]
@@ -252,9 +257,10 @@ def verify_section(target, args, device, dtype, res: dict, save) -> None:
     gc.collect()
 
 
-def overhead(cache, ops, tree, vin, logits, bonus, path, L, device, iters, rewind) -> tuple[float, int | None]:
+def overhead(cache, ops, tree, vin, logits, bonus, path, L, device, iters, rewind) -> tuple[float, int | None, list]:
     """(median ms of build + walk + read + commit of `path` + context gather in one timed region, host syncs of a
-    full round). The verify before each region is untimed; the commit takes the deepest path, not contiguous."""
+    full round, where the extra ones were issued). The verify before each region is untimed; the commit takes the
+    deepest path, not contiguous."""
     path_t = torch.tensor(path + [0] * (L + 1 - len(path)), device=device)
     times = []
     for it in range(iters + 1):
@@ -270,13 +276,67 @@ def overhead(cache, ops, tree, vin, logits, bonus, path, L, device, iters, rewin
         if it:
             times.append((time.perf_counter() - t0) * 1e3)
         rewind()
-    return statistics.median(times), count_syncs(cache, ops, logits, bonus, path_t, len(path), device, rewind)
+    return (statistics.median(times),) + count_syncs(cache, ops, logits, bonus, path_t, len(path), device, rewind)
 
 
-def count_syncs(cache, ops, logits, bonus, path_t, n, device, rewind) -> int | None:
-    """1 (the round's read) + every sync torch reports in the rest of a full round; None off CUDA."""
+def profile_overhead(cache, ops, tree, vin, logits, bonus, path, L, rewind, top: int = 15) -> dict:
+    """Where the overhead region's time goes: torch.profiler around 5 regions (after 2 unprofiled; each region's
+    verify runs outside the profiler), the top `top` operators by self device time and by self host time, per
+    region, the region's host time and its kernel launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = logits.device
+    path_t = torch.tensor(path + [0] * (L + 1 - len(path)), device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    dev = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    totals: dict[str, list] = {}  # key -> [calls, self device us, self host us, kernel?]
+    n, host_us = 5, []
+    for it in range(2 + n):
+        out = cache.verify(tree, vin)
+        sync(device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            tree2, _, anc = ops.build(logits, bonus)
+            walk, record, _ = ops.walk(tree2, anc, out.logits, None, out.features)
+            ops.read(record)
+            cache.commit(path_t, len(path), contiguous=False)
+            out.features.index_select(0, path_t)
+            sync(device)
+            wall = (time.perf_counter() - t0) * 1e6
+        rewind()
+        if it < 2:
+            continue
+        host_us.append(wall)
+        for e in prof.key_averages():
+            row = totals.setdefault(e.key, [0, 0.0, 0.0, False])
+            row[0] += e.count
+            row[1] += dev(e)
+            row[2] += e.self_cpu_time_total
+            row[3] = row[3] or e.device_type.name == "CUDA"
+
+    def rows(col: int) -> list:
+        ranked = sorted(totals.items(), key=lambda kv: kv[1][col], reverse=True)[:top]
+        return [{"name": k[:90], "calls": c // n, "self_device_us": d / n, "self_host_us": h / n}
+                for k, (c, d, h, _) in ranked]
+
+    result = {"regions": n, "by_device": rows(1), "by_host": rows(2),
+              "region_wall_us_profiled": statistics.median(host_us),
+              "kernels_per_region": sum(c for c, d, h, kern in totals.values() if kern) / n}
+    print(f"overhead profile (per region, under the profiler): wall {result['region_wall_us_profiled']:.0f} us, "
+          f"{result['kernels_per_region']:.0f} kernels", flush=True)
+    for r in result["by_device"]:
+        print(f"  dev {r['self_device_us']:8.1f} us  host {r['self_host_us']:8.1f} us  x{r['calls']:<4} {r['name']}")
+    print("  by host time:")
+    for r in result["by_host"]:
+        print(f"  host {r['self_host_us']:8.1f} us  dev {r['self_device_us']:8.1f} us  x{r['calls']:<4} {r['name']}")
+    return result
+
+
+def count_syncs(cache, ops, logits, bonus, path_t, n, device, rewind) -> tuple[int | None, list]:
+    """(1 (the round's read) + every sync torch reports in the rest of a full round, the file:line of each extra
+    one); (None, []) off CUDA."""
     if device.type != "cuda":
-        return None
+        return None, []
     hidden = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -292,9 +352,11 @@ def count_syncs(cache, ops, logits, bonus, path_t, n, device, rewind) -> int | N
             out.features.index_select(0, path_t)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        hidden = sum("synchroniz" in str(w.message).lower() for w in caught)
+        synced = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        hidden = len(synced)
     rewind()
-    return 1 + hidden
+    root = str(Path(__file__).resolve().parent.parent) + "/"
+    return 1 + hidden, [f"{str(w.filename).replace(root, '')}:{w.lineno}" for w in synced]
 
 
 def gdn_walk(cache, tree, device, iters) -> float:
@@ -433,6 +495,8 @@ def main(argv=None) -> int:
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--disk-bytes", type=int, default=None, help="disk probe bytes (default 2 GiB GPU, 64 MiB CPU)")
     ap.add_argument("--sections", default="verify,extract,reference", help="any of verify, extract, reference")
+    ap.add_argument("--profile-overhead", action="store_true",
+                    help="profile the overhead region at the largest budget: top operators by device / host time")
     ap.add_argument("--cache", choices=["dynamic", "static", "graphs"], default="dynamic",
                     help="the hybrid verify's cache: HF's dynamic cache (the default), the static K/V buffer, or the "
                          "static buffer with every verify a CUDA graph (eval/recurrent_cache.py)")
