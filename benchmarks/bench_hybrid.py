@@ -257,6 +257,16 @@ def verify_section(target, args, device, dtype, res: dict, save) -> None:
     gc.collect()
 
 
+def round_tail(cache, ops, logits, bonus, out, path_t, n: int) -> None:
+    """What a round does after its verify forward `out`: build (the next tree's), walk, the one read, commit of
+    the first `n` nodes of `path_t` (not contiguous) and the context gather of their features."""
+    tree, _, anc = ops.build(logits, bonus)
+    walk, record, _ = ops.walk(tree, anc, out.logits, None, out.features)
+    ops.read(record)
+    cache.commit(path_t, n, contiguous=False)
+    out.features.index_select(0, path_t)
+
+
 def overhead(cache, ops, tree, vin, logits, bonus, path, L, device, iters, rewind) -> tuple[float, int | None, list]:
     """(median ms of build + walk + read + commit of `path` + context gather in one timed region, host syncs of a
     full round, where the extra ones were issued). The verify before each region is untimed; the commit takes the
@@ -267,11 +277,7 @@ def overhead(cache, ops, tree, vin, logits, bonus, path, L, device, iters, rewin
         out = cache.verify(tree, vin)
         sync(device)
         t0 = time.perf_counter()
-        tree2, _, anc = ops.build(logits, bonus)
-        walk, record, _ = ops.walk(tree2, anc, out.logits, None, out.features)
-        ops.read(record)
-        cache.commit(path_t, len(path), contiguous=False)
-        out.features.index_select(0, path_t)
+        round_tail(cache, ops, logits, bonus, out, path_t, len(path))
         sync(device)
         if it:
             times.append((time.perf_counter() - t0) * 1e3)
@@ -296,11 +302,7 @@ def profile_overhead(cache, ops, tree, vin, logits, bonus, path, L, rewind, top:
         sync(device)
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
-            tree2, _, anc = ops.build(logits, bonus)
-            walk, record, _ = ops.walk(tree2, anc, out.logits, None, out.features)
-            ops.read(record)
-            cache.commit(path_t, len(path), contiguous=False)
-            out.features.index_select(0, path_t)
+            round_tail(cache, ops, logits, bonus, out, path_t, len(path))
             sync(device)
             wall = (time.perf_counter() - t0) * 1e6
         rewind()
