@@ -48,7 +48,6 @@ import shutil
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,6 +66,7 @@ from eval.tree import chain_tree  # noqa: E402
 from eval.tree_recurrent import tree_walk  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402
 from extract.store import bytes_per_token  # noqa: E402
+from pipeline.cuda_graphs import host_syncs  # noqa: E402
 from pipeline.target import gated_delta_kernels  # noqa: E402
 
 HYBRID_SHAPES = {
@@ -335,30 +335,27 @@ def profile_overhead(cache, ops, tree, vin, logits, bonus, path, L, rewind, top:
 
 
 def count_syncs(cache, ops, logits, bonus, path_t, n, device, rewind) -> tuple[int | None, list]:
-    """(1 (the round's read) + every sync torch reports in the rest of a full round, the file:line of each extra
-    one); (None, []) off CUDA."""
+    """(1 (the round's read) + every sync torch reports in the rest of a full round, where each extra one was
+    issued); (None, []) off CUDA."""
     if device.type != "cuda":
         return None, []
-    hidden = 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            tree, vin, anc = ops.build(logits, bonus)
-            out = cache.verify(tree, vin)
-            walk, record, _ = ops.walk(tree, anc, out.logits, None, out.features)
-            torch.cuda.set_sync_debug_mode(0)
-            ops.read(record)
-            torch.cuda.set_sync_debug_mode("warn")
-            cache.commit(path_t, n, contiguous=False)
-            out.features.index_select(0, path_t)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        synced = [w for w in caught if "synchroniz" in str(w.message).lower()]
-        hidden = len(synced)
+
+    def before_read():
+        tree, vin, anc = ops.build(logits, bonus)
+        out = cache.verify(tree, vin)
+        return out, ops.walk(tree, anc, out.logits, None, out.features)[1]
+
+    synced, (out, record) = host_syncs(before_read)
+    ops.read(record)  # the round's one read, not counted
+
+    def after_read():
+        cache.commit(path_t, n, contiguous=False)
+        out.features.index_select(0, path_t)
+
+    synced += host_syncs(after_read)[0]
     rewind()
     root = str(Path(__file__).resolve().parent.parent) + "/"
-    return 1 + hidden, [f"{str(w.filename).replace(root, '')}:{w.lineno}" for w in synced]
+    return 1 + len(synced), [site.replace(root, "") for site in synced]
 
 
 def gdn_walk(cache, tree, device, iters) -> float:

@@ -39,7 +39,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -50,7 +49,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_eval_overhead import build_target  # noqa: E402
 from eval.decode import decode, warm_up  # noqa: E402
 from pipeline.config import BenchmarkConfig, load_config  # noqa: E402
-from pipeline.cuda_graphs import GRAPH_LOG  # noqa: E402
+from pipeline.cuda_graphs import GRAPH_LOG, host_syncs  # noqa: E402
 from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
 RECIPES = {"qwen3-8b": "configs/qwen3-8b.yaml", "tiny": "configs/tiny.yaml"}  # the drafter recipe of each shape
@@ -74,16 +73,9 @@ def recipe_drafter(target, shape: str) -> DFlashDrafter:
 
 
 def count_syncs(run) -> tuple[int, object]:
-    """(host syncs torch.cuda.set_sync_debug_mode reports during `run()`, its result): every stream or device
-    synchronize and every implicit one (.item(), a copy to pageable memory, ...)."""
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            res = run()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message).lower() for w in caught), res
+    """(host syncs during `run()`, its result): pipeline.cuda_graphs.host_syncs."""
+    syncs, res = host_syncs(run)
+    return len(syncs), res
 
 
 def host_syncs_per_round(decode_to) -> float:

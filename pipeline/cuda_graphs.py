@@ -3,10 +3,13 @@
 
 `CudaGraphFn(fn, name)` captures `fn` once, replays it on later calls, and checks its first replay against an
 eager call of `fn` (`check`): a failed capture or check logs a warning and `fn` runs eagerly from then on, so a
-graph is never silently wrong.
+graph is never silently wrong. `host_syncs(run)` counts the host syncs of a call, the other half of "a round
+costs one read": what benchmarks report and CUDA tests bound.
 """
 
 from __future__ import annotations
+
+import warnings
 
 from dataclasses import dataclass, field
 
@@ -129,3 +132,32 @@ class CudaGraphFn:
 
 def _leaves(tree) -> list[Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]
+
+
+# torch warns once per process, on the first set_sync_debug_mode call, that the mode is a prototype: that notice
+# names "synchronizing operations" but is no sync (it made the first budget a benchmark timed read 2 syncs).
+_SYNC_DEBUG_NOTICE = "synchronization debug mode is a prototype feature"
+
+
+def sync_reports(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    """The warnings among `caught` that report a host sync under torch.cuda.set_sync_debug_mode("warn") (every
+    stream or device synchronize and every implicit one: .item(), a copy to pageable memory, ...), without torch's
+    one-time prototype notice."""
+    out = []
+    for w in caught:
+        text = str(w.message).lower()
+        if "synchroniz" in text and not text.startswith(_SYNC_DEBUG_NOTICE):
+            out.append(w)
+    return out
+
+
+def host_syncs(run) -> tuple[list[str], object]:
+    """(one "message @ file:line" per host sync torch reports while `run()` runs, run's result); CUDA only."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [f"{w.message} @ {w.filename}:{w.lineno}" for w in sync_reports(caught)], result

@@ -275,10 +275,8 @@ def test_drafter_loaded_from_the_zlab_layout_decodes_like_the_original(qwen3, tm
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
 def test_cuda_graph_rounds_equal_ar_greedy_stay_on_graphs_and_sync_once_per_round():
-    import warnings
-
     from eval.caches import target_cache
-    from pipeline.cuda_graphs import GRAPH_LOG
+    from pipeline.cuda_graphs import GRAPH_LOG, host_syncs
 
     target = tiny_target("qwen3", device="cuda")
     captured, fallbacks = GRAPH_LOG.captured, len(GRAPH_LOG.fallbacks)
@@ -298,16 +296,9 @@ def test_cuda_graph_rounds_equal_ar_greedy_stay_on_graphs_and_sync_once_per_roun
     # host syncs of a whole decode: the prefill read, one read per round, the two timer syncs (an oracle that
     # reads nothing on the host, so every sync counted is the decoder's)
     oracle = OracleDrafter(target, prompt, greedy, seed=0, host_checks=False)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16, cache_impl="graphs",
-                         phase_timing=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
-    assert len(syncs) <= res.num_rounds + 3, [str(w.message) for w in syncs[:5]]
+    syncs, res = host_syncs(lambda: decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16,
+                                           cache_impl="graphs", phase_timing=False))
+    assert len(syncs) <= res.num_rounds + 3, syncs[:5]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
@@ -315,10 +306,8 @@ def test_warm_up_captures_every_graph_timed_decoding_uses_and_a_drafter_round_sy
     """After `warm_up(max_length)`, decoding prompts up to that length (the random DFlash drafter, every method)
     captures no new CUDA graph, nothing falls back to eager, the output is AR's, and a round with the drafter's
     graph step still reads the host once."""
-    import warnings
-
     from eval.decode import warm_up
-    from pipeline.cuda_graphs import GRAPH_LOG
+    from pipeline.cuda_graphs import GRAPH_LOG, host_syncs
 
     target = tiny_target("qwen3", device="cuda")
     drafter = random_drafter(target)
@@ -337,22 +326,16 @@ def test_warm_up_captures_every_graph_timed_decoding_uses_and_a_drafter_round_sy
             assert res.draft_path == ("" if method == "ar" else "static context, compiled, CUDA graphs")
         assert GRAPH_LOG.captured == captured, f"{method}: timed decoding captured a graph the warm-up missed"
     assert GRAPH_LOG.fallbacks[fallbacks:] == []
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            res = decode("ddtree", target, drafter, batch[-1], max_new_tokens=max_new, budget=16, phase_timing=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
-    assert len(syncs) <= res.num_rounds + 3, [str(w.message) for w in syncs[:5]]
+    syncs, res = host_syncs(lambda: decode("ddtree", target, drafter, batch[-1], max_new_tokens=max_new, budget=16,
+                                           phase_timing=False))
+    assert len(syncs) <= res.num_rounds + 3, syncs[:5]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton tree walk runs on CUDA (GPU machine)")
 def test_hybrid_rounds_on_cuda_equal_ar_greedy_and_sync_once_per_round():
     """A hybrid on CUDA (fp32): the tree-aware verify (Triton conv + walk) and commit (one launch for every
     Gated-DeltaNet layer) give AR's greedy output, and a DDTree round reads the device once (the walk's record)."""
-    import warnings
+    from pipeline.cuda_graphs import host_syncs
 
     target = tiny_target("qwen3_5_text", device="cuda")
     for i, prompt in enumerate(prompts(2, 12)):
@@ -365,16 +348,10 @@ def test_hybrid_rounds_on_cuda_equal_ar_greedy_and_sync_once_per_round():
             res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=budget)
             assert res.output_ids == ar.output_ids, (i, budget)
     oracle = OracleDrafter(target, prompt, greedy, seed=0, host_checks=False)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            res = decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16, phase_timing=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs, res = host_syncs(lambda: decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16,
+                                           phase_timing=False))
     # the prefill (HF's forward and the first bonus token) and the timers may sync a few times; a round once
-    assert len(syncs) <= res.num_rounds + 5, [str(w.message) for w in syncs[:5]]
+    assert len(syncs) <= res.num_rounds + 5, syncs[:5]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
