@@ -65,26 +65,45 @@ if [ -n "$QUICK" ]; then
               "eval.budgets=[16]" "eval.max_new_tokens=32")
 fi
 
-drafter() { "$PY" -m drafter.cli "$@"; }
+DRAFTER=("$PY" -m drafter.cli)  # run by `timed` as its own process (it is what a signal is passed to)
 status=0
 touch "$OUT/stage_seconds.txt"
 stop_after() { [ "$STOP_AFTER" = "$1" ] && { echo "== stopped after $1 (--stop-after)"; exit $status; }; return 0; }
+# SIGTERM / SIGINT (a scheduler's limit, `timeout`, Ctrl-C) go to the stage in flight, and the script waits for it:
+# the trainer saves the step in flight and exits 75, and the same command resumes there. Without this the shell
+# died at once and left its stage to be killed with the job, its checkpoint half written (2026-12-03: a device
+# call cut by `timeout -s TERM` resumed 120 steps earlier than it stopped). No later stage starts after a signal.
+# (SIGINT too is passed on as SIGTERM: a background process of a script starts with SIGINT ignored.)
+CHILD="" SIGNALLED=""
+forward() { SIGNALLED="$1"; [ -n "$CHILD" ] && kill -s TERM "$CHILD" 2>/dev/null; return 0; }
+trap 'forward TERM' TERM
+trap 'forward INT' INT
 timed() {  # timed LABEL LOG cmd...: run with its output in LOG; append "LABEL SECONDS EXIT" to stage_seconds.txt
   local label="$1" log="$2"; shift 2
   local t0; t0=$(date +%s)
-  "$@" > "$log" 2>&1
-  local rc=$?
+  "$@" > "$log" 2>&1 &
+  CHILD=$!
+  local rc=0
+  wait "$CHILD" || rc=$?
+  while kill -0 "$CHILD" 2>/dev/null; do  # a signal ended the wait, not the stage: wait for it to finish
+    rc=0; wait "$CHILD" || rc=$?
+  done
+  CHILD=""
   local dt=$(( $(date +%s) - t0 ))
   echo "$label $dt $rc" >> "$OUT/stage_seconds.txt"
   echo "$label: $dt s (exit $rc, log $log)"
   [ $rc -eq 0 ] || { status=1; tail -5 "$log"; }
+  if [ -n "$SIGNALLED" ]; then
+    echo "== stopped by SIG$SIGNALLED during $label (exit $rc); the same command resumes"
+    exit 143
+  fi
   return $rc
 }
 
 echo "== recipe $CONFIG (run $NAME) -> $OUT"
-timed curate "$OUT/curate.log" drafter curate --config "$CONFIG" "${MAIN[@]}" || exit 1
+timed curate "$OUT/curate.log" "${DRAFTER[@]}" curate --config "$CONFIG" "${MAIN[@]}" || exit 1
 stop_after curate
-timed regen "$OUT/regen.log" drafter regen --config "$CONFIG" "${MAIN[@]}" || exit 1
+timed regen "$OUT/regen.log" "${DRAFTER[@]}" regen --config "$CONFIG" "${MAIN[@]}" || exit 1
 stop_after regen
 
 # Ablation runs share the main run's curate / regen / tokenize stages (same config sections: same hashes).
@@ -101,10 +120,10 @@ fi
 # One GPU job at a time: the main training, its eval (alone, so its speed is clean), then each ablation run. Run
 # beside the main training (2026-12-02, H200), three ablation trainings cut its tokens/s from 79K to 20-45K and
 # the four together made less than the main one alone.
-timed train "$OUT/train.log" drafter train --config "$CONFIG" "${MAIN[@]}" || exit 1
+timed train "$OUT/train.log" "${DRAFTER[@]}" train --config "$CONFIG" "${MAIN[@]}" || exit 1
 [ -f "$RUNS/$NAME/train/metrics.jsonl" ] && cp "$RUNS/$NAME/train/metrics.jsonl" "$OUT/train_metrics.jsonl"
 stop_after train
-timed eval "$OUT/eval.log" drafter eval --config "$CONFIG" "${MAIN[@]}" "${QUICK_EVAL[@]}" || status=1
+timed eval "$OUT/eval.log" "${DRAFTER[@]}" eval --config "$CONFIG" "${MAIN[@]}" "${QUICK_EVAL[@]}" || status=1
 for f in report.json report.md report.html; do
   [ -f "$RUNS/$NAME/eval/$f" ] && cp "$RUNS/$NAME/eval/$f" "$OUT/$f"
 done
@@ -114,8 +133,8 @@ for loss in "${ABLATIONS[@]}"; do
   abl="$NAME-abl-${loss/+/-}"
   ARGS=("${COMMON[@]}" "name=$abl" "train.loss=$loss" "train.max_steps=$ABL_STEPS" "train.eval_every=0")
   [ -n "$ABL_MBT" ] && ARGS+=("train.micro_batch_tokens=$ABL_MBT")
-  timed "train[$loss]" "$OUT/train-$abl.log" drafter train --config "$CONFIG" "${ARGS[@]}" &&
-  timed "eval[$loss]" "$OUT/eval-$abl.log" drafter eval --config "$CONFIG" "${ARGS[@]}" \
+  timed "train[$loss]" "$OUT/train-$abl.log" "${DRAFTER[@]}" train --config "$CONFIG" "${ARGS[@]}" &&
+  timed "eval[$loss]" "$OUT/eval-$abl.log" "${DRAFTER[@]}" eval --config "$CONFIG" "${ARGS[@]}" \
     "eval.methods=[chain, ddtree]" "eval.budgets=[64]" \
     "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test.parquet, num_samples: 64}]" "${QUICK_EVAL[@]}" &&
   cp "$RUNS/$abl/eval/report.json" "$OUT/report-$abl.json" || status=1

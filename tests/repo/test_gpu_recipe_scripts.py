@@ -63,3 +63,49 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
     assert summary["train"]["steps"] == 2 and summary["data"]["regen"]["written"] > 0
     assert "gsm8k/chain" in summary["eval"] and (tmp_path / "q" / "report.md").exists()
     assert "## Loss ablation" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_recipe_reaches_its_training_which_checkpoints_the_step_in_flight_and_resumes_there(tmp_path):
+    """`timeout -s TERM` / a scheduler's limit signals the script: the stage in flight gets the signal and the
+    script waits for it, so the trainer saves the step in flight (exit 75), no later stage starts, nothing is left
+    running, and the checkpoint the same command resumes from is that step's. (Before, the shell died at once and its trainer was killed
+    with the job before its checkpoint was written.)"""
+    import signal
+    import time
+
+    runs = tmp_path / "runs"
+
+    def start(*extra):
+        return subprocess.Popen(
+            ["bash", "benchmarks/quality_gpu.sh", "--out", tmp_path / "q", "--runs-dir", runs, "--config",
+             "configs/tiny.yaml", "--device", "cpu", "--ablation-steps", "0", "--train-steps", "100000", *extra,
+             "--", "train.online=true", "train.save_every=100000", "train.eval_every=0", "train.zero_stage=0",
+             f"cache_dir={REPO / '.cache'}"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
+
+    first = start()
+    log = tmp_path / "q" / "train.log"
+    deadline = time.monotonic() + 900
+    while not (log.exists() and "trainable params" in log.read_text()):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+        time.sleep(0.5)
+    time.sleep(3)  # some steps in
+    first.send_signal(signal.SIGTERM)  # the script alone, as `timeout --foreground` or SLURM's batch shell gets it
+    out = first.communicate(timeout=300)[0]
+    assert first.returncode == 143, out[-3000:]
+    assert "stopped by SIGTERM during train" in out, out[-3000:]
+    assert "train" in [line.split()[0] for line in (tmp_path / "q" / "stage_seconds.txt").read_text().splitlines()
+                       if line.split()[2] == "75"]
+    assert not (runs / "tiny" / "eval").exists()
+    ckpts = sorted((runs / "tiny" / "train" / "checkpoints").glob("step-*/COMPLETE"))
+    assert ckpts, "no complete checkpoint of the step in flight"
+    saved = int(ckpts[-1].parent.name.split("-")[1])
+    assert saved > 0
+    leftover = subprocess.run(["pgrep", "-f", str(runs)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], f"processes of the run still alive: {leftover}"
+    from train.checkpoint import latest_complete
+
+    tag, state = latest_complete(runs / "tiny" / "train" / "checkpoints")  # what the same command resumes from
+    assert tag == ckpts[-1].parent.name and state["global_step"] == saved
