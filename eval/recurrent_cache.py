@@ -24,7 +24,8 @@ along the tree instead (eval/tree_recurrent.py).
   from the tree's ancestor matrix and the device length; the stacked states keep their addresses across prompts.
   Every shape is then fixed by (N, kv_len), and with `graphs=True` (CUDA) each verify, AR steps included, is
   captured once as a CUDA graph and replayed: HF's eager hybrid forward is bound by its launches (docs/benchmarks.md,
-  "hybrid"). Not the default until measured on a GPU: 'auto' keeps the dynamic cache.
+  "hybrid": at the Qwen3.6-27B shape on an H200 an AR step 115 -> 22.8 ms, a budget-256 tree verify 122 -> 52.5 ms),
+  so 'auto' picks it on CUDA.
 
 `PathBatchedTargetCache` (the reference: the test oracle of the tree-aware verify, and what the H200 benchmark
 compares it with): every root->leaf path is one row of a batch [P, depth+1] run through HF's own forward from a

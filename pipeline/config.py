@@ -382,9 +382,9 @@ class EvalConfig:
         "report eval prompts that this run's curated training prompts contain (exact or near duplicates)", True
     )
     target_cache: Literal["auto", "dynamic", "static", "graphs"] = doc(
-        "the target's verify path: 'auto' (attention targets: static K/V, fused forward and CUDA graphs on a GPU, "
-        "HF's dynamic cache on a CPU; hybrids: HF's dynamic cache), 'dynamic' (HF's cache, the reference), 'static' "
-        "(static K/V, eager), 'graphs' (static K/V + CUDA graphs on a GPU; for hybrids not yet measured on one)",
+        "the target's verify path: 'auto' (static K/V and CUDA graphs on a GPU, with the fused forward for "
+        "attention targets; HF's dynamic cache on a CPU), 'dynamic' (HF's cache, the reference), 'static' "
+        "(static K/V, eager), 'graphs' (static K/V + CUDA graphs on a GPU)",
         "auto")
 
     def validate(self, key: str) -> None:
