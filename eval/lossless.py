@@ -23,6 +23,9 @@ divergence, on the same device and decode path. Rounding does not survive fp32 (
 decoder does (they differ again). The report shows "identical" beside "identical or rounding" (near-ties and
 divergences the fp32 replay did not reproduce); the second must be 100 %. The replay checks the decoder, not a
 stored response: a response file edited after decoding is not what it re-decodes.
+
+The fp32 subset (`fp32_subset_summary`, eval.fp32_subset) asks the question without bf16 at all: the first few
+prompts of each benchmark decoded whole in fp32 by AR and by the method, where identical must be 100 %.
 """
 
 from __future__ import annotations
@@ -157,3 +160,13 @@ def lossless_summary(num_responses: int, divergences: Sequence[Divergence], exam
         "not_near_tie_examples": [d.to_dict() for d in beyond[:examples]],
         "bug_examples": [d.to_dict() for d in bugs[:examples]],
     }
+
+
+def fp32_subset_summary(outcomes: Sequence[str], prompt_ids: Sequence[str], max_new_tokens: int) -> dict:
+    """report cell field "fp32_subset": outcomes[i] is `fp32_replay`'s answer for prompt prompt_ids[i] decoded for
+    max_new_tokens in fp32 ("identical" | "differs" | "failed: ..."); identical must be 1.0."""
+    n = len(outcomes)
+    bad = [(pid, o) for pid, o in zip(prompt_ids, outcomes) if o != "identical"]
+    return {"prompts": n, "max_new_tokens": max_new_tokens,
+            "identical": (n - len(bad)) / n if n else None,
+            "not_identical": [{"prompt_id": pid, "outcome": o} for pid, o in bad]}

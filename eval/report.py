@@ -157,6 +157,13 @@ def verdict(report: dict) -> dict:
                 f"{label}: {1 - m['lossless_or_rounding']:.0%} of responses leave AR's output at a token that is not "
                 "a near-tie in fp32, and decoding again in fp32 does not put them back — a bug in speculative decoding "
                 "(see 'Lossless check').")
+    for c in report["cells"]:
+        sub = (c.get("lossless") or {}).get("fp32_subset")
+        if sub and sub["identical"] is not None and sub["identical"] < 1:
+            out["warnings"].append(
+                f"{c['benchmark']} {c['label']}: decoded in fp32, {len(sub['not_identical'])} of {sub['prompts']} "
+                "prompts give another output than AR — with no bf16 rounding to blame, a bug in speculative decoding "
+                "(see 'Lossless check').")
     overlap = report.get("overlap") or {}
     if overlap.get("exact") or overlap.get("near"):
         out["warnings"].append(
@@ -219,12 +226,15 @@ def lossless_table(report: dict) -> Table:
         if not s:
             continue
         ex = (s["bug_examples"] or s["not_near_tie_examples"] or [None])[0]
+        sub = s.get("fp32_subset")
         rows.append([c["benchmark"], c["label"], c["responses"], s["divergences"], s["divergences"] - s["not_near_tie"],
                      fmt(s["max_near_tie_gap"], ".3f"), s["not_near_tie"], s["fp32_replay_identical"], s["bugs"],
                      DASH if ex is None else f"{ex['prompt_id']} turn {ex['turn']} @ {ex['position']} "
-                                             f"(gap {fmt(ex['gap'], '.2f')}, fp32 replay {ex['fp32_replay'] or DASH})"])
+                                             f"(gap {fmt(ex['gap'], '.2f')}, fp32 replay {ex['fp32_replay'] or DASH})",
+                     DASH if not sub else f"{round(sub['identical'] * sub['prompts'])} / {sub['prompts']}"])
     return Table(["benchmark", "method", "responses", "differ from AR", "near-tie", "largest near-tie gap",
-                  "beyond the margin", "fp32 replay identical", "bugs", "first bug (or beyond the margin)"], rows)
+                  "beyond the margin", "fp32 replay identical", "bugs", "first bug (or beyond the margin)",
+                  "fp32 subset identical"], rows)
 
 
 def overlap_text(report: dict) -> str:
@@ -536,7 +546,8 @@ def report_blocks(report: dict) -> list[tuple[str, Any]]:
                          "target's fp32 logits: a gap of at most 0.5 logits between the two chosen tokens is a near-tie "
                          "(bf16 rounding picked one of two equally good tokens). A larger gap is replayed: AR and the "
                          "method decode that prompt again in fp32 through the divergence. If they agree, bf16 rounding "
-                         "made it; if they differ again, it is a bug."),
+                         "made it; if they differ again, it is a bug. The fp32 subset (eval.fp32_subset) decodes the "
+                         "first prompts of each benchmark whole in fp32: there every output must equal AR's."),
                    ("table", lossless_table(report))]
     if "overlap" in report:
         blocks += [("h2", "Eval prompts in the training set"), ("pre", overlap_text(report))]

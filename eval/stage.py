@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eval.target_cache import tree_unsupported_reason
-from eval.lossless import classify, fp32_logits_at, fp32_replay, lossless_summary
+from eval.lossless import classify, fp32_logits_at, fp32_replay, fp32_subset_summary, lossless_summary
 from eval.metrics import PHASES, ResponseRecord, speedup, summarize
 from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
 from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, format_content, load_benchmark
@@ -332,7 +332,9 @@ def check_lossless(cfg: RunConfig, by_unit: dict[Unit, list[ResponseRecord]], be
     target at the divergence); later turns of that prompt follow a different history and are not compared. A
     divergence beyond the near-tie margin is replayed in fp32 (`eval.lossless.fp32_replay`: AR and the unit's method
     decode that prompt again through the divergence, with the fp32 target and drafter on the target's device). The
-    fp32 target is loaded only when some response differs, the fp32 drafter only when a replay is needed."""
+    fp32 target is loaded only when some response differs or eval.fp32_subset asks for it, the fp32 drafter only
+    when a replay or the subset needs it. eval.fp32_subset = N: the first N prompts of each benchmark (first turn)
+    are decoded whole in fp32 by AR and each method (`eval.lossless.fp32_subset_summary`: identical must be 1.0)."""
     e = cfg.eval
     if not e.lossless_check or e.temperature != 0:
         return None
@@ -348,7 +350,7 @@ def check_lossless(cfg: RunConfig, by_unit: dict[Unit, list[ResponseRecord]], be
             if a is not None and a.output_ids != r.output_ids and r.prompt_id not in first:
                 first[r.prompt_id] = (a, r)
         todo[u.name] = list(first.values())
-    if not any(todo.values()):
+    if not any(todo.values()) and not e.fp32_subset:
         return {u.name: lossless_summary(len(recs), []) for u, recs in by_unit.items() if u.name in todo}
     import torch
 
@@ -366,6 +368,10 @@ def check_lossless(cfg: RunConfig, by_unit: dict[Unit, list[ResponseRecord]], be
                               cache_impl=e.target_cache)
             return run(prompt_ids, n)
         return replay
+
+    def first_turn_ids(p: EvalPrompt) -> list[int]:
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}],
+                               enable_thinking=cfg.target.enable_thinking)
 
     prompts = {p.id: p for b in benchmarks.values() for p in b.prompts}
     out = {}
@@ -387,6 +393,15 @@ def check_lossless(cfg: RunConfig, by_unit: dict[Unit, list[ResponseRecord]], be
                                       replay=replay_for(u)))
             out[u.name] = lossless_summary(len(recs), found)
             s = out[u.name]
+            if e.fp32_subset:
+                subset = benchmarks[u.benchmark].prompts[: e.fp32_subset]
+                replay = replay_for(u)
+                s["fp32_subset"] = fp32_subset_summary([replay(first_turn_ids(p), e.max_new_tokens) for p in subset],
+                                                       [p.id for p in subset], e.max_new_tokens)
+                if s["fp32_subset"]["not_identical"]:
+                    log.warning("%s: in fp32, %d of %d subset prompts decode differently from AR (a bug): e.g. %s",
+                                u.name, len(s["fp32_subset"]["not_identical"]), len(subset),
+                                s["fp32_subset"]["not_identical"][0])
             if s["not_near_tie"]:
                 log.info("%s: %d of %d divergences from AR lie beyond the near-tie margin; the fp32 replay agrees with "
                          "AR on %d (rounding)", u.name, s["not_near_tie"], s["divergences"], s["fp32_replay_identical"])

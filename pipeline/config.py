@@ -372,6 +372,10 @@ class EvalConfig:
         "synchronize at phase boundaries to split decode time into draft/tree build/verify/walk (costs a little "
         "speed on GPU; false for pure speed numbers, the report then has no split)", True
     )
+    fp32_subset: int = doc(
+        "at temperature 0, with the lossless check: decode the first N prompts of every benchmark (first turn, "
+        "eval.max_new_tokens) again with fp32 copies of the target and drafter, AR and each speculative method; "
+        "there no rounding excuses a difference, so every output must equal AR's (0 = off)", 0, ge=0)
     lossless_check: bool = doc(
         "at temperature 0, classify every response that differs from AR's at its first divergence with the "
         "target's fp32 logits (near-tie or not; beyond the margin, AR and the method decode that prompt again in fp32 "

@@ -253,6 +253,25 @@ def test_report_has_the_lossless_check_and_names_eval_prompts_found_in_the_train
     assert "## Lossless check" in md and "## Eval prompts in the training set" in md and "gsm8k/0 in leak/0" in md
 
 
+def test_the_fp32_subset_decodes_the_first_prompts_of_each_benchmark_whole_in_fp32_and_they_equal_ar(tmp_path):
+    """eval.fp32_subset = 2: the first two prompts of each benchmark decoded again by AR and every method with fp32
+    copies of the target and drafter (here the eval itself is fp32 too): identical, reported per cell and in the
+    lossless table. (A decoder fault makes them differ: the fault-injection test below.)"""
+    cfg = make_config(tmp_path, ["eval.fp32_subset=2", "eval.benchmarks=[{name: gsm8k, path: "
+                                 "data/prompts/gsm8k_test_100.jsonl, num_samples: 3}]", "eval.budgets=[4]"])
+    export_random_drafter(cfg, cfg.run_dir / "train")
+    run_eval(cfg)
+    report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
+    spec = [c for c in report["cells"] if c["method"] != "ar"]
+    assert {c["label"] for c in spec} == {"chain", "ddtree@4"}
+    for c in spec:
+        sub = c["lossless"]["fp32_subset"]
+        assert sub == {"prompts": 2, "max_new_tokens": cfg.eval.max_new_tokens, "identical": 1.0, "not_identical": []}
+    assert not any("decoded in fp32" in w for w in report["verdict"]["warnings"])
+    md = (cfg.run_dir / "eval" / "report.md").read_text()
+    assert "fp32 subset identical" in md and "| 2 / 2 |" in md
+
+
 def test_lossless_check_finds_a_planted_divergence_and_replays_the_decoder_in_fp32(cfg):
     """The stage's check rebuilds each response's prompt ids (turn 2 after the shared turn-1 answer) and finds a
     planted divergence to the target's least likely token, at turn 1 of a two-turn prompt: beyond the near-tie
@@ -307,6 +326,7 @@ def test_a_decoder_that_commits_a_wrong_token_is_a_bug_the_fp32_replay_reproduce
         return choices
 
     monkeypatch.setattr(eval.decode, "target_choices", faulty_choices)
+    cfg.eval.fp32_subset = 1
     run_eval(cfg)
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
     for c in report["cells"]:
@@ -315,6 +335,8 @@ def test_a_decoder_that_commits_a_wrong_token_is_a_bug_the_fp32_replay_reproduce
         s = c["lossless"]
         assert s["bugs"] >= 1 and s["identical_or_rounding"] < 1, c["label"]
         assert s["bug_examples"][0]["fp32_replay"] == "differs" and s["bug_examples"][0]["gap"] > NEAR_TIE
+        assert s["fp32_subset"]["identical"] == 0.0 and s["fp32_subset"]["not_identical"][0]["outcome"] == "differs"
     assert any("a bug in speculative decoding" in w for w in report["verdict"]["warnings"])
+    assert any("decoded in fp32" in w for w in report["verdict"]["warnings"])
     md = (cfg.run_dir / "eval" / "report.md").read_text()
     assert "fp32 replay differs" in md
