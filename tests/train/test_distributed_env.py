@@ -43,3 +43,25 @@ def test_a_slurm_array_task_is_refused_as_a_rank_of_the_process_group():
     with pytest.raises(StageError, match="SLURM array"):
         resolve_dist_env(env)
     assert resolve_dist_env({**env, "RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1234"}).source == "torchrun"
+
+
+def test_a_barrier_of_one_process_never_reaches_the_backend(monkeypatch, tmp_path):
+    """One rank has nothing to wait for: barrier() returns without a collective (with NCCL the first one builds a
+    communicator); with more ranks it is torch's barrier."""
+    import torch.distributed as dist
+
+    from train.distributed import barrier
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        def refuse():
+            raise AssertionError("a one-process barrier reached the backend")
+
+        monkeypatch.setattr(dist, "barrier", refuse)
+        barrier()
+        monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+        with pytest.raises(AssertionError, match="reached the backend"):
+            barrier()
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
