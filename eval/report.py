@@ -231,7 +231,7 @@ def lossless_table(report: dict) -> Table:
                      fmt(s["max_near_tie_gap"], ".3f"), s["not_near_tie"], s["fp32_replay_identical"], s["bugs"],
                      DASH if ex is None else f"{ex['prompt_id']} turn {ex['turn']} @ {ex['position']} "
                                              f"(gap {fmt(ex['gap'], '.2f')}, fp32 replay {ex['fp32_replay'] or DASH})",
-                     DASH if not sub else f"{round(sub['identical'] * sub['prompts'])} / {sub['prompts']}"])
+                     DASH if not sub else f"{sub['prompts'] - len(sub['not_identical'])} / {sub['prompts']}"])
     return Table(["benchmark", "method", "responses", "differ from AR", "near-tie", "largest near-tie gap",
                   "beyond the margin", "fp32 replay identical", "bugs", "first bug (or beyond the margin)",
                   "fp32 subset identical"], rows)

@@ -10,7 +10,6 @@ costs one read": what benchmarks report and CUDA tests bound.
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass, field
 
 import torch
