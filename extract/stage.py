@@ -278,6 +278,10 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
     log.info("%d units (%d for rank %d/%d, %d to do: %s tokens, %s)", len(units), len(mine), ranks.rank,
              ranks.world_size, len(todo), f"{remaining:,}", human_bytes(need))
     if todo:
+        if cfg.extract.backend == "vllm":  # a wrong tap inside the engine stops the job before it writes a shard
+            from extract.verify import check_engine_taps
+
+            check_engine_taps(cfg, ctx, stage.path, lambda max_len: make_backend(cfg, ctx, max_len=max_len))
         backend = make_backend(cfg, ctx, max_len=max(int(index.lengths[u.rows[0]]) for u in todo))
         try:
             bar = progress(total=remaining, desc=f"extract rank {ranks.rank}", unit="tok")

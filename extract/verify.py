@@ -127,8 +127,15 @@ def _backend_samples(cfg: RunConfig, ctx: ExtractContext, backend: str, seed: in
     index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
     keep, _, _ = screen_index(index)
     units = plan_units(index.lengths, keep, cfg.extract.shard_tokens)
-    picks = {units[k].rows[row]: (units[k].name, row)
+    picks = {units[k].rows[row]: (f"{units[k].name}.{SHARD_EXT} (planned)", row)
              for k, row in draw_samples([len(u.rows) for u in units], cfg.extract.verify_samples, seed)}
+    return extract_scratch(cfg, ctx, index, picks, lambda max_len: make_backend(cfg, ctx, backend, max_len=max_len))
+
+
+def extract_scratch(cfg: RunConfig, ctx: ExtractContext, index, picks: dict[int, tuple[str, int]], make_engine) -> list[dict]:
+    """Extract the tokenized rows ``picks`` ({row: (shard label, row in that shard)}) with the engine that
+    ``make_engine(max_len)`` builds, into a scratch shard under the run dir; read them back as fp32 samples. The
+    engine is closed before this returns (its GPU memory is free for the HF reference)."""
     rows = sorted(picks, key=lambda r: (-int(index.lengths[r]), r))  # writers take samples longest first
     data = read_samples(index, np.asarray(rows))
     scratch = Path(tempfile.mkdtemp(prefix="verify-", dir=cfg.run_dir))
@@ -137,7 +144,7 @@ def _backend_samples(cfg: RunConfig, ctx: ExtractContext, backend: str, seed: in
         writer = ShardWriter(path, [index.ids[r] for r in rows], [data[r][0] for r in rows], [data[r][1] for r in rows],
                              num_taps=len(ctx.tap_ids), hidden_size=ctx.hidden_size,
                              storage_dtype=cfg.extract.storage_dtype)
-        engine = make_backend(cfg, ctx, backend, max_len=max(len(data[r][0]) for r in rows))
+        engine = make_engine(max(len(data[r][0]) for r in rows))
         try:
             engine.extract_unit(writer, [data[r][0] for r in rows])
             engine.wait(writer)
@@ -148,12 +155,75 @@ def _backend_samples(cfg: RunConfig, ctx: ExtractContext, backend: str, seed: in
         samples = []
         for i, r in enumerate(rows):
             s = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in shard.sample(i, torch.float32).items()}
-            unit, row = picks[r]
-            samples.append({**s, "shard": f"{unit}.{SHARD_EXT} (planned)", "row": row, "rank": None})
+            label, row = picks[r]
+            samples.append({**s, "shard": label, "row": row, "rank": None})
         del shard
         return samples
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def compare_with_hf(cfg: RunConfig, ctx: ExtractContext, samples: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(per-layer report over all samples, per-sample records) of ``samples``' features against an unbatched HF
+    forward of their tokens (`forward_taps`), judged by `extract.verify_min_cosine` / `verify_min_token_cosine`.
+    The HF target is loaded for this and released after (its GPU memory too)."""
+    min_mean, min_token = cfg.extract.verify_min_cosine, cfg.extract.verify_min_token_cosine
+    device = resolve_device(cfg.target.device)
+    model = load_target(ctx.location, cfg.target, device=device, dtype=resolve_dtype(cfg.target.dtype, device))
+    cand, ref, checked = [], [], []
+    try:
+        for s in samples:
+            cand.append(s["features"].float())
+            ref.append(forward_taps(model, s["input_ids"].to(device)[None], ctx.tap_ids)[0].float().cpu())
+            per_layer = layer_report(cand[-1], ref[-1], ctx.tap_ids)
+            checked.append({"id": s["id"], "shard": s["shard"], "row": s["row"], "rank": s["rank"],
+                            "tokens": len(cand[-1]), "cos_min": min(r["cos_min"] for r in per_layer),
+                            "failed_layers": [r["layer"] for r in per_layer if not layer_passes(r, min_mean, min_token)]})
+    finally:
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return layer_report(torch.cat(cand), torch.cat(ref), ctx.tap_ids), checked
+
+
+def check_engine_taps(cfg: RunConfig, ctx: ExtractContext, stage_path: Path, make_engine) -> dict | None:
+    """The gate in front of a `vllm` extraction job: before the job writes a shard, `extract.tap_check_samples`
+    tokenized samples (the first ones) go through the engine ``make_engine(max_len)`` builds, with the job's own
+    settings, and every tapped layer is compared with an HF forward. A layer that is off (the seed's failure: taps
+    one layer off; an engine returning another tensor than the layer's output, as vLLM 0.26's eager mode does for
+    its aux id 0) stops the job before any work: `StageError` naming the layers. The verdict is kept in
+    ``stage_path/tap-check.json``; a passing verdict for the same config is not repeated on resume. Returns the
+    verdict, or None when the check is off."""
+    n = cfg.extract.tap_check_samples
+    if n <= 0:
+        return None
+    record = stage_path / "tap-check.json"
+    if record.exists():
+        old = read_json(record)
+        if isinstance(old, dict) and old.get("config_hash") == ctx.config_hash and old.get("passed") is True:
+            return old
+    index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
+    keep, _, _ = screen_index(index)
+    rows = [int(r) for r in np.flatnonzero(keep)[:n]]
+    if not rows:
+        return None
+    samples = extract_scratch(cfg, ctx, index, {r: ("tap check", r) for r in rows}, make_engine)
+    layers, checked = compare_with_hf(cfg, ctx, samples)
+    bad = [r for r in layers if not layer_passes(r, cfg.extract.verify_min_cosine, cfg.extract.verify_min_token_cosine)]
+    verdict = {"passed": not bad, "config_hash": ctx.config_hash, "backend": cfg.extract.backend,
+               "samples": [c["id"] for c in checked], "layers": layers}
+    atomic_write_json(record, json.loads(json.dumps(verdict, default=str)))
+    if bad:
+        worst = ", ".join(f"layer {r['layer']} (mean cosine {r['cos_mean']:.4f}, lowest token {r['cos_min']:.4f})"
+                          for r in bad)
+        raise StageError(
+            f"extract: the {cfg.extract.backend} engine's features are not the tapped layers' outputs: {worst}, on "
+            f"{len(samples)} samples against an HF forward; nothing was extracted (verdict: {record}). A wrong tap "
+            "inside the engine: check its version against docs/serving.md and extract.vllm.enforce_eager, or use "
+            "extract.backend=hf")
+    log.info("tap check: %s's features equal an HF forward at every tapped layer on %d samples",
+             cfg.extract.backend, len(samples))
+    return verdict
 
 
 def run_verify(cfg: RunConfig, *, against: str = "stored", seed: int = 0) -> dict:
@@ -169,19 +239,7 @@ def run_verify(cfg: RunConfig, *, against: str = "stored", seed: int = 0) -> dic
     if not samples and not problems:
         raise StageError("extract verify: no samples to compare")
     min_mean, min_token = cfg.extract.verify_min_cosine, cfg.extract.verify_min_token_cosine
-    layers, checked = [], []
-    if samples:
-        device = resolve_device(cfg.target.device)
-        model = load_target(ctx.location, cfg.target, device=device, dtype=resolve_dtype(cfg.target.dtype, device))
-        cand, ref = [], []
-        for s in samples:
-            cand.append(s["features"].float())
-            ref.append(forward_taps(model, s["input_ids"].to(device)[None], ctx.tap_ids)[0].float().cpu())
-            per_layer = layer_report(cand[-1], ref[-1], ctx.tap_ids)
-            checked.append({"id": s["id"], "shard": s["shard"], "row": s["row"], "rank": s["rank"],
-                            "tokens": len(cand[-1]), "cos_min": min(r["cos_min"] for r in per_layer),
-                            "failed_layers": [r["layer"] for r in per_layer if not layer_passes(r, min_mean, min_token)]})
-        layers = layer_report(torch.cat(cand), torch.cat(ref), ctx.tap_ids)
+    layers, checked = compare_with_hf(cfg, ctx, samples) if samples else ([], [])
     bad_layers = [r["layer"] for r in layers if not layer_passes(r, min_mean, min_token)]
     failed = [c for c in checked if c["failed_layers"]]
     passed = not bad_layers and not problems

@@ -29,32 +29,25 @@ from extract.vllm_connector import read_receipts, token_ids_sha
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
 from pipeline.runner import StageError
-from pipeline.target import resolve_device, resolve_dtype
+from pipeline.target import check_vllm, vllm_engine_kwargs
 
 log = get_logger("extract.vllm")
 
 RECEIPT_TIMEOUT_S = 600.0
 
 
-def engine_kwargs(location: str, tcfg: TargetConfig, ecfg: ExtractConfig, layer_ids: Sequence[int], max_len: int) -> dict:
-    """Keyword arguments of ``vllm.LLM`` for extraction (exposed for tests and for a vLLM server launch)."""
-    import torch
-
-    dtype = resolve_dtype(tcfg.dtype, resolve_device(tcfg.device))
+def engine_kwargs(location: str, tcfg: TargetConfig, ecfg: ExtractConfig, layer_ids: Sequence[int], max_len: int,
+                  config=None) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for extraction (exposed for tests and for a vLLM server launch): the
+    target's engine arguments (`pipeline.target.vllm_engine_kwargs`) plus the extraction method and connector."""
     max_model_len = int(max_len) + 1  # the prompt + the one sampled token
+    kwargs = vllm_engine_kwargs(location, tcfg, ecfg.vllm, max_model_len=max_model_len, seed=tcfg.seed,
+                                config=config)
     return dict(
-        model=location,
-        revision=tcfg.revision,
-        trust_remote_code=tcfg.trust_remote_code,
-        dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
-        max_model_len=max_model_len,
+        kwargs,
         max_num_batched_tokens=max(ecfg.tokens_per_batch, max_model_len),
-        gpu_memory_utilization=ecfg.vllm.gpu_memory_utilization,
-        tensor_parallel_size=ecfg.vllm.tensor_parallel_size,
-        enforce_eager=ecfg.vllm.enforce_eager,
         enable_chunked_prefill=False,
         enable_prefix_caching=False,
-        seed=tcfg.seed,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -76,6 +69,7 @@ class VLLMExtractor:
 
     def __init__(self, location: str, tcfg: TargetConfig, ecfg: ExtractConfig, layer_ids: Sequence[int], *,
                  max_len: int = 4096):
+        check_vllm("extract.backend")
         from vllm import LLM
 
         self.layer_ids = list(layer_ids)

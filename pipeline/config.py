@@ -249,6 +249,10 @@ class ExtractConfig:
     verify_min_token_cosine: float = doc("`extract verify` fails when any token's cosine in a layer is below this",
                                          0.99, ge=-1, le=1)
     verify_checksums: bool = doc("`extract verify` also re-hashes every shard against its sha256 (reads all bytes)", True)
+    tap_check_samples: int = doc(
+        "vllm backend: before a job extracts anything, these samples go through the engine and are compared per layer "
+        "with an HF forward (`extract verify`'s thresholds); the job refuses to start when a layer is off. 0 = off",
+        2, ge=0)
     vllm: VLLMConfig = doc("the vLLM engine of the 'vllm' backend", factory=VLLMConfig)
     writer_threads: int = doc("threads writing feature bytes to disk in parallel (pwrite into the shard)", 4, ge=1)
     staging_buffers: int = doc("host buffers of `tokens_per_batch` tokens in flight between GPU and disk", 4, ge=1)
