@@ -8,7 +8,8 @@ sliding-window layers whose window (10, shorter than every prompt) cuts into eve
 untrained full-attention drafter (its mask rows matter, so causal vs bidirectional attention shows).
 
 Each is served with speculative_config={"method": "dflash", "num_speculative_tokens": B-1}
-(tests/train/vllm_dflash_run.py, a child process) and checked against the project's own chain decoding:
+(eval/vllm_serving.py's `serve`, a child process; the same code serves the export on a GPU) and checked against the
+project's own chain decoding:
 
   * greedy output == AR output, token for token;
   * vLLM's drafter (its forward captured) vs train/model.py's `draft_logits` on the same context: within vLLM's
@@ -46,6 +47,7 @@ import torch
 pytest.importorskip("vllm")
 
 from eval.decode import decode  # noqa: E402
+from eval.vllm_serving import Served, logits_on_served_contexts, near_tie_flips, relative_error, serve, with_semantics  # noqa: E402
 from eval.metrics import ResponseRecord, per_depth_acceptance, tau_pooled  # noqa: E402
 from extract.layers import forward_taps  # noqa: E402
 from extract.layers import configured_layer_ids  # noqa: E402
@@ -59,7 +61,6 @@ from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
-RUNNER = Path(__file__).with_name("vllm_dflash_run.py")
 # vLLM's CPU attention has kernels for head_dim 64; init range 0.2 makes greedy outputs fall into patterns
 TINY = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
         "intermediate_size": 256, "num_hidden_layers": 4, "initializer_range": 0.2}
@@ -67,26 +68,10 @@ B, WINDOW, NEW_TOKENS = 8, 10, 64
 QUESTIONS = [json.loads(line)["question"] for line in (REPO / "data/prompts/gsm8k_test_100.jsonl").open()][:4]
 
 
-def run_vllm(mode: str, out: Path | None = None, **kw) -> subprocess.CompletedProcess:
-    args = [sys.executable, str(RUNNER), mode]
-    for k, v in kw.items():
-        args += [f"--{k.replace('_', '-')}", *([str(x) for x in v] if isinstance(v, list) else [str(v)])]
-    if out is not None:
-        args += ["--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-
-
-def serve(target_dir: str, drafter_dir: Path, prompts: list[list[int]], stop: list[int], tmp: Path) -> tuple[dict, dict]:
-    """vLLM's result.json and captured drafter hidden states for greedy generation of `prompts`."""
-    from safetensors.torch import load_file
-
-    (tmp / "prompts.json").write_text(json.dumps(prompts))
-    run = run_vllm("generate", tmp / "vllm", target=target_dir, drafter=drafter_dir, prompts=tmp / "prompts.json",
-                   max_tokens=NEW_TOKENS, stop=stop)
-    assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads((tmp / "vllm" / "result.json").read_text())
-    return result, load_file(str(tmp / "vllm" / "capture.safetensors"))
+def served_by_vllm(target_dir: str, drafter_dir: Path, prompts: list[list[int]], stop: list[int], tmp: Path) -> Served:
+    """vLLM's greedy outputs, counters and captured drafter hidden states for `prompts` (eager, on the CPU)."""
+    return serve(target_dir, prompts, tmp / "vllm", drafter_dir=str(drafter_dir), max_tokens=NEW_TOKENS, stop=stop,
+                 capture=True)
 
 
 def attach(drafter: DFlashDrafter, target) -> DFlashDrafter:
@@ -114,52 +99,6 @@ def train_on_own_outputs(target, args: DrafterArgs, sequences: list[tuple[list[i
         loss.backward()
         opt.step()
     return drafter.eval().requires_grad_(False)
-
-
-def with_semantics(drafter: DFlashDrafter, target, **changes) -> DFlashDrafter:
-    """The same weights under other attention settings (layer_types / sliding_window)."""
-    other = DFlashDrafter(replace(drafter.args, **changes))
-    other.load_state_dict(drafter.state_dict())
-    return attach(other, target)
-
-
-def logits_on_vllm_contexts(drafter, target, sequences, result, capture):
-    """Per captured vLLM drafter forward (request i, block start s): (ours [B-1, V], vLLM's [B-1, V]).
-
-    Ours: `draft_logits` on the HF target's taps of the request's tokens before s with bonus = token s. vLLM's: its
-    drafter's final-normed hidden states of slots 1..B-1 through the same (target) LM head, as vLLM computes them.
-    Forwards whose block starts past the returned tokens (the drafts after the last step) are skipped.
-    """
-    pairs = []
-    feats = {}
-    for call, (i, start) in enumerate(result["calls"]):
-        tokens = sequences[i][0] + result["outputs"][i]
-        if start >= len(tokens):
-            continue
-        if i not in feats:
-            feats[i] = forward_taps(target, torch.tensor(tokens)[None], drafter.args.target_layer_ids)
-        ours = drafter.draft_logits(drafter.new_cache(), feats[i][:, :start], tokens[start], start).float()
-        theirs = drafter.logits(capture[f"call{call}.hidden"][1:]).float()
-        pairs.append((i, start, ours, theirs))
-    return pairs
-
-
-def near_tie_flips(pairs) -> tuple[int, list]:
-    """(drafted slots compared, slots whose argmax differs without being a near tie)."""
-    compared, unexplained = 0, []
-    for i, start, ours, theirs in pairs:
-        a, b = ours.argmax(-1), theirs.argmax(-1)
-        compared += len(a)
-        for k in torch.nonzero(a != b).flatten().tolist():
-            gap = float(ours[k, a[k]] - ours[k, b[k]])
-            if gap > 2 * float((ours[k] - theirs[k]).abs().max()):
-                unexplained.append((i, start, k + 1, gap))
-    return compared, unexplained
-
-
-def relative_error(pairs) -> float:
-    """Mean over forwards of max |ours - vLLM| / max |ours| (the logit scale)."""
-    return sum(float((o - t).abs().max() / o.abs().max()) for _, _, o, t in pairs) / len(pairs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,12 +147,13 @@ def served(request, tiny, tmp_path_factory):
     drafter, loaded_args = load_zlab(export)  # what vLLM loads, loaded the project's way
     drafter = attach(drafter, target)
     assert loaded_args == args
-    result, capture = serve(location, export, [p for p, _ in sequences], [tok.eos_token_id], tmp)
+    prompts = [p for p, _ in sequences]
+    result = served_by_vllm(location, export, prompts, [tok.eos_token_id], tmp)
     ours = [decode("chain", target, drafter, p, max_new_tokens=NEW_TOKENS, stop_token_ids=[tok.eos_token_id])
             for p, _ in sequences]
-    pairs = logits_on_vllm_contexts(drafter, target, sequences, result, capture)
-    return SimpleNamespace(kind=kind, drafter=drafter, target=target, sequences=sequences, result=result,
-                           capture=capture, ours=ours, pairs=pairs)
+    pairs = logits_on_served_contexts(drafter, target, prompts, result)
+    return SimpleNamespace(kind=kind, drafter=drafter, target=target, sequences=sequences, prompts=prompts,
+                           result=result, ours=ours, pairs=pairs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,9 +163,9 @@ def served(request, tiny, tmp_path_factory):
 
 def test_vllm_greedy_output_with_the_drafter_equals_ar(served):
     answers = [a for _, a in served.sequences]
-    assert served.result["outputs"] == answers
+    assert served.result.outputs == answers
     assert [r.output_ids for r in served.ours] == answers
-    assert all(d == [B - 1] * len(d) for d in served.result["per_step_drafted"])  # B-1 drafted tokens per round
+    assert served.result.drafted == [(B - 1) * n for n in served.result.drafts]  # B-1 drafted tokens per round
 
 
 # the nearest wrong semantics per drafter; none for the trained full drafter (see `served`)
@@ -247,8 +187,8 @@ def test_vllm_drafter_attention_is_the_trained_semantics_not_a_neighbour(served)
     err = relative_error(pairs)
     assert err <= 2e-2, f"{kind}: vLLM's drafter logits differ from train/model.py's by {err:.1e} of their scale"
     for name, changes in NEIGHBOURS[kind].items():
-        other = logits_on_vllm_contexts(with_semantics(drafter, target, **changes), target, served.sequences,
-                                        served.result, served.capture)
+        other = logits_on_served_contexts(with_semantics(drafter, target, **changes), target, served.prompts,
+                                          served.result)
         closer = sum(float((t - o).abs().max()) < float((t - a).abs().max())
                      for (_, _, o, t), (_, _, a, _) in zip(pairs, other))
         assert closer >= 0.9 * len(pairs), f"{kind}: vLLM is closer to '{name}' on {len(pairs) - closer} blocks"
@@ -263,7 +203,7 @@ def test_vllm_acceptance_counters_agree_with_our_chain(served):
     pairs = {(i, start): (o, t) for i, start, o, t in s.pairs}
     compared = total = 0
     matching: list[int] = []
-    for i, (theirs, mine) in enumerate(zip(s.result["per_step_accepted"], [r.accepted_drafts for r in s.ours])):
+    for i, (theirs, mine) in enumerate(zip(s.result.per_step_accepted, [r.accepted_drafts for r in s.ours])):
         total += len(mine)
         r = next((j for j, (a, b) in enumerate(zip(theirs, mine)) if a != b), None)
         if r is None:
@@ -284,25 +224,23 @@ def test_vllm_acceptance_counters_agree_with_our_chain(served):
         assert gap <= 2 * float((ours[k - 1] - vllm[k - 1]).abs().max()), (i, r, k, gap)
     assert compared >= 0.4 * total, f"{s.kind}: only {compared} of {total} rounds compared one to one"
     if s.kind != "full-untrained":  # a random drafter accepts (almost) nothing: the trained ones must
-        assert sum(sum(a) for a in s.result["per_step_accepted"]) >= total, f"{s.kind}: too little acceptance"
+        assert sum(sum(a) for a in s.result.per_step_accepted) >= total, f"{s.kind}: too little acceptance"
     for i in matching:  # same rounds, same τ
         mine = s.ours[i]
         record = ResponseRecord(str(i), 0, 0, 0, mine.num_rounds, mine.accept_lengths, mine.draft_depths, 0.0, 0.0)
-        theirs = s.result["per_step_accepted"][i]
+        theirs = s.result.per_step_accepted[i]
         assert tau_pooled([record]) == pytest.approx(1 + sum(theirs) / len(theirs), abs=1e-12)
 
-    # vLLM's engine-wide counters are the sums of its per-request arrays ...
-    c, steps = s.result["counters"], [a for per in s.result["per_step_accepted"] for a in per]
-    assert c["num_drafts"] == len(steps) and c["num_accepted_tokens"] == sum(steps)
-    assert c["num_draft_tokens"] == sum(sum(d) for d in s.result["per_step_drafted"])
-    assert c["num_accepted_tokens_per_pos"] == [sum(a > k for a in steps) for k in range(B - 1)]
+    # vLLM's counters over each request are the sums of its per-step arrays ...
+    r = s.result
+    assert r.drafts == [len(a) for a in r.per_step_accepted] and r.accepted == [sum(a) for a in r.per_step_accepted]
+    assert r.per_position == [[sum(a > k for a in steps) for k in range(B - 1)] for steps in r.per_step_accepted]
     # ... and eval.metrics' definitions, applied to those arrays, give vLLM's numbers exactly
     records = [ResponseRecord(str(i), 0, 0, 0, len(a), [x + 1 for x in a], [B - 1] * len(a), 0.0, 0.0)
-               for i, a in enumerate(s.result["per_step_accepted"])]
-    assert tau_pooled(records) == pytest.approx(1 + c["num_accepted_tokens"] / c["num_drafts"], abs=1e-12)
+               for i, a in enumerate(r.per_step_accepted)]
+    assert tau_pooled(records) == pytest.approx(r.acceptance_length, abs=1e-12)
     per_depth = per_depth_acceptance(records, B - 1)
-    assert [d["unconditional"] for d in per_depth] == pytest.approx(
-        [n / c["num_drafts"] for n in c["num_accepted_tokens_per_pos"]], abs=1e-12)
+    assert [d["unconditional"] for d in per_depth] == pytest.approx(r.position_rates, abs=1e-12)
 
 
 def test_demo_size_export_serves_with_greedy_output_and_acceptance_equal_to_ours(tmp_path, smollm2_dir):
@@ -320,12 +258,12 @@ def test_demo_size_export_serves_with_greedy_output_and_acceptance_equal_to_ours
     drafter = attach(load_zlab(export)[0], target)
     prompts = [prompt_ids(tok, [{"role": "user", "content": q}], enable_thinking=False) for q in QUESTIONS[:2]]
     stop = sorted({tok.eos_token_id, *end_of_turn_ids(tok, smollm2_dir)})
-    result, _ = serve(smollm2_dir, export, prompts, stop, tmp_path)
+    result = serve(smollm2_dir, prompts, tmp_path / "vllm", drafter_dir=str(export), max_tokens=NEW_TOKENS, stop=stop)
     ar = [decode("ar", target, None, p, max_new_tokens=NEW_TOKENS, stop_token_ids=stop).output_ids for p in prompts]
     chain = [decode("chain", target, drafter, p, max_new_tokens=NEW_TOKENS, stop_token_ids=stop) for p in prompts]
-    assert result["outputs"] == ar == [r.output_ids for r in chain]
-    assert result["per_step_accepted"] == [r.accepted_drafts for r in chain]
-    assert result["counters"]["num_drafts"] == sum(r.num_rounds for r in chain)
+    assert result.outputs == ar == [r.output_ids for r in chain]
+    assert result.per_step_accepted == [r.accepted_drafts for r in chain]
+    assert result.drafts == [r.num_rounds for r in chain]
 
 
 def mixed_export(tmp_path: Path) -> Path:
@@ -338,12 +276,25 @@ def mixed_export(tmp_path: Path) -> Path:
 
 
 def test_cpu_engine_refuses_a_drafter_mixing_sliding_and_full_layers(tmp_path, tiny):
-    run = run_vllm("refuse", target=tiny[0], drafter=mixed_export(tmp_path))
-    assert run.returncode == 3, run.stdout + run.stderr[-3000:]
-    assert "Model Runner V1 does not support: mixed sliding/full dflash drafts" in run.stdout
+    with pytest.raises(RuntimeError, match="Model Runner V1 does not support: mixed sliding/full dflash drafts"):
+        serve(tiny[0], [tiny[3][0][0]], tmp_path / "vllm", drafter_dir=str(mixed_export(tmp_path)), max_tokens=4)
+
+
+RESOLVE = """
+import json, os, sys
+from transformers import AutoConfig
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.models.qwen3_dflash import _resolve_layer_attention
+config = AutoConfig.from_pretrained(sys.argv[1])
+vllm_config = VllmConfig()  # built first: this CPU build refuses to build a config with the V2 runner
+os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the runner that serves mixed layouts (GPU), read per call
+with set_current_vllm_config(vllm_config):
+    print(json.dumps([list(_resolve_layer_attention(config, i)) for i in range(config.num_hidden_layers)]))
+"""
 
 
 def test_vllm_resolves_the_mixed_layout_to_causal_window_and_bidirectional_layers(tmp_path):
-    run = run_vllm("resolve", drafter=mixed_export(tmp_path))
+    run = subprocess.run([sys.executable, "-c", RESOLVE, str(mixed_export(tmp_path))], capture_output=True, text=True,
+                         timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == [[WINDOW, True]] * 4 + [[None, False]]
