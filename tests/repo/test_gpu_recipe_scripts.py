@@ -1,11 +1,12 @@
 """The GPU recipe's scripts run end to end on the CPU (so a GPU session cannot fail on a typo): the offline bundle
-rebuilds the GGUF byte for byte from its parts and refuses a missing part; quality_gpu.sh runs every stage and the
+collects its parts over several calls and unpacks them byte for byte, refusing a damaged part; quality_gpu.sh runs every stage and the
 loss ablation on configs/tiny.yaml, over two calls as a device session splits it, and prints its table."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,19 +20,41 @@ def bundle(*args, cwd=REPO):
                           text=True, env={**os.environ, "PYTHON": sys.executable})
 
 
-def test_offline_bundle_rebuilds_the_gguf_from_its_parts_and_refuses_a_missing_one(tmp_path):
+def test_offline_bundle_unpacks_once_every_part_arrived_and_refuses_a_damaged_one(tmp_path):
+    """Parts travel one per device call: `receive` keeps what arrived, unpacks when the set is complete (the GGUF
+    and the data files byte for byte) and says so on every later call; a damaged part is refused, nothing unpacked."""
     blob = tmp_path / "model.gguf"
     blob.write_bytes(os.urandom(3 << 20))  # incompressible: xz keeps ~3 MiB, so 1 MiB parts make several
-    out = bundle("pack", "--out", tmp_path / "b", "--gguf-from", blob, "--part-mib", 1, "--no-wheels")
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / "gsm8k_test.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    out = bundle("pack", "--out", tmp_path / "b", "--gguf-from", blob, "--part-mib", 1, "--no-wheels",
+                 "--data-dir", mirror, "--data", "gsm8k_test.jsonl", "--xz-level", "-0")
     assert out.returncode == 0, out.stderr
-    parts = sorted((tmp_path / "b" / "gguf").glob("part-*"))
+    parts = sorted((tmp_path / "b").glob("part-*"))
     assert len(parts) >= 3 and all(p.stat().st_size <= 1 << 20 for p in parts)
-    back = bundle("assemble", "--from", tmp_path / "b", "--gguf", tmp_path / "node" / "smol.gguf")
-    assert back.returncode == 0, back.stderr
-    assert (tmp_path / "node" / "smol.gguf").read_bytes() == blob.read_bytes()
-    parts[1].unlink()
-    broken = bundle("assemble", "--from", tmp_path / "b", "--gguf", tmp_path / "node2" / "smol.gguf")
-    assert broken.returncode != 0 and not (tmp_path / "node2" / "smol.gguf").exists()
+    node, call = tmp_path / "node", tmp_path / "call"
+    for k, part in enumerate(parts):  # one part per call, SHA256SUMS with each
+        shutil.rmtree(call, ignore_errors=True)
+        call.mkdir()
+        shutil.copy(tmp_path / "b" / "SHA256SUMS", call)
+        shutil.copy(part, call)
+        got = bundle("receive", "--from", call, "--to", node)
+        assert got.returncode == 0, got.stderr
+        last = k == len(parts) - 1
+        assert got.stdout.strip() == ("ready" if last else f"have {k + 1} of {len(parts)} parts")
+    assert (node / "smol.gguf").read_bytes() == blob.read_bytes()
+    assert (node / "data" / "gsm8k_test.jsonl").read_bytes() == (mirror / "gsm8k_test.jsonl").read_bytes()
+    assert bundle("receive", "--from", call, "--to", node).stdout.strip() == "ready"
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "b", damaged)
+    raw = bytearray(parts[1].read_bytes())
+    raw[100] ^= 0xFF
+    (damaged / parts[1].name).write_bytes(bytes(raw))
+    broken = bundle("receive", "--from", damaged, "--to", tmp_path / "node2")
+    assert broken.returncode == 1 and "damaged" in broken.stderr
+    assert not (tmp_path / "node2" / "smol.gguf").exists() and not (tmp_path / "node2" / ".ready").exists()
 
 
 @pytest.mark.slow
