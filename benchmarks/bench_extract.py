@@ -18,6 +18,10 @@ and from them
 
     python benchmarks/bench_extract.py --device cuda --shape qwen3-8b --storage-dtype bfloat16 \\
         --num-tokens 2000000 --out-dir /local/bench-extract
+    # the vllm backend (vLLM's engine + the shard connector) loads the target from a directory: --model-dir saves
+    # the random-init model of --shape there first (bf16, byte tokenizer); one engine serves every storage dtype
+    python benchmarks/bench_extract.py --device cuda --shape qwen3-8b --backend vllm --model-dir /tmp/qwen3-8b \\
+        --storage-dtype bfloat16,fp8 --num-tokens 1000000 --out-dir /local/bench-extract
     python benchmarks/bench_extract.py --device cpu --shape tiny --num-tokens 100000 --out-dir /tmp/bench
 """
 
@@ -215,19 +219,53 @@ def flops_per_token(model, layer_ids: list[int], ctx_mean: float, upto: int | No
     return 2.0 * params + attn
 
 
-def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndarray):
+def save_target(model, model_dir: Path) -> Path:
+    """Save a random-init target with the byte tokenizer (what the vllm backend loads); kept when already there."""
+    from pipeline.target import build_byte_tokenizer
+
+    if (model_dir / "config.json").exists():
+        return model_dir
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    build_byte_tokenizer().save_pretrained(tmp)
+    os.replace(tmp, model_dir)
+    return model_dir
+
+
+def make_backend(args, model, device, layer_ids, lengths: np.ndarray, storage_dtype: str):
+    """The extraction backend the stage would build: `HFExtractor` on the in-memory model, or `VLLMExtractor` on
+    --model-dir (the engine sized for the longest sample)."""
+    cfg = bench_config(args, model, device, storage_dtype, Path(args.out_dir))
+    if args.backend == "vllm":
+        from extract.vllm import VLLMExtractor
+
+        return VLLMExtractor(str(args.model_dir), cfg.target, cfg.extract, layer_ids, max_len=int(lengths.max()))
+    from extract.hf import HFExtractor
+
+    return HFExtractor("bench", cfg.target, cfg.extract, layer_ids, model=model, device=device)
+
+
+def bench_config(args, model, device, storage_dtype: str, out_dir: Path):
+    from pipeline.config import load_config
+
+    return load_config(None, [f"runs_dir={out_dir}", f"name=bench-{storage_dtype}", f"target.device={device}",
+                              f"target.dtype={str(model.dtype).replace('torch.', '')}",
+                              f"extract.storage_dtype={storage_dtype}", f"extract.tokens_per_batch={args.tokens_per_batch}",
+                              f"extract.shard_tokens={args.shard_tokens}", f"extract.writer_threads={args.writer_threads}",
+                              f"extract.staging_buffers={args.staging_buffers}",
+                              f"extract.parallel_shards={args.parallel_shards}", f"extract.compile={args.compile}",
+                              f"extract.vllm.gpu_memory_utilization={args.gpu_memory_utilization}"])
+
+
+def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndarray, backend, storage_dtype: str):
     """The stage path on every token: returns (seconds, tokens, bytes written, padding overhead)."""
-    from extract.hf import HFExtractor, plan_batches
+    from extract.hf import plan_batches
     from extract.stage import ExtractContext, extract_units, plan_units, read_tokenized_index, screen_index
     from pipeline.config import load_config
     from pipeline.runner import StageDir
 
-    cfg = load_config(None, [f"runs_dir={out_dir}", "name=bench", f"target.device={device}",
-                             f"target.dtype={str(model.dtype).replace('torch.', '')}",
-                             f"extract.storage_dtype={args.storage_dtype}", f"extract.tokens_per_batch={args.tokens_per_batch}",
-                             f"extract.shard_tokens={args.shard_tokens}", f"extract.writer_threads={args.writer_threads}",
-                             f"extract.staging_buffers={args.staging_buffers}", f"extract.parallel_shards={args.parallel_shards}",
-                             f"extract.compile={args.compile}"])
+    cfg = bench_config(args, model, device, storage_dtype, out_dir)
     tok = write_tokens(cfg.run_dir, lengths, model.config.get_text_config().vocab_size)
     index = read_tokenized_index(tok)
     keep, _, _ = screen_index(index)
@@ -240,11 +278,10 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
     text = model.config.get_text_config()
     ctx = ExtractContext(location="bench", layer_ids=layer_ids, tap_ids=list(layer_ids),
                          num_layers=text.num_hidden_layers, hidden_size=hidden, vocab_rows=text.vocab_size,
-                         fingerprint={"layer_ids": layer_ids, "hidden_size": hidden, "storage_dtype": args.storage_dtype},
+                         fingerprint={"layer_ids": layer_ids, "hidden_size": hidden, "storage_dtype": storage_dtype},
                          config_hash="bench", settings={}, tok_stage=tok, tok_manifest={})
     stage = StageDir(cfg.run_dir, "extract")
     stage.begin("bench", force=True)
-    backend = HFExtractor("bench", cfg.target, cfg.extract, layer_ids, model=model, device=device)
     # warm-up (kernels, allocator, pinned buffers): one batch of the longest samples, written to a scratch unit
     warm = units[:1]
     extract_units(stage, ctx, cfg, backend, index, warm)
@@ -256,7 +293,6 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
     t = time.perf_counter()
     extract_units(stage, ctx, cfg, backend, index, rest)
     seconds = time.perf_counter() - t
-    backend.close()
     written = sum(f.stat().st_size for f in stage.shards.glob("*.safetensors"))
     overhead = padded / max(int(index.lengths[keep].sum()), 1) - 1
     return seconds, tokens, written, overhead, len(rest)
@@ -332,7 +368,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--storage-dtype", choices=["bfloat16", "fp8", "float32"], default="bfloat16")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="the extraction backend timed")
+    p.add_argument("--model-dir", default=None, help="vllm backend: the target's directory (saved there first)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vllm backend: the engine's share")
+    p.add_argument("--storage-dtype", default="bfloat16", help="comma list of bfloat16 | fp8 | float32, timed in turn")
     p.add_argument("--num-tokens", type=int, default=2_000_000)
     p.add_argument("--out-dir", default="/tmp/bench-extract", help="where shards are written (local disk!)")
     p.add_argument("--taps", type=int, default=5)
@@ -352,6 +391,12 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=".cache")
     p.add_argument("--keep", action="store_true", help="keep the written shards")
     args = p.parse_args(argv)
+    storage_dtypes = args.storage_dtype.split(",")
+    bad = [d for d in storage_dtypes if d not in ("bfloat16", "fp8", "float32")]
+    if bad:
+        p.error(f"--storage-dtype: unknown {bad}")
+    if args.backend == "vllm" and not args.model_dir:
+        p.error("--backend vllm needs --model-dir (the engine loads the target from a directory)")
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -372,68 +417,100 @@ def main(argv=None) -> int:
     model, target_desc = build_target(args.shape, device, dtype, args.cache_dir)
     cfg = model.config.get_text_config()
     layer_ids = default_layer_ids(cfg.num_hidden_layers, args.taps)
-    bpt = bytes_per_token(len(layer_ids), cfg.hidden_size, args.storage_dtype)
+    bpt_max = max(bytes_per_token(len(layer_ids), cfg.hidden_size, d) for d in storage_dtypes)
     free = shutil.disk_usage(out_dir).free
-    if args.num_tokens * bpt > 0.8 * free:  # the shards are really written: stay inside the disk
-        fit = int(0.8 * free / bpt)
-        print(f"note: {args.num_tokens:,} tokens x {bpt:,} B = {args.num_tokens * bpt / 1e9:.1f} GB does not fit "
-              f"in {free / 1e9:.1f} GB free at {out_dir}; timing {fit:,} tokens", flush=True)
+    if args.num_tokens * bpt_max > 0.8 * free:  # the shards are really written: stay inside the disk
+        fit = int(0.8 * free / bpt_max)
+        print(f"note: {args.num_tokens:,} tokens x {bpt_max:,} B = {args.num_tokens * bpt_max / 1e9:.1f} GB does not "
+              f"fit in {free / 1e9:.1f} GB free at {out_dir}; timing {fit:,} tokens", flush=True)
         args.num_tokens = fit
         args.shard_tokens = min(args.shard_tokens, max(fit // 8, 1))
     lengths = length_mix(args.num_tokens)
     ctx_mean = float((lengths * (lengths + 1) / 2).sum() / lengths.sum())
     fpt = flops_per_token(model, layer_ids, ctx_mean)
     fpt_full = flops_per_token(model, layer_ids, ctx_mean, upto=cfg.num_hidden_layers - 1, lm_head=True)
+    if args.backend == "vllm":
+        save_target(model, Path(args.model_dir))
+        del model  # the engine loads its own copy
+        model = None
+        if gpu:
+            torch.cuda.empty_cache()
 
-    compute_only = None
-    if not args.no_compute_only:  # over the same samples the pipeline times (all but the first, warm-up shard)
-        from extract.stage import plan_units
+    backend = None
+    for storage_dtype in storage_dtypes:
+        args.storage_dtype = storage_dtype
+        bpt = bytes_per_token(len(layer_ids), cfg.hidden_size, storage_dtype)
+        compute_only = None
+        if not args.no_compute_only and args.backend == "hf":  # over the samples the pipeline times (not the warm-up)
+            from extract.stage import plan_units
 
-        units = plan_units(lengths, np.ones(len(lengths), bool), args.shard_tokens)
-        timed = [r for u in (units[1:] or units) for r in u.rows]
-        compute_only = run_compute_only(args, model, device, layer_ids, lengths[timed])
-    seconds, tokens, written, pad, units = run_pipeline(args, model, device, layer_ids, out_dir, lengths)
-    e2e = tokens / seconds
-    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if gpu else None
-    baselines = {}
-    if args.baselines:
-        sub = length_mix(max(min(args.num_tokens // 10, args.baseline_tokens), 4096), seed=5)
-        baselines = run_baselines(model, device, layer_ids, sub, min(args.tokens_per_batch, 16384))
+            units = plan_units(lengths, np.ones(len(lengths), bool), args.shard_tokens)
+            timed = [r for u in (units[1:] or units) for r in u.rows]
+            compute_only = run_compute_only(args, model, device, layer_ids, lengths[timed])
+        ref = model if model is not None else _Shape(cfg, dtype)
+        if backend is None:  # hf: one extractor per storage dtype; vllm: one engine writes them all
+            backend = make_backend(args, ref, device, layer_ids, lengths, storage_dtype)
+        seconds, tokens, written, pad, units = run_pipeline(args, ref, device, layer_ids, out_dir, lengths, backend,
+                                                            storage_dtype)
+        if args.backend == "hf":
+            backend.close()
+            backend = None
+        e2e = tokens / seconds
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if gpu and args.backend == "hf" else None
+        baselines = {}
+        if args.baselines and args.backend == "hf":
+            sub = length_mix(max(min(args.num_tokens // 10, args.baseline_tokens), 4096), seed=5)
+            baselines = run_baselines(model, device, layer_ids, sub, min(args.tokens_per_batch, 16384))
 
-    roof = mm / fpt
-    roof_full = mm / fpt_full
-    disk_ceiling = diskn / bpt
-    sha_ceiling = args.parallel_shards * sha / (bpt - 5)  # one hash thread per shard in flight
-    target = 0.9 * min(roof, disk_ceiling)
-    res = {
-        "device": torch.cuda.get_device_name(device) if gpu else f"cpu ({torch.get_num_threads()} threads)",
-        "torch": torch.__version__, "shape": args.shape, "target": target_desc, "layers": cfg.num_hidden_layers,
-        "hidden": cfg.hidden_size, "taps": layer_ids, "compute_dtype": str(dtype).replace("torch.", ""),
-        "compile": args.compile, "compiled": args.compiled,
-        "storage_dtype": args.storage_dtype, "tokens": tokens, "samples": int(len(lengths)), "units_timed": units,
-        "padding_overhead": pad, "tokens_per_batch": args.tokens_per_batch, "matmul_flops": mm, "matmul": mm_desc,
-        "disk_single_Bps": disk1, "disk_parallel_Bps": diskn, "writer_threads": args.writer_threads,
-        "sha256_Bps": sha, "parallel_shards": args.parallel_shards, "bytes_per_token": bpt, "flops_per_token": fpt, "flops_per_token_full_model": fpt_full,
-        "compute_roofline_tps": roof, "full_model_roofline_tps": roof_full, "disk_ceiling_tps": disk_ceiling,
-        "disk_ceiling_single_tps": disk1 / bpt, "sha256_ceiling_tps": sha_ceiling, "target_tps": target,
-        "compute_only_tps": compute_only, "end_to_end_tps": e2e, "end_to_end_seconds": seconds,
-        "mfu_end_to_end": e2e * fpt / mm, "mfu_compute_only": (compute_only or 0) * fpt / mm,
-        "bytes_written": written, "write_Bps_achieved": e2e * bpt, "peak_gpu_gib": peak, "baselines": baselines,
-        "passed": e2e >= target,
-    }
-    print(format_table(res))
-    (out_dir / f"bench_extract-{args.shape}-{args.storage_dtype}-{args.device.replace(':', '')}.json").write_text(
-        json.dumps(res, indent=2))
-    if not args.keep:
-        shutil.rmtree(out_dir / "bench", ignore_errors=True)
+        roof = mm / fpt
+        roof_full = mm / fpt_full
+        disk_ceiling = diskn / bpt
+        sha_ceiling = args.parallel_shards * sha / (bpt - 5)  # one hash thread per shard in flight
+        target = 0.9 * min(roof, disk_ceiling)
+        res = {
+            "device": torch.cuda.get_device_name(device) if gpu else f"cpu ({torch.get_num_threads()} threads)",
+            "torch": torch.__version__, "backend": args.backend, "shape": args.shape, "target": target_desc,
+            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "taps": layer_ids,
+            "compute_dtype": str(dtype).replace("torch.", ""), "compile": args.compile, "compiled": args.compiled,
+            "storage_dtype": storage_dtype, "tokens": tokens, "samples": int(len(lengths)), "units_timed": units,
+            "padding_overhead": pad, "tokens_per_batch": args.tokens_per_batch, "matmul_flops": mm, "matmul": mm_desc,
+            "disk_single_Bps": disk1, "disk_parallel_Bps": diskn, "writer_threads": args.writer_threads,
+            "sha256_Bps": sha, "parallel_shards": args.parallel_shards, "bytes_per_token": bpt,
+            "flops_per_token": fpt, "flops_per_token_full_model": fpt_full,
+            "compute_roofline_tps": roof, "full_model_roofline_tps": roof_full, "disk_ceiling_tps": disk_ceiling,
+            "disk_ceiling_single_tps": disk1 / bpt, "sha256_ceiling_tps": sha_ceiling, "target_tps": target,
+            "compute_only_tps": compute_only, "end_to_end_tps": e2e, "end_to_end_seconds": seconds,
+            "mfu_end_to_end": e2e * fpt / mm, "mfu_compute_only": (compute_only or 0) * fpt / mm,
+            "bytes_written": written, "write_Bps_achieved": e2e * bpt, "peak_gpu_gib": peak, "baselines": baselines,
+            "passed": e2e >= target,
+        }
+        if args.backend == "vllm":
+            import vllm
+
+            res["vllm"] = vllm.__version__
+        print(format_table(res), flush=True)
+        (out_dir / f"bench_extract-{args.backend}-{args.shape}-{storage_dtype}-{args.device.replace(':', '')}.json"
+         ).write_text(json.dumps(res, indent=2))
+        if not args.keep:
+            shutil.rmtree(out_dir / f"bench-{storage_dtype}", ignore_errors=True)
+    if backend is not None:
+        backend.close()
     return 0
+
+
+class _Shape:
+    """What `run_pipeline` reads of a target it does not hold (the vllm engine holds it): config and dtype."""
+
+    def __init__(self, config, dtype):
+        self.config, self.dtype = config, dtype
 
 
 def format_table(r: dict) -> str:
     g = lambda x: f"{x / 1e9:,.2f} GB/s"  # noqa: E731
     t = lambda x: f"{x:,.0f} tok/s" if x is not None else "-"  # noqa: E731
     rows = [
-        ("device", r["device"]),
+        ("device", r["device"] + (f" (vLLM {r['vllm']})" if r.get("vllm") else "")),
+        ("backend", r["backend"]),
         ("target", f"{r['target']}: {r['layers']} layers, hidden {r['hidden']}, taps {r['taps']}"),
         ("compute / storage dtype", f"{r['compute_dtype']} / {r['storage_dtype']} ({r['bytes_per_token']:,} B/token)"),
         ("decoder layers", {True: "torch.compile (checked against eager)", False: "eager"}.get(r["compiled"], "-")
