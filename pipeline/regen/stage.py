@@ -315,9 +315,9 @@ def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dic
     for u in units:
         rec = done[u.name]
         counts["written"] += rec["written"]
-        for reason, n in rec["failed"].items():
-            counts[f"failed.{reason}"] += n
-            counts["failed"] += n
+        for reason, failed in rec["failed"].items():
+            counts[f"failed.{reason}"] += failed
+            counts["failed"] += failed
         for key in ("turns", "truncated_turns", "generated_tokens"):
             counts[key] += rec[key]
     if counts["written"] + counts["failed"] + counts["skipped.max_samples"] != total * n:

@@ -115,10 +115,11 @@ def test_failures_are_recorded_with_reasons_and_every_input_is_accounted_for(tmp
 def test_backend_none_keeps_dataset_answers_and_fails_prompts_without_one(tmp_path):
     cfg = make_config(tmp_path, overrides=["regen.backend=none", "regen.max_samples=null"])
     write_curated(cfg.run_dir, [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "dataset a"}],
-                                [{"role": "user", "content": "unanswered"}]])
+                                [{"role": "user", "content": "unanswered"}], [{"role": "user", "content": "neither"}]])
     m = run_regen(cfg)
     assert m["fingerprint"]["off_policy"] is True
-    assert m["counts"]["failed.no_answer"] == 1
+    assert m["counts"]["failed.no_answer"] == 2  # a count other than samples_per_prompt: the accounting adds up
+    assert m["counts"]["written"] + m["counts"]["failed"] == m["counts"]["input"] == 3
     (row,) = regen_rows(cfg.run_dir)
     assert row["messages"][1]["content"] == "dataset a"
 
