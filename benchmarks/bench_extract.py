@@ -255,7 +255,8 @@ def bench_config(args, model, device, storage_dtype: str, out_dir: Path):
                               f"extract.shard_tokens={args.shard_tokens}", f"extract.writer_threads={args.writer_threads}",
                               f"extract.staging_buffers={args.staging_buffers}",
                               f"extract.parallel_shards={args.parallel_shards}", f"extract.compile={args.compile}",
-                              f"extract.vllm.gpu_memory_utilization={args.gpu_memory_utilization}"])
+                              f"extract.vllm.gpu_memory_utilization={args.gpu_memory_utilization}",
+                              f"extract.vllm.enforce_eager={str(args.eager).lower()}"])
 
 
 def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndarray, backend, storage_dtype: str):
@@ -371,6 +372,7 @@ def main(argv=None) -> int:
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="the extraction backend timed")
     p.add_argument("--model-dir", default=None, help="vllm backend: the target's directory (saved there first)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vllm backend: the engine's share")
+    p.add_argument("--eager", action="store_true", help="vllm backend: no torch.compile / CUDA graphs")
     p.add_argument("--storage-dtype", default="bfloat16", help="comma list of bfloat16 | fp8 | float32, timed in turn")
     p.add_argument("--num-tokens", type=int, default=2_000_000)
     p.add_argument("--out-dir", default="/tmp/bench-extract", help="where shards are written (local disk!)")

@@ -37,7 +37,6 @@ from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E40
 from pipeline.regen.generator import Sampling  # noqa: E402
 from pipeline.regen.hf import HFGenerator  # noqa: E402
 
-DATA = REPO / "data" / "prompts"
 MODES = ("generate", "static", "static-nograph", "static-nofold", "vllm")
 
 
@@ -62,11 +61,20 @@ def parse_args() -> argparse.Namespace:
 
 
 def real_prompts(n: int) -> list[list[dict]]:
-    """Single-turn chats from the repo's prompt files (GSM8K, Code Alpaca, Alpaca seed), cycled to n."""
-    gsm8k = [json.loads(line)["question"] for line in (DATA / "gsm8k_train_1k.jsonl").open()]
+    """Single-turn chats from the prompt mirror ($DRAFTER_DATA_DIR: GSM8K train, Code Alpaca, Alpaca seed tasks,
+    interleaved), cycled to n."""
+    import os
+
+    data = Path(os.environ.get("DRAFTER_DATA_DIR", ""))
+    files = ["gsm8k_train.jsonl", "code_alpaca_2k.json", "alpaca_seed_tasks.jsonl"]
+    missing = [f for f in files if not (data / f).is_file()]
+    if missing:
+        raise SystemExit(f"bench_regen reads real prompts from the data mirror: {missing} not in "
+                         f"DRAFTER_DATA_DIR={str(data) or '(unset)'} (docs/data.md)")
+    gsm8k = [json.loads(line)["question"] for line in (data / files[0]).open() if line.strip()]
     code = [(r["instruction"] + ("\n" + r["input"] if r.get("input") else ""))
-            for r in json.loads((DATA / "code_alpaca_1k.json").read_text())]
-    seed = [json.loads(line)["instruction"] for line in (DATA / "alpaca_seed_tasks.jsonl").open()]
+            for r in json.loads((data / files[1]).read_text())]
+    seed = [json.loads(line)["instruction"] for line in (data / files[2]).open() if line.strip()]
     mixed = [t for trio in zip(gsm8k, code, seed) for t in trio]
     return [[{"role": "user", "content": mixed[i % len(mixed)]}] for i in range(n)]
 

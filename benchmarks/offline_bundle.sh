@@ -112,8 +112,8 @@ PY
 
 receive() {
   [ -n "$FROM" ] && [ -n "$TO" ] || { echo "receive needs --from DIR --to DIR" >&2; exit 2; }
-  [ -f "$FROM/SHA256SUMS" ] || { echo "receive: $FROM/SHA256SUMS is missing (carry it with every part)" >&2; exit 2; }
   if [ -f "$TO/.ready" ]; then echo "ready"; return 0; fi
+  [ -f "$FROM/SHA256SUMS" ] || { echo "receive: $FROM/SHA256SUMS is missing (carry it with every part)" >&2; exit 2; }
   mkdir -p "$TO/parts"
   cp "$FROM/SHA256SUMS" "$TO/parts/"
   for f in "$FROM"/part-*; do [ -f "$f" ] && cp "$f" "$TO/parts/"; done

@@ -132,3 +132,32 @@ def test_a_sigterm_to_the_recipe_reaches_its_training_which_checkpoints_the_step
 
     tag, state = latest_complete(runs / "tiny" / "train" / "checkpoints")  # what the same command resumes from
     assert tag == ckpts[-1].parent.name and state["global_step"] == saved
+
+
+def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_reads_the_step_results(tmp_path):
+    """benchmarks/vllm_gpu.sh's argument errors are one line with exit 2; benchmarks/vllm_gpu_summary.py turns the
+    step results a run leaves in its work dir into the keys docs/results/vllm-h200/summary.json keeps (a step that
+    failed or did not run is named)."""
+    from benchmarks.vllm_gpu_summary import summarize
+
+    for args in ([], ["--out", str(tmp_path / "o")]):
+        run = subprocess.run(["bash", "benchmarks/vllm_gpu.sh", *args], cwd=REPO, capture_output=True, text=True)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    work = tmp_path / "work"
+    (work / "json").mkdir(parents=True)
+    (work / "results.jsonl").write_text("\n".join(json.dumps({"step": s, "rc": rc, "seconds": 5}) for s, rc in
+                                                  [("env", 0), ("regen", 0), ("extract", 0), ("serve", 1)]) + "\n")
+    (work / "json" / "bench_regen.json").write_text(json.dumps({"env": {"device_name": "GPU X"}, "rows": [
+        {"mode": "static", "batch": 256, "prompts": 8, "tok_s": 10.0, "same_as_ref": "ref"},
+        {"mode": "static", "batch": 512, "prompts": 8, "tok_s": 20.0, "same_as_ref": "8/8"},
+        {"mode": "vllm", "batch": "engine", "prompts": 8, "tok_s": 30.0, "same_as_ref": "7/8"}]}))
+    for backend, dtype, tps in [("vllm", "bfloat16", 100.0), ("vllm", "fp8", 120.0), ("hf", "bfloat16", 90.0)]:
+        (work / "json" / f"bench_extract-{backend}-s-{dtype}-cuda.json").write_text(json.dumps(
+            {"backend": backend, "storage_dtype": dtype, "end_to_end_tps": tps, "shape": "s", "vllm": "0.26.0",
+             "compute_roofline_tps": 500.0, "full_model_roofline_tps": 400.0, "disk_ceiling_tps": 300.0}))
+    s = summarize(work)
+    assert s["vllm_version"] == "0.26.0" and s["device"] == "GPU X"
+    assert s["regen_tok_s"] == {"vllm": 30.0, "hf": 20.0, "hf_batch": 512} and s["regen_same_as_hf"] == "7/8"
+    assert s["extract_tok_s"] == {"vllm": 100.0, "hf": 90.0} and s["extract_tok_s_fp8"] == {"vllm": 120.0}
+    assert s["failed"] == ["serve"] and s["missing"] == ["hybrid", "smol", "verify8b"]
+    assert "serve_full" not in s and "extract_verify_passed" not in s
