@@ -70,7 +70,7 @@ else
   [ "$got" = "ready" ] || exit 0  # the next call brings the next part
   export PYTHONPATH="$WORK/bundle/site:$REPO"
   DATA="$WORK/bundle/data"; SMOL_SPEC="gguf:$WORK/bundle/smol.gguf"
-  N_REGEN=2048 NEW_REGEN=256 SHAPE=qwen3-8b N_EXTRACT=600000 N_CURATE=256 N_SMOL=4000 NEW_SMOL=256 STEPS=300
+  N_REGEN=1024 NEW_REGEN=256 SHAPE=qwen3-8b N_EXTRACT=400000 N_CURATE=256 N_SMOL=3000 NEW_SMOL=256 STEPS=200
   N_SERVE=20 NEW_SERVE=256 MEM=0.5
 fi
 export DRAFTER_DATA_DIR="$DATA"
