@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048, help="vllm mode")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.12, help="vllm mode (on CPU: RAM share)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="vllm mode: requests decoded at once (regen.vllm."
+                   "max_num_seqs; default: vLLM's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
@@ -134,7 +136,7 @@ def run_vllm(args, location, tok, stop, prompts, limits):
     tcfg = TargetConfig(model=location, dtype=args.dtype, device=args.device)
     rcfg = RegenConfig(backend="vllm", max_model_len=args.max_model_len,
                        vllm=VLLMConfig(gpu_memory_utilization=args.gpu_memory_utilization,
-                                       enforce_eager=not args.device.startswith("cuda")))
+                                       enforce_eager=not args.device.startswith("cuda"), max_num_seqs=args.max_num_seqs))
     gen = VLLMGenerator.load(location, tcfg, rcfg, tokenizer=tok, stop_ids=stop, sampling=Sampling())
     gen.generate(prompts[:4], [4] * min(4, len(prompts)))
     t0 = time.perf_counter()

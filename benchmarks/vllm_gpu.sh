@@ -23,7 +23,7 @@
 # logs.tgz (every step's log and result JSON) into --out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -115,7 +115,7 @@ step_regen() {
   local modes=static,vllm; [ -n "$SMOKE" ] && modes=static-nograph,vllm
   timeboxed "$PY" benchmarks/bench_regen.py --model "$(smol_dir)" --device $DEVICE --dtype $DTYPE \
     --num-prompts $N_REGEN --max-new-tokens $NEW_REGEN --batch-size "$([ -n "$SMOKE" ] && echo 8 || echo 512)" \
-    --modes $modes --gpu-memory-utilization $MEM --json "$JSON/bench_regen.json"
+    --modes $modes --gpu-memory-utilization $MEM --max-num-seqs 512 --json "$JSON/bench_regen.json"
 }
 
 step_extract() {

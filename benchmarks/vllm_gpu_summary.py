@@ -54,7 +54,8 @@ def summarize(work: Path) -> dict:
         r = _load(f)
         if r:
             ext[(r["backend"], r["storage_dtype"])] = r
-            out.setdefault("vllm_version", r.get("vllm"))
+            if r.get("vllm"):
+                out["vllm_version"] = r["vllm"]
     if ext:
         out["extract_tok_s"] = {b: round(ext[(b, "bfloat16")]["end_to_end_tps"], 1) if (b, "bfloat16") in ext else None
                                 for b in ("vllm", "hf")}

@@ -216,6 +216,10 @@ def _counters(llm) -> dict:
 
 
 def _worker(args) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:  # vLLM's torch sampler, not its FlashInfer one it can't import
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     import vllm
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams

@@ -170,6 +170,8 @@ class VLLMConfig:
     tensor_parallel_size: int = doc("vLLM tensor parallelism (GPUs per engine)", 1, ge=1)
     gpu_memory_utilization: float = doc("vLLM memory fraction (on CPU: fraction of RAM)", 0.85, gt=0, le=1)
     enforce_eager: bool = doc("vLLM: no CUDA graphs / torch.compile (faster start, slower run)", False)
+    max_num_seqs: Optional[int] = doc("vLLM: requests decoded at once (None = vLLM's default); raise it for regen "
+                                      "throughput on a small target", None, ge=1)
 
 
 @dataclass

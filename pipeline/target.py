@@ -497,8 +497,17 @@ def vllm_engine_kwargs(location: str, tcfg: TargetConfig, engine: VLLMConfig, *,
         gpu_memory_utilization=engine.gpu_memory_utilization, tensor_parallel_size=engine.tensor_parallel_size,
         enforce_eager=engine.enforce_eager, seed=seed,
     )
+    if engine.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = engine.max_num_seqs
     if text_config(config) is not config:
         kwargs["language_model_only"] = True
+    if importlib.util.find_spec("flashinfer") is None:
+        # vLLM's CUDA build picks FlashInfer kernels where it can and imports them when it runs: without the package
+        # (a minimal install) the engine dies at start-up. Its own fallbacks are chosen here instead: the torch
+        # sampler (an environment setting the engine process inherits) and, for Gated-DeltaNet layers, Triton prefill.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        if "linear_attention" in (getattr(text_config(config), "layer_types", None) or []):
+            kwargs["gdn_prefill_backend"] = "triton"
     return kwargs
 
 

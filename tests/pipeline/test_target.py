@@ -79,7 +79,16 @@ def test_the_installed_vllm_passes_the_check_and_a_multimodal_target_runs_its_la
     wrapper = AutoConfig.for_model("qwen3_5")  # Qwen3.5/3.6: vision tower + text model
     kw = vllm_engine_kwargs(location, tiny_cfg.target, VLLMConfig(), max_model_len=64, config=wrapper)
     assert kw["language_model_only"] is True
-    assert "language_model_only" not in vllm_engine_kwargs(location, tiny_cfg.target, VLLMConfig(), max_model_len=64)
+    plain = vllm_engine_kwargs(location, tiny_cfg.target, VLLMConfig(), max_model_len=64)
+    assert "language_model_only" not in plain
+    # no flashinfer here (nor in a minimal CUDA install): vLLM's own fallbacks are asked for instead of its default
+    # picks, which import flashinfer inside the engine (seen on the GPU: the sampler, the Gated-DeltaNet prefill)
+    import importlib.util
+    import os
+
+    assert importlib.util.find_spec("flashinfer") is None
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert kw["gdn_prefill_backend"] == "triton" and "gdn_prefill_backend" not in plain
 
 
 def test_a_random_qwen3_5_target_is_a_multimodal_checkpoint_whose_language_model_the_stages_load(tmp_path):
