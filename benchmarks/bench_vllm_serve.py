@@ -178,7 +178,8 @@ def main(argv=None) -> int:
         cap = serve(location, prompts, out / "vllm-parity", drafter_dir=str(export), max_tokens=min(64, args.max_new_tokens),
                     stop=stop, device=args.device, eager=True, capture=True,
                     gpu_memory_utilization=args.gpu_memory_utilization)
-        pairs = logits_on_served_contexts(*reversed(fp32_pair(location, cfg, device, export)), prompts, cap)
+        target32, drafter32 = fp32_pair(location, cfg, device, export)
+        pairs = logits_on_served_contexts(drafter32, target32, prompts, cap)
         compared, unexplained = near_tie_flips(pairs)
         res["parity"] = {"forwards": len(pairs), "relative_error": relative_error(pairs), "slots_compared": compared,
                          "unexplained_flips": len(unexplained)}
