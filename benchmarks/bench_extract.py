@@ -171,7 +171,7 @@ def write_tokens(run_dir: Path, lengths: np.ndarray, vocab: int, seed: int = 0):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.runner import StageDir
+    from pipeline.stage_dir import StageDir
 
     stage = StageDir(run_dir, "tokenize")
     stage.shards.mkdir(parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
     from extract.hf import HFExtractor, plan_batches
     from extract.stage import ExtractContext, extract_units, plan_units, read_tokenized_index, screen_index
     from pipeline.config import load_config
-    from pipeline.runner import StageDir
+    from pipeline.stage_dir import StageDir
 
     cfg = load_config(None, [f"runs_dir={out_dir}", "name=bench", f"target.device={device}",
                              f"target.dtype={str(model.dtype).replace('torch.', '')}",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.config import RunConfig
-from pipeline.runner import StageDir, human_bytes
+from pipeline.stage_dir import StageDir, human_bytes
 
 
 @dataclass(frozen=True)

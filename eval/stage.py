@@ -10,7 +10,7 @@ Units of work (kill -9 safe through StageDir sidecars), in this order:
 Each unit decodes every prompt of its benchmark (every turn of a multi-turn prompt: turn 2 is asked after the
 method's own turn-1 answer, which is the target's own answer because decoding is lossless) and writes one JSONL
 line per response (`eval.metrics.ResponseRecord`). Resume is per prompt: a finished prompt's responses are
-appended to the unit's journal (`pipeline.runner.Journal`, fsync'd), so after kill -9 no journaled prompt is
+appended to the unit's journal (`pipeline.stage_dir.Journal`, fsync'd), so after kill -9 no journaled prompt is
 decoded again; the unit's shard is written from its journal once every prompt is in. Before a unit's first timed
 prompt every CUDA graph its prompts can use is captured (`eval.decode.warm_up`), so timings are steady state.
 Units split over ranks (`--rank/--world-size`); whichever rank finishes last, or `drafter eval --merge`,
@@ -39,7 +39,7 @@ from eval.report import (REPORT_FILES, cell_label, json_ready, plot_per_depth, p
 from extract.layers import validate_layer_ids
 from pipeline.config import ConfigError, RunConfig, config_record, to_dict
 from pipeline.log import get_logger, progress, summary
-from pipeline.runner import (
+from pipeline.stage_dir import (
     AtomicFile,
     Journal,
     RankInfo,

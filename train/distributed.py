@@ -2,7 +2,7 @@
 device it drives, and the few collectives the trainer needs.
 
 Launch modes, all through `drafter train` / `python -m drafter.cli train`; rank and world size come from
-`pipeline.runner.rank_from_env` (the same reading every split stage uses), the rest from the launcher:
+`pipeline.stage_dir.rank_from_env` (the same reading every split stage uses), the rest from the launcher:
   * torchrun (one node):  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are set by torchrun;
   * srun (many nodes):    only SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODELIST are set; the torch
                           variables are derived from them (MASTER_ADDR = first host of the node list, MASTER_PORT
@@ -26,7 +26,7 @@ from typing import Callable, Mapping, TypeVar
 import torch
 
 from pipeline.log import get_logger
-from pipeline.runner import StageError, rank_from_env
+from pipeline.stage_dir import StageError, rank_from_env
 
 log = get_logger("train.distributed")
 

@@ -23,7 +23,7 @@ from extract.layers import LAYER_CONVENTION, base_model, configured_layer_ids, s
 from extract.store import FeatureReader
 from pipeline.config import ConfigError, RunConfig, TargetConfig
 from pipeline.log import get_logger
-from pipeline.runner import StageDir, check_fingerprint
+from pipeline.stage_dir import StageDir, check_fingerprint
 from pipeline.target import OpenedTarget, load_target, open_target, text_config
 from train.loss import kl_share
 from train.model import DrafterArgs

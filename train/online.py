@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.runner import StageDir, StageError
+from pipeline.stage_dir import StageDir, StageError
 
 
 class TokenizedReader:

@@ -20,7 +20,7 @@ import time
 
 from pipeline.config import RunConfig, config_record, hashed_fields
 from pipeline.log import get_logger, summary
-from pipeline.runner import RankInfo, StageDir, input_ref
+from pipeline.stage_dir import RankInfo, StageDir, input_ref
 from train.distributed import barrier, init_distributed, rank0_first
 from train.inputs import TrainInputs, open_inputs
 from train.preempt import Preempted, StopSignals

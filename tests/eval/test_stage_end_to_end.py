@@ -23,7 +23,7 @@ from eval.lossless import NEAR_TIE_MARGIN as NEAR_TIE
 from eval.stage import merge_ranks, run_conversation, run_eval
 from eval.prompts import EvalPrompt, chat_prompt_ids
 from pipeline.config import load_config
-from pipeline.runner import FingerprintMismatch, StageDir, StageError
+from pipeline.stage_dir import FingerprintMismatch, StageDir, StageError
 from pipeline.target import load_target, load_tokenizer, materialize_target, tokenizer_fingerprint
 from train.export import export_zlab
 from train.model import DFlashDrafter, DrafterArgs
@@ -203,7 +203,7 @@ def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written(tmp_path):
 
 @pytest.mark.slow
 def test_split_ranks_share_the_units_and_the_last_rank_writes_the_report(tmp_path):
-    from pipeline.runner import RankInfo
+    from pipeline.stage_dir import RankInfo
 
     cfg = make_config(tmp_path, ["eval.methods=[ar,chain]",
                                  "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])

@@ -18,7 +18,7 @@ from extract.layers import forward_taps
 from extract.stage import check_disk_space, merge_ranks, run_extract
 from extract.store import FeatureReader, bytes_per_token, check_store
 from extract.verify import run_verify
-from pipeline.runner import FingerprintMismatch, RankInfo, StageError, read_json
+from pipeline.stage_dir import FingerprintMismatch, RankInfo, StageError, read_json
 from pipeline.target import load_target, materialize_target
 from tests.extract.conftest import DISTINCT_LAYERS, extract_config, write_tokenize_stage
 

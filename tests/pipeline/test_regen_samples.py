@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.regen.stage import run_regen
-from pipeline.runner import StageDir
+from pipeline.stage_dir import StageDir
 from pipeline.tokenize import run_tokenize
 from tests.conftest import make_config
 from tests.pipeline.test_regen_stage import kill_regen_after_units, regen_rows, single_turn, write_curated
