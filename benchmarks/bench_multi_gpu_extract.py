@@ -115,7 +115,7 @@ def read_settings(work_dir: Path) -> dict:
 def prepare(a) -> dict:
     """Fresh work dir: tokenized input of `tokens_per_rank * world_size` tokens + settings.json."""
     from extract.store import bytes_per_token
-    from pipeline.stage_dir import atomic_write_json
+    from pipeline.files import atomic_write_json
 
     work = Path(a.work_dir).resolve()
     shutil.rmtree(work / "bench", ignore_errors=True)
@@ -157,7 +157,7 @@ def prepare(a) -> dict:
 def wait_for_all(work: Path, rank: int, world: int, timeout: float) -> None:
     """File barrier: announce this rank ready, return once all `world` ranks are (array tasks share no process
     group). Gives up when another rank has failed (work/failed/) or after `timeout` seconds."""
-    from pipeline.stage_dir import atomic_write_text
+    from pipeline.files import atomic_write_text
 
     ready = work / "ready"
     atomic_write_text(ready / f"rank-{rank:05d}", str(time.time()))
@@ -177,7 +177,8 @@ def run_rank(a) -> dict:
     from extract.hf import HFExtractor, plan_batches
     from extract.stage import extract_units, read_samples
     from pipeline.log import progress
-    from pipeline.stage_dir import atomic_write_json, rank_from_env, units_for_rank
+    from pipeline.files import atomic_write_json
+    from pipeline.stage_dir import rank_from_env, units_for_rank
 
     work = Path(a.work_dir).resolve()
     s = read_settings(work)
@@ -343,7 +344,8 @@ def main(argv=None) -> int:
         try:
             run_rank(a)
         except BaseException as e:  # tell the ranks waiting at the start barrier
-            from pipeline.stage_dir import atomic_write_text, rank_from_env
+            from pipeline.files import atomic_write_text
+            from pipeline.stage_dir import rank_from_env
 
             try:
                 r = rank_from_env(a.rank, a.world_size).rank

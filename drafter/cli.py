@@ -24,7 +24,8 @@ import re
 import sys
 
 from pipeline.config import ConfigError, RunConfig, load_config
-from pipeline.stage_dir import RankInfo, StageError, rank_from_env
+from pipeline.errors import StageError
+from pipeline.stage_dir import RankInfo, rank_from_env
 
 STAGES = ("curate", "regen", "tokenize", "extract", "train", "eval")
 

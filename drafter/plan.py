@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.config import RunConfig
-from pipeline.stage_dir import StageDir, human_bytes
+from pipeline.files import human_bytes
+from pipeline.stage_dir import StageDir
 
 
 @dataclass(frozen=True)

@@ -39,17 +39,9 @@ from eval.report import (REPORT_FILES, cell_label, json_ready, plot_per_depth, p
 from extract.layers import validate_layer_ids
 from pipeline.config import ConfigError, RunConfig, config_record, to_dict
 from pipeline.log import get_logger, progress, summary
-from pipeline.stage_dir import (
-    AtomicFile,
-    Journal,
-    RankInfo,
-    StageDir,
-    StageError,
-    check_fingerprint,
-    read_json,
-    sha256_file,
-    units_for_rank,
-)
+from pipeline.errors import StageError
+from pipeline.files import AtomicFile, Journal, read_json, sha256_file
+from pipeline.stage_dir import RankInfo, StageDir, check_fingerprint, units_for_rank
 from pipeline.target import load_target, open_target, text_config
 
 log = get_logger("eval")

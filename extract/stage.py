@@ -32,10 +32,10 @@ from extract.layers import LAYER_CONVENTION, configured_layer_ids, stored_tap_id
 from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, check_store, damaged, finalize_store
 from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
-from pipeline.stage_dir import (
-    AtomicFile, RankInfo, StageDir, StageError, acquire_lock, atomic_write_json, check_fingerprint, human_bytes,
-    input_ref, read_json, release_locks, units_for_rank,
-)
+from pipeline.errors import StageError
+from pipeline.files import AtomicFile, atomic_write_json, human_bytes, read_json
+from pipeline.stage_dir import (RankInfo, StageDir, acquire_lock, check_fingerprint, input_ref, release_locks,
+                                units_for_rank)
 
 log = get_logger("extract")
 

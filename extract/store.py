@@ -36,7 +36,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.stage_dir import MANIFEST, StageError, read_json, sha256_file, with_path
+from pipeline.errors import StageError
+from pipeline.files import read_json, sha256_file, with_path
+from pipeline.stage_dir import MANIFEST
 
 FORMAT_VERSION = "dflash-features/1"
 INDEX_FILE = "index.parquet"
@@ -595,7 +597,7 @@ def write_index(path: Path, cols: dict[str, list]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.stage_dir import atomic_write_bytes
+    from pipeline.files import atomic_write_bytes
 
     table = pa.table({
         "id": pa.array(cols["id"], pa.string()),
@@ -718,7 +720,7 @@ def finalize_store(
 
     ``stage`` is a `pipeline.stage_dir.StageDir` whose units (one per shard) are all finished.
     """
-    from pipeline.stage_dir import sha256_file as _sha
+    from pipeline.files import sha256_file as _sha
 
     cols = build_index([stage.shards / n for n in shard_names])
     ids = cols["id"]
@@ -755,7 +757,8 @@ def write_feature_store(
     """
     import time
 
-    from pipeline.stage_dir import AtomicFile, StageDir
+    from pipeline.files import AtomicFile
+    from pipeline.stage_dir import StageDir
 
     path = Path(path)
     stage = StageDir(path.parent, path.name)

@@ -646,7 +646,7 @@ def config_record(**sections: Any) -> tuple[str, dict]:
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    from pipeline.stage_dir import atomic_write_text
+    from pipeline.files import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

@@ -1,8 +1,10 @@
-"""The stage-runner contract every stage uses: run directory, manifests, fingerprints, atomic writes,
-shard-level resume and rank slicing.
+"""One stage's directory and the rules every stage keeps in it: manifests, fingerprints, the lock (one process
+per stage), shard-level resume, rank slicing and the code version recorded in a manifest. The files themselves are
+written by pipeline/files.py (atomic, journaled).
 
 Layout of one stage:  <runs_dir>/<run>/<stage>/
     manifest.json            written last, atomically: the stage is complete iff it exists
+    state.json               config hash + settings of the work in progress (another config's partial work is refused)
     shards/<unit>.<ext>      one output per unit of work, written temp + rename
     shards/<unit>.done.json  sidecar written after the shard: counts, bytes, sha256, failures
     work/<unit>.jsonl        `Journal` of a unit in progress (stages that resume inside a unit); removed when done
@@ -24,7 +26,6 @@ Invariants:
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -36,173 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from pipeline.errors import FingerprintMismatch, StageBusy, StageError
+from pipeline.files import Journal, atomic_write_json, is_debris, read_json, sha256_file
 from pipeline.log import get_logger
 
-log = get_logger("runner")
+log = get_logger("stage_dir")
 
 MANIFEST = "manifest.json"
-
-
-class StageError(RuntimeError):
-    """A stage cannot run: missing/mismatched inputs, a finished stage with another config, ..."""
-
-
-class FingerprintMismatch(StageError):
-    """A stage's input was produced under settings that differ from this stage's config."""
-
-
-class StageBusy(StageError):
-    """Another live process holds the lock of this stage (or of this rank of it)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Atomic writes and checksums
-# ----------------------------------------------------------------------------------------------
-
-
-_HOST = socket.gethostname().split(".")[0].replace("-", "_")
-
-
-def _tmp_path(path: Path) -> Path:
-    """`<name>.tmp-<host>-<pid>`: the writer is identifiable, so cleanup never removes a live writer's file."""
-    return path.with_name(f"{path.name}.tmp-{_HOST}-{os.getpid()}")
-
-
-def _is_debris(tmp: Path) -> bool:
-    """A temp file whose writer is gone: written on this host by a pid that no longer runs.
-
-    Temp files of other hosts (a multi-node job on a shared filesystem) or of live processes (another rank
-    still writing) are left alone."""
-    host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
-    if host != _HOST or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return int(pid) == os.getpid()
-
-
-def with_path(e: OSError, path: Path) -> OSError:
-    """``e`` itself when it names a file, else the same error naming ``path`` (a failed write — ENOSPC, EIO —
-    raises an OSError that names no file; pyarrow's carries the errno but not the path)."""
-    if e.filename is not None or e.errno is None:
-        return e
-    return type(e)(e.errno, os.strerror(e.errno), str(path))
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise with_path(e, path) from e
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-
-
-class AtomicFile:
-    """Context manager yielding a temp path; on clean exit fsyncs and renames it onto `path`.
-
-    >>> with AtomicFile(out) as tmp: writer.write(tmp)
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.tmp = _tmp_path(self.path)
-
-    def __enter__(self) -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.tmp.unlink(missing_ok=True)
-            if isinstance(exc, OSError) and with_path(exc, self.path) is not exc:
-                raise with_path(exc, self.path) from exc
-            return
-        fd = os.open(self.tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            raise with_path(e, self.path) from e
-        finally:
-            os.close(fd)
-        os.replace(self.tmp, self.path)
-
-
-class Journal:
-    """Progress inside one unit, for resume below unit granularity: an append-only JSONL file, one line per
-    finished item (a JSON object). `append` writes the line, flushes and fsyncs before it returns, so every item
-    appended before a kill -9 is read back by the next run; a torn last line (killed mid-write) is cut off when the
-    journal is opened. Remove it once the unit's shard and sidecar are written."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.items: list[dict] = self._recover()
-
-    def _recover(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1  # bytes after the last newline are a torn write
-        if end < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(end)
-                os.fsync(f.fileno())
-        try:
-            return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-        except ValueError as e:
-            raise StageError(f"journal {self.path} is damaged ({e}): delete it to redo that unit") from e
-
-    def append(self, item: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab") as f:
-            f.write((json.dumps(item) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
-        self.items.append(item)
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def read_json(path: Path) -> Any:
-    """The parsed file; a file that is not valid JSON is a StageError naming it (never a bare JSONDecodeError)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        return json.loads(data)
-    except ValueError as e:  # JSONDecodeError, invalid UTF-8
-        raise StageError(f"{path} is not valid JSON ({e}): the file is damaged") from e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,7 +326,7 @@ class StageDir:
                                  "go back to the config it was started with to resume it")
         self.shards.mkdir(parents=True, exist_ok=True)
         for tmp in self.path.rglob("*.tmp-*"):
-            if _is_debris(tmp):
+            if is_debris(tmp):
                 tmp.unlink(missing_ok=True)  # debris of a killed writer (never another live rank's file)
         atomic_write_json(state, {"config_hash": config_hash, "settings": settings})
         return True
@@ -582,11 +423,3 @@ def input_ref(stage: StageDir) -> dict:
     """What a consumer records about an input stage in its own manifest."""
     m = stage.manifest()
     return {"path": str(stage.path), "config_hash": m["config_hash"], "fingerprint": m["fingerprint"]}
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} PiB"

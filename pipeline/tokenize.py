@@ -41,8 +41,9 @@ from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import encode_chat, end_of_turn_ids
 from pipeline.rejects import Rejected
-from pipeline.stage_dir import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint,
-                             input_ref, units_for_rank)
+from pipeline.errors import StageError
+from pipeline.files import AtomicFile, atomic_write_json
+from pipeline.stage_dir import RankInfo, StageDir, check_fingerprint, input_ref, units_for_rank
 from pipeline.sample_ids import turn_id
 from pipeline.target import OpenedTarget, open_target, render_chat
 

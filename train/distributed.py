@@ -26,7 +26,8 @@ from typing import Callable, Mapping, TypeVar
 import torch
 
 from pipeline.log import get_logger
-from pipeline.stage_dir import StageError, rank_from_env
+from pipeline.errors import StageError
+from pipeline.stage_dir import rank_from_env
 
 log = get_logger("train.distributed")
 

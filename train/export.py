@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from extract.layers import default_layer_ids
-from pipeline.stage_dir import atomic_write_bytes, atomic_write_json, atomic_write_text
+from pipeline.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from train.blocks import FULL, SLIDING
 from train.model import DFlashDrafter, DrafterArgs
 

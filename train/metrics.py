@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import RunConfig, to_dict
-from pipeline.stage_dir import atomic_write_text
+from pipeline.files import atomic_write_text
 
 
 # ----------------------------------------------------------------------------------------------

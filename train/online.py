@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.stage_dir import StageDir, StageError
+from pipeline.errors import StageError
+from pipeline.stage_dir import StageDir
 
 
 class TokenizedReader:

@@ -23,7 +23,8 @@ import torch
 
 from pipeline.config import RunConfig
 from pipeline.log import get_logger, progress
-from pipeline.stage_dir import StageError, atomic_write_json, sha256_file
+from pipeline.errors import StageError
+from pipeline.files import atomic_write_json, sha256_file
 from pipeline.target import load_target
 from train import checkpoint
 from train.data import EVAL_EPOCH, MicroBatchDataset, RunPlan, batch_to, make_loader, rank_micro_batches

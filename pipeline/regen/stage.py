@@ -43,8 +43,9 @@ from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import (MalformedConversation, Skeleton, end_of_turn_ids, prompt_ids, skeleton,
                                          strip_reasoning)
 from pipeline.regen.generator import Generator, Sampling
-from pipeline.stage_dir import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, input_ref,
-                             units_for_rank)
+from pipeline.errors import StageError
+from pipeline.files import AtomicFile, atomic_write_json
+from pipeline.stage_dir import RankInfo, StageDir, input_ref, units_for_rank
 from pipeline.sample_ids import response_id
 from pipeline.target import OpenedTarget, open_target
 

@@ -23,7 +23,8 @@ from eval.lossless import NEAR_TIE_MARGIN as NEAR_TIE
 from eval.stage import merge_ranks, run_conversation, run_eval
 from eval.prompts import EvalPrompt, chat_prompt_ids
 from pipeline.config import load_config
-from pipeline.stage_dir import FingerprintMismatch, StageDir, StageError
+from pipeline.errors import FingerprintMismatch, StageError
+from pipeline.stage_dir import StageDir
 from pipeline.target import load_target, load_tokenizer, materialize_target, tokenizer_fingerprint
 from train.export import export_zlab
 from train.model import DFlashDrafter, DrafterArgs

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 from eval.target_cache import tree_unsupported_reason
 from eval.stage import Unit, check_drafter_fits_target, drafter_dir, plan_units, run_eval
 from pipeline.config import ConfigError, TargetConfig, load_config
-from pipeline.stage_dir import StageError
+from pipeline.errors import StageError
 from pipeline.target import materialize_target
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,8 @@ import pytest
 from extract.stage import merge_ranks, repair_extract, run_extract
 from extract.store import FeatureReader, check_store
 from extract.verify import run_verify
-from pipeline.stage_dir import StageError, sha256_file
+from pipeline.errors import StageError
+from pipeline.files import sha256_file
 from tests.conftest import CACHE, REPO, make_config
 from tests.extract.conftest import write_tokenize_stage
 

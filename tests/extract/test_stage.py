@@ -18,7 +18,9 @@ from extract.layers import forward_taps
 from extract.stage import check_disk_space, merge_ranks, run_extract
 from extract.store import FeatureReader, bytes_per_token, check_store
 from extract.verify import run_verify
-from pipeline.stage_dir import FingerprintMismatch, RankInfo, StageError, read_json
+from pipeline.errors import FingerprintMismatch, StageError
+from pipeline.files import read_json
+from pipeline.stage_dir import RankInfo
 from pipeline.target import load_target, materialize_target
 from tests.extract.conftest import DISTINCT_LAYERS, extract_config, write_tokenize_stage
 

@@ -17,7 +17,8 @@ from extract.layers import forward_taps
 from extract.stage import run_extract
 from extract.store import INDEX_FILE, Shard, encode_features, read_shard_header
 from extract.verify import draw_samples, run_verify
-from pipeline.stage_dir import RankInfo, read_json, sha256_file
+from pipeline.files import read_json, sha256_file
+from pipeline.stage_dir import RankInfo
 from pipeline.target import load_target, materialize_target
 from tests.extract.conftest import DISTINCT_LAYERS, extract_config, write_tokenize_stage
 

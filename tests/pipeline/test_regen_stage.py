@@ -18,7 +18,8 @@ from pipeline.regen.conversation import end_of_turn_ids, prompt_ids
 from pipeline.regen.generator import Sampling
 from pipeline.regen.hf import HFGenerator
 from pipeline.regen.stage import run_regen, write_conversations
-from pipeline.stage_dir import RankInfo, StageDir, StageError
+from pipeline.errors import StageError
+from pipeline.stage_dir import RankInfo, StageDir
 from pipeline.target import load_target, load_tokenizer, materialize_target
 from tests.conftest import CACHE, REPO, make_config
 

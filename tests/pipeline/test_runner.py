@@ -11,20 +11,9 @@ import time
 
 import pytest
 
-from pipeline.stage_dir import (
-    AtomicFile,
-    FingerprintMismatch,
-    Journal,
-    RankInfo,
-    StageBusy,
-    StageDir,
-    StageError,
-    atomic_write_json,
-    check_fingerprint,
-    rank_from_env,
-    read_json,
-    units_for_rank,
-)
+from pipeline.errors import FingerprintMismatch, StageBusy, StageError
+from pipeline.files import AtomicFile, Journal, atomic_write_json, read_json
+from pipeline.stage_dir import RankInfo, StageDir, check_fingerprint, rank_from_env, units_for_rank
 from tests.conftest import REPO
 
 
@@ -33,7 +22,7 @@ def test_atomic_write_never_leaves_a_partial_file_when_the_writer_is_killed(tmp_
     target.write_bytes(b"old")
     code = (
         "import sys, time\n"
-        "from pipeline.stage_dir import AtomicFile\n"
+        "from pipeline.files import AtomicFile\n"
         f"with AtomicFile(r'{target}') as tmp:\n"
         "    f = open(tmp, 'wb'); f.write(b'x' * 1000); f.flush()\n"
         "    print('writing', flush=True); time.sleep(60)\n"
@@ -53,7 +42,7 @@ def test_journal_keeps_every_appended_item_across_kill_9_and_cuts_a_torn_last_li
     path = tmp_path / "work" / "unit.jsonl"
     code = (
         "import time\n"
-        "from pipeline.stage_dir import Journal\n"
+        "from pipeline.files import Journal\n"
         f"j = Journal(r'{path}')\n"
         "for i in range(3):\n"
         "    j.append({'key': i, 'payload': 'x' * 100})\n"
@@ -205,10 +194,10 @@ def test_begin_removes_only_temp_files_of_dead_writers(tmp_path):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from pipeline.stage_dir import _HOST
+    from pipeline.files import HOST
 
-    live_tmp = stage.shards / f"a.bin.tmp-{_HOST}-{live.pid}"
-    dead_tmp = stage.shards / f"b.bin.tmp-{_HOST}-{dead.pid}"
+    live_tmp = stage.shards / f"a.bin.tmp-{HOST}-{live.pid}"
+    dead_tmp = stage.shards / f"b.bin.tmp-{HOST}-{dead.pid}"
     other_host_tmp = stage.shards / "c.bin.tmp-otherhost-1"
     for p in (live_tmp, dead_tmp, other_host_tmp):
         p.write_bytes(b"x")

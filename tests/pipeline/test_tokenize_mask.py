@@ -13,7 +13,8 @@ import pytest
 
 from pipeline.regen.conversation import encode_chat
 from pipeline.regen.stage import run_regen, write_conversations
-from pipeline.stage_dir import FingerprintMismatch, StageDir
+from pipeline.errors import FingerprintMismatch
+from pipeline.stage_dir import StageDir
 from pipeline.target import build_byte_tokenizer, load_tokenizer, materialize_target, render_chat
 from pipeline.tokenize import Dropped, assistant_loss_mask, assistant_samples, run_tokenize, shard_fingerprint
 from tests.conftest import make_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.stage_dir import StageError
+from pipeline.errors import StageError
 from train.distributed import first_slurm_host, resolve_dist_env
 
 

@@ -129,7 +129,7 @@ def test_trainer_kl_on_a_tiny_target_equals_kl_to_the_targets_own_logits(tmp_pat
 
 def test_kl_training_refuses_features_without_the_last_hidden_state_naming_the_field(tmp_path):
     from pipeline.config import ConfigError
-    from pipeline.stage_dir import FingerprintMismatch
+    from pipeline.errors import FingerprintMismatch
     from train.stage import run_train
 
     cfg = make_config(tmp_path, overrides=FAST + ["train.loss=kl", "extract.last_hidden=true"])

@@ -102,7 +102,7 @@ def rows(run_dir: Path, kind: str = "train") -> list[dict]:
 
 
 def test_train_refuses_features_extracted_from_other_layers(tmp_path):
-    from pipeline.stage_dir import FingerprintMismatch
+    from pipeline.errors import FingerprintMismatch
     from train.stage import run_train
 
     cfg = make_config(tmp_path, overrides=FAST)
@@ -113,7 +113,7 @@ def test_train_refuses_features_extracted_from_other_layers(tmp_path):
 
 
 def test_train_refuses_features_stored_in_another_dtype_than_the_config_says(tmp_path):
-    from pipeline.stage_dir import FingerprintMismatch
+    from pipeline.errors import FingerprintMismatch
     from train.stage import run_train
 
     write_extract_stage(make_config(tmp_path, overrides=FAST), n=4)  # bfloat16, as configs/tiny.yaml says
