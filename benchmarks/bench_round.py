@@ -50,7 +50,7 @@ from benchmarks.bench_eval_overhead import build_target  # noqa: E402
 from eval.decode import decode, warm_up  # noqa: E402
 from pipeline.config import BenchmarkConfig, load_config  # noqa: E402
 from pipeline.cuda_graphs import GRAPH_LOG, host_syncs  # noqa: E402
-from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
+from dflash_model.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
 RECIPES = {"qwen3-8b": "configs/qwen3-8b.yaml", "tiny": "configs/tiny.yaml"}  # the drafter recipe of each shape
 

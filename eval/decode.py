@@ -103,7 +103,7 @@ def decode(method: str, target, drafter, prompt_ids: Sequence[int] | Tensor, *, 
            tree_builder: str = "device", cache_impl: str = "auto", phase_timing: bool = True) -> DecodeResult:
     """Decode one response with `method` ('ar' | 'chain' | 'ddtree'); see the module docstring.
 
-    target: HF causal LM (sdpa/eager attention for 'ddtree'). drafter: train.model.DFlashDrafter with the target
+    target: HF causal LM (sdpa/eager attention for 'ddtree'). drafter: dflash_model.model.DFlashDrafter with the target
     head attached, run by eval.draft_forward (or an object implementing DraftForward's calls); unused for 'ar'.
     budget: DDTree node budget. tree_builder: 'device' (default) or 'heap' (the
     CPU reference, identical trees). cache_impl: eval.caches.target_cache impl ('auto': CUDA graphs on GPU,

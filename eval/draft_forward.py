@@ -1,5 +1,5 @@
 """The drafter's decode-time forward, rebuilt for the round: a static context cache and one fixed-shape step per key
-bucket, replayed as a CUDA graph on the GPU. The reference is train/model.py `DFlashDrafter.draft_logits` (growing
+bucket, replayed as a CUDA graph on the GPU. The reference is dflash_model/model.py `DFlashDrafter.draft_logits` (growing
 per-layer caches, eager); this computes the same logits (tests/eval/test_draft_forward.py).
 
 Each round the drafter (docs/drafter.md, "KV injection") takes the target features of the rows the last round
@@ -46,8 +46,8 @@ from torch import Tensor
 
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
-from train.blocks import SLIDING
-from train.model import DecoderLayer, DFlashDrafter, apply_rope, rope_cos_sin
+from dflash_model.blocks import SLIDING
+from dflash_model.model import DecoderLayer, DFlashDrafter, apply_rope, rope_cos_sin
 
 DRAFT_BUCKET = 128  # attended key rows are rounded up to this (one step graph per bucket)
 CAPACITY_STEP = 2048  # the context buffer grows in these steps (graphs are kept while it does not grow)
@@ -56,7 +56,7 @@ log = get_logger("eval.draft_forward")
 
 
 # ----------------------------------------------------------------------------------------------
-# The step's pieces: plain functions of a layer (train/model.py modules), so one compiled graph serves every layer
+# The step's pieces: plain functions of a layer (dflash_model/model.py modules), so one compiled graph serves every layer
 # ----------------------------------------------------------------------------------------------
 
 
@@ -64,7 +64,7 @@ def _context_kv(drafter: DFlashDrafter, kv_weight: Tensor, k_norm_weight: Tensor
                 sin: Tensor) -> tuple[Tensor, Tensor]:
     """K and V [layers, KVH, T, hd] of context rows with target features [T, F], every layer at once: H_t =
     fuse(features), ONE batched GEMM against the layers' k|v rows kv_weight [layers, 2*KVH*hd, D], each layer's
-    k_norm (k_norm_weight [layers, hd]) and RoPE at cos/sin (train/model.py `Attention.key_value`, per layer)."""
+    k_norm (k_norm_weight [layers, hd]) and RoPE at cos/sin (dflash_model/model.py `Attention.key_value`, per layer)."""
     a = drafter.args
     kv = torch.matmul(drafter.fuse(features), kv_weight.transpose(1, 2))  # [layers, T, 2*KVH*hd]
     k, v = kv.view(kv.shape[0], kv.shape[1], 2, a.num_key_value_heads, a.head_dim).unbind(2)  # [layers, T, KVH, hd]
@@ -76,7 +76,7 @@ def _context_kv(drafter: DFlashDrafter, kv_weight: Tensor, k_norm_weight: Tensor
 
 def _block_qkv(layer: DecoderLayer, kvq_weight: Tensor, x: Tensor, cos: Tensor,
                sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Queries [H, B, hd] and keys/values [KVH, B, hd] of the block rows x [B, D] (train/model.py `Attention`), the
+    """Queries [H, B, hd] and keys/values [KVH, B, hd] of the block rows x [B, D] (dflash_model/model.py `Attention`), the
     three projections as ONE GEMM against the layer's k|v|q rows kvq_weight [(2*KVH + H)*hd, D]."""
     attn, B = layer.self_attn, x.shape[0]
     kv_cols = attn.num_kv_heads * attn.head_dim

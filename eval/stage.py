@@ -67,9 +67,9 @@ class Unit:
 
 
 def drafter_dir(cfg: RunConfig) -> Path:
-    """`eval.drafter` (a local dir, or a hub id resolved by train.export), else this run's train export."""
+    """`eval.drafter` (a local dir, or a hub id resolved by dflash_model.export), else this run's train export."""
     if cfg.eval.drafter:
-        from train.export import resolve_drafter_dir
+        from dflash_model.export import resolve_drafter_dir
 
         path = resolve_drafter_dir(cfg.eval.drafter, None)
         if not (path / "config.json").is_file():
@@ -228,7 +228,7 @@ def longest_context(prompts: list[EvalPrompt], tokenizer, *, enable_thinking: bo
 
 def load_drafter(path: Path, target, device):
     """The drafter from its z-lab export with the target's embedding and LM head attached (frozen)."""
-    from train.export import load_zlab
+    from dflash_model.export import load_zlab
 
     drafter, args = load_zlab(path)
     drafter.attach_target_head(target.get_input_embeddings().weight, target.get_output_embeddings().weight)

@@ -71,7 +71,7 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a run or source name
 
 def check_layer_types(layer_types: list[str], num_layers: int, sliding_window: int | None) -> None:
     """Drafter layer types: one per layer, each 'full_attention' or 'sliding_attention'; a sliding layer needs a
-    window >= 1. Shared by the `drafter` section's validation and `train.model.DrafterArgs` (also built from an
+    window >= 1. Shared by the `drafter` section's validation and `dflash_model.model.DrafterArgs` (also built from an
     exported drafter's config.json)."""
     if len(layer_types) != num_layers:
         raise ConfigError(f"drafter.layer_types: has {len(layer_types)} entries but drafter.num_layers is {num_layers}")

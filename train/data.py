@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from pipeline.sample_ids import prompt_id
-from train.blocks import BlockBatch, build_block_batch, sample_anchors
+from dflash_model.blocks import BlockBatch, build_block_batch, sample_anchors
 from train.preempt import ignore_in_worker
 
 EVAL_EPOCH = -1  # the anchor "epoch" of held-out evaluation: the same anchors at every eval

@@ -26,7 +26,7 @@ from pipeline.log import get_logger
 from pipeline.stage_dir import StageDir, check_fingerprint
 from pipeline.target import OpenedTarget, load_target, open_target, text_config
 from train.loss import kl_share
-from train.model import DrafterArgs
+from dflash_model.model import DrafterArgs
 from train.online import TokenizedReader
 
 log = get_logger("train")

@@ -30,11 +30,11 @@ from train import checkpoint
 from train.data import EVAL_EPOCH, MicroBatchDataset, RunPlan, batch_to, make_loader, rank_micro_batches
 from train.distributed import DistEnv, all_gather_objects, barrier, rank0_first
 from train.engine import TrainForward, build_engine, compile_layers, current_lr, engine_kind
-from train.export import export_zlab, load_zlab
+from dflash_model.export import export_zlab, load_zlab
 from train.inputs import TrainInputs, frozen_pieces_of, read_frozen_target
 from train.loss import default_gamma, kl_share
 from train.metrics import DrafterShape, MetricsLogger, peak_flops
-from train.model import DFlashDrafter
+from dflash_model.model import DFlashDrafter
 from train.online import OnlineFeatures
 from train.preempt import Preempted, StopSignals, any_rank_stopping
 from train.step import StepStats, eval_step, train_step
@@ -393,7 +393,7 @@ class FeaturesAhead:
 
 
 def _init_from(drafter, args, path: str) -> None:
-    """Start from a z-lab layout drafter (safetensors only, via train.export.load_zlab); shapes must match."""
+    """Start from a z-lab layout drafter (safetensors only, via dflash_model.export.load_zlab); shapes must match."""
     loaded, loaded_args = load_zlab(path)
     mine, theirs = dataclasses.asdict(args), dataclasses.asdict(loaded_args)
     bad = [k for k in mine if mine[k] != theirs.get(k)]

@@ -16,7 +16,7 @@ from eval.decode import decode
 from extract.layers import forward_taps
 from pipeline.config import TargetConfig
 from pipeline.target import load_target, materialize_target
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 from tests.conftest import CACHE
 
@@ -258,7 +258,7 @@ def test_bad_arguments_are_refused_with_clear_messages(qwen3):
 
 
 def test_drafter_loaded_from_the_zlab_layout_decodes_like_the_original(qwen3, tmp_path):
-    from train.export import export_zlab, load_zlab
+    from dflash_model.export import export_zlab, load_zlab
 
     drafter = random_drafter(qwen3, seed=3)
     export_zlab(drafter, drafter.args, tmp_path / "export")

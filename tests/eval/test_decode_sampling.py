@@ -17,7 +17,7 @@ from scipy.stats import chi2_contingency, chisquare
 from eval.decode import decode
 from pipeline.config import TargetConfig
 from pipeline.target import load_target, materialize_target
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 from tests.conftest import CACHE
 

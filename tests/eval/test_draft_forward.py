@@ -10,8 +10,8 @@ import torch
 
 from eval.draft_forward import DRAFT_BUCKET, DraftForward, draft_forward
 from pipeline.cuda_graphs import relative_error, rounding_tolerance
-from train.blocks import FULL, SLIDING
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.blocks import FULL, SLIDING
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 B, D, V, TAPS = 8, 64, 320, 3
 

@@ -112,7 +112,7 @@ def test_a_graphs_first_call_leaves_in_place_state_as_one_run_does():
 def test_draft_step_has_no_host_read_and_no_host_to_device_copy(layer_types):
     """The drafter's step (eval/draft_forward.py: context append + block, every layer, LM head) on 'meta'."""
     from eval.draft_forward import DraftForward
-    from train.model import DFlashDrafter, DrafterArgs
+    from dflash_model.model import DFlashDrafter, DrafterArgs
 
     D, V, B = 64, 320, 8
     args = DrafterArgs(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

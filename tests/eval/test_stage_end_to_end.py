@@ -1,4 +1,4 @@
-"""`drafter eval` end to end on configs/tiny.yaml with a random drafter exported by train/export.py:
+"""`drafter eval` end to end on configs/tiny.yaml with a random drafter exported by dflash_model/export.py:
 reports written, greedy chain/DDTree reproduce AR, MT-Bench turn 2 follows the target's own answer,
 kill -9 resume redoes no finished unit, and mismatched drafters are refused."""
 
@@ -26,8 +26,8 @@ from pipeline.config import load_config
 from pipeline.errors import FingerprintMismatch, StageError
 from pipeline.stage_dir import StageDir
 from pipeline.target import load_target, load_tokenizer, materialize_target, tokenizer_fingerprint
-from train.export import export_zlab
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.export import export_zlab
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache"

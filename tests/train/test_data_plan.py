@@ -165,7 +165,7 @@ def test_held_out_plan_covers_every_eval_sample_once_with_one_micro_batch_per_ra
 
 def test_tile_padding_aligns_row_and_query_lengths_without_changing_the_loss():
     from train.loss import dflash_loss
-    from train.model import DFlashDrafter, DrafterArgs
+    from dflash_model.model import DFlashDrafter, DrafterArgs
 
     args = DrafterArgs(hidden_size=3, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=4,
                        intermediate_size=8, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=320, block_size=B,

@@ -128,7 +128,7 @@ def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_bac
     from safetensors.torch import load_file
 
     from train.checkpoint import weights_digest
-    from train.export import load_zlab
+    from dflash_model.export import load_zlab
     from train.stage import run_train
 
     cfg = make_config(tmp_path, overrides=FAST)

@@ -5,7 +5,7 @@
     layer i:  h = input_layernorm(x)
               Q = q_norm(q_proj h)              K = k_norm(k_proj [H_t ; h])      V = v_proj [H_t ; h]
               RoPE on Q and on every K row at its absolute position (context 0..T-1, block anchor+j)
-              x = x + o_proj(attention(Q, K, V, mask))          mask: train/blocks.py::block_visibility
+              x = x + o_proj(attention(Q, K, V, mask))          mask: dflash_model/blocks.py::block_visibility
               x = x + mlp(post_attention_layernorm(x))
     logits = frozen target lm_head(norm(x))       slot k predicts the token at anchor + k; slot 0 is never a target
 
@@ -26,14 +26,14 @@ from torch import Tensor, nn
 
 from pipeline.config import ConfigError, check_layer_types
 from pipeline.target import text_config
-from train.blocks import FULL, SLIDING, BlockBatch, dense_block_mask, flex_block_mask
+from dflash_model.blocks import FULL, SLIDING, BlockBatch, dense_block_mask, flex_block_mask
 
 INIT_STD = 0.02  # Qwen3 initializer_range
 
 
 @dataclass
 class DrafterArgs:
-    """The drafter architecture; mirrors the z-lab config.json fields (train/export.py writes/reads them)."""
+    """The drafter architecture; mirrors the z-lab config.json fields (dflash_model/export.py writes/reads them)."""
 
     hidden_size: int  # D, equal to the target's (the embedding and LM head are shared)
     num_hidden_layers: int
@@ -387,7 +387,7 @@ class DFlashDrafter(nn.Module):
     # -- training ----------------------------------------------------------------------------------
 
     def forward_train(self, features: Tensor, batch: BlockBatch, attention: str = "dense") -> Tensor:
-        """Final-normed hidden states [Q, D] of all Q = N*B packed block rows (train/blocks.py layout).
+        """Final-normed hidden states [Q, D] of all Q = N*B packed block rows (dflash_model/blocks.py layout).
 
         features: [1, S, n_taps*D] target features of the packed row. attention: 'dense' (exact SDPA with a boolean
         mask, any device), 'flex' (FlexAttention BlockMask; backward needs a GPU) or 'auto' (flex on CUDA).

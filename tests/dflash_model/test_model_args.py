@@ -11,7 +11,7 @@ from extract.layers import configured_layer_ids, default_layer_ids
 from pipeline.config import ConfigError
 from pipeline.target import load_tokenizer, materialize_target
 from tests.conftest import CACHE, make_config
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 
 def test_args_from_the_tiny_run_config_and_its_real_target(tmp_path):

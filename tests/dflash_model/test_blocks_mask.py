@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.blocks import build_block_batch, dense_block_mask, flex_block_mask
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.blocks import build_block_batch, dense_block_mask, flex_block_mask
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 D, N_TAPS, V, B, MASK = 32, 2, 64, 4, 60
 

@@ -9,7 +9,7 @@
                              -- never the embedding or the LM head (the target's are used at runtime)
     <dir>/README.md          how to serve it (B-1 speculative tokens per round)
 
-Parameter names are `DFlashDrafter`'s own (train/model.py uses the z-lab names), so this module maps 1:1.
+Parameter names are `DFlashDrafter`'s own (dflash_model/model.py uses the z-lab names), so this module maps 1:1.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save
 
 from extract.layers import default_layer_ids
 from pipeline.files import atomic_write_bytes, atomic_write_json, atomic_write_text
-from train.blocks import FULL, SLIDING
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.blocks import FULL, SLIDING
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_NAME = "config.json"

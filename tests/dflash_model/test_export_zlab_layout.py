@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from train.export import args_from_zlab_config, export_zlab, load_zlab
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.export import args_from_zlab_config, export_zlab, load_zlab
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 D, V, B = 32, 96, 8
 

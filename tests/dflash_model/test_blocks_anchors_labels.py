@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from train.blocks import build_block_batch, sample_anchors
+from dflash_model.blocks import build_block_batch, sample_anchors
 
 MASK = 999
 

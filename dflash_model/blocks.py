@@ -11,7 +11,7 @@ Training packs N blocks of B slots into one query sequence of Q = N*B rows (docs
     keys       = [context rows 0..S-1] ++ [the Q block rows]
 
 Visibility of key `t` for query (n, j) -- `block_visibility`, the ONE predicate that the dense mask, the flex
-mask and the inference path (`train/model.py::DFlashDrafter.draft_logits`) all use:
+mask and the inference path (`dflash_model/model.py::DFlashDrafter.draft_logits`) all use:
 
     context key t < S   : doc_start_n <= t < a_n                  (STRICT: the anchor's own target state is
                                                                     not available at inference)
@@ -230,7 +230,7 @@ def dense_block_mask(
     """Exact Bool[Q, S+Q] mask (True = may attend) of `block_visibility`, Q = N*B.
 
     Rows of padded blocks are all False: SDPA turns such rows into NaN, so the model adds a self-edge for them
-    (`train/model.py`) and zeroes their outputs.
+    (`dflash_model/model.py`) and zeroes their outputs.
     """
     block_valid, doc_start = _defaults(anchors, block_valid, doc_start)
     num_queries = anchors.shape[0] * block_size

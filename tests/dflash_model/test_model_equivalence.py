@@ -1,4 +1,4 @@
-"""The packed training forward (all anchors at once, train/blocks.py mask) gives, for every anchor, the same
+"""The packed training forward (all anchors at once, dflash_model/blocks.py mask) gives, for every anchor, the same
 logits as the inference forward (draft_logits with the context = features strictly before the anchor)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.blocks import build_block_batch
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.blocks import build_block_batch
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 D, N_TAPS, V, B = 32, 3, 96, 4
 MASK = 90
