@@ -120,7 +120,7 @@ def fp32_logits_at(target) -> Callable[[list[int]], "Tensor"]:
 
 def fp32_replay(decode: Callable[..., object], target, drafter, method: str, budget: int | None,
                 stop_token_ids: Sequence[int] = (), cache_impl: str = "auto") -> Callable[[list[int], int], str]:
-    """replay for `classify`: AR and `method` decode `n` tokens of the prompt with `decode` (eval.decode.decode)
+    """replay for `classify`: AR and `method` decode `n` tokens of the prompt with `decode` (eval.engine.decode.decode)
     on `target` / `drafter` (both fp32; the verify path `cache_impl`, the eval's) and are compared. Never raises: a
     replay that cannot run says why."""
 

@@ -12,7 +12,7 @@ method's own turn-1 answer, which is the target's own answer because decoding is
 line per response (`eval.metrics.ResponseRecord`). Resume is per prompt: a finished prompt's responses are
 appended to the unit's journal (`pipeline.stage_dir.Journal`, fsync'd), so after kill -9 no journaled prompt is
 decoded again; the unit's shard is written from its journal once every prompt is in. Before a unit's first timed
-prompt every CUDA graph its prompts can use is captured (`eval.decode.warm_up`), so timings are steady state.
+prompt every CUDA graph its prompts can use is captured (`eval.engine.decode.warm_up`), so timings are steady state.
 Units split over ranks (`--rank/--world-size`); whichever rank finishes last, or `drafter eval --merge`,
 aggregates the sidecar'd shards into the report and writes the manifest.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from eval.target_cache import tree_unsupported_reason
+from eval.engine.cache.interface import tree_unsupported_reason
 from eval.lossless import classify, fp32_logits_at, fp32_replay, fp32_subset_summary, lossless_summary
 from eval.metrics import PHASES, ResponseRecord, speedup, summarize
 from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
@@ -169,7 +169,7 @@ def plan_units(cfg: RunConfig, tree_reason: str | None) -> tuple[list[Unit], lis
 
 
 def response_record(result: Any, *, prompt_id: str, turn: int, prompt_tokens: int) -> ResponseRecord:
-    """eval.decode.DecodeResult -> ResponseRecord (the one place that reads DecodeResult's field names)."""
+    """eval.engine.decode.DecodeResult -> ResponseRecord (the one place that reads DecodeResult's field names)."""
     t = result.timings
     return ResponseRecord(
         prompt_id=prompt_id, turn=turn, prompt_tokens=prompt_tokens,
@@ -346,7 +346,7 @@ def check_lossless(cfg: RunConfig, by_unit: dict[Unit, list[ResponseRecord]], be
         return {u.name: lossless_summary(len(recs), []) for u, recs in by_unit.items() if u.name in todo}
     import torch
 
-    from eval.decode import decode
+    from eval.engine.decode import decode
 
     target = load_target(location, replace(cfg.target, dtype="float32")).eval()
     logits_at = fp32_logits_at(target)
@@ -566,10 +566,10 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
                location: str, tokenizer, target_config, dpath: Path, block_size: int) -> None:
     """Decode this rank's units, prompt by prompt: each finished prompt (all its turns) is appended to the unit's
     journal, so a killed run resumes at the first prompt not journaled. Before a unit's first timed prompt,
-    `eval.decode.warm_up` captures every CUDA graph its prompts can need (steady-state timings)."""
+    `eval.engine.decode.warm_up` captures every CUDA graph its prompts can need (steady-state timings)."""
     import torch
 
-    from eval.decode import decode, warm_up
+    from eval.engine.decode import decode, warm_up
     from pipeline.cuda_graphs import GRAPH_LOG
 
     target = load_target(location, cfg.target)

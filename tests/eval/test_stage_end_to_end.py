@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from extract.layers import configured_layer_ids
-from eval.decode import decode
+from eval.engine.decode import decode
 from eval.lossless import NEAR_TIE_MARGIN as NEAR_TIE
 from eval.stage import merge_ranks, run_conversation, run_eval
 from eval.prompts import EvalPrompt, chat_prompt_ids
@@ -316,8 +316,8 @@ def test_a_decoder_that_commits_a_wrong_token_is_a_bug_the_fp32_replay_reproduce
     """A fault injected into the decoder (the target's choice at the tree root replaced by its least likely token,
     so every round that accepts no drafted token commits it) makes chain and DDTree leave AR's output; the fp32
     replay runs the same faulty decoder, the divergence comes back, and the report calls it a bug."""
-    import eval.decode
-    from eval.walk import target_choices
+    import eval.engine.decode
+    from eval.engine.walk import target_choices
 
     def faulty_choices(logits, temperature, uniforms=None):
         choices = target_choices(logits, temperature, uniforms)
@@ -326,7 +326,7 @@ def test_a_decoder_that_commits_a_wrong_token_is_a_bug_the_fp32_replay_reproduce
             choices[0] = logits[0].argmin()
         return choices
 
-    monkeypatch.setattr(eval.decode, "target_choices", faulty_choices)
+    monkeypatch.setattr(eval.engine.decode, "target_choices", faulty_choices)
     cfg.eval.fp32_subset = 1
     run_eval(cfg)
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())

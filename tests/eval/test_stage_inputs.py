@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from eval.target_cache import tree_unsupported_reason
+from eval.engine.cache.interface import tree_unsupported_reason
 from eval.stage import Unit, check_drafter_fits_target, drafter_dir, plan_units, run_eval
 from pipeline.config import ConfigError, TargetConfig, load_config
 from pipeline.errors import StageError

@@ -1,4 +1,4 @@
-"""eval/triton_kernels.py equals the torch functions it replaces, run on the CPU through Triton's interpreter.
+"""eval/engine/triton_kernels.py equals the torch functions it replaces, run on the CPU through Triton's interpreter.
 
 On the CPU `TRITON_INTERPRET=1` executes the kernel code with NumPy, in a subprocess because the switch is read
 when the kernels are defined (at import). On the GPU machine the same checks run compiled for CUDA, at real sizes
@@ -30,8 +30,8 @@ def run_interpreted(check: str, module: str = "tests.eval.test_triton_kernels") 
 
 
 def check_select_tree_equals_heap(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.tree import _staircase, build_tree_heap, top_log_probs, tree_size
+    from eval.engine import triton_kernels
+    from eval.engine.tree import _staircase, build_tree_heap, top_log_probs, tree_size
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(40):
@@ -55,8 +55,8 @@ def check_select_tree_equals_heap(device: str = "cpu"):
 
 
 def check_top_log_probs_equals_torch(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.tree import LOGPROB_FLOOR, top_log_probs_torch
+    from eval.engine import triton_kernels
+    from eval.engine.tree import LOGPROB_FLOOR, top_log_probs_torch
 
     gen = torch.Generator().manual_seed(4)
     big = device != "cpu"  # compiled: the real vocabulary and budgets up to 1024
@@ -78,8 +78,8 @@ def check_top_log_probs_equals_torch(device: str = "cpu"):
 
 
 def check_compact_path_rows_equals_torch(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.walk import compact_path_rows
+    from eval.engine import triton_kernels
+    from eval.engine.walk import compact_path_rows
 
     gen = torch.Generator().manual_seed(5)
     for trial in range(10):
@@ -102,10 +102,10 @@ def check_compact_path_rows_equals_torch(device: str = "cpu"):
 
 
 def check_greedy_walk_equals_walk_tree(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.tree import Tree
-    from eval.verify import ancestor_table
-    from eval.walk import target_choices, walk_tree
+    from eval.engine import triton_kernels
+    from eval.engine.tree import Tree
+    from eval.engine.verify import ancestor_table
+    from eval.engine.walk import target_choices, walk_tree
     from tests.eval.test_walk_device import random_tree
 
     gen = torch.Generator().manual_seed(1)
@@ -128,10 +128,10 @@ def check_greedy_walk_equals_walk_tree(device: str = "cpu"):
 
 
 def check_tree_attention_equals_sdpa(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.target_forward import merge_splits
-    from eval.tree import build_tree
-    from eval.verify import ancestor_matrix, visibility_attention_mask
+    from eval.engine import triton_kernels
+    from eval.engine.target_forward import merge_splits
+    from eval.engine.tree import build_tree
+    from eval.engine.verify import ancestor_matrix, visibility_attention_mask
 
     # CPU interpreter: small fp32 shapes; CUDA: the real head size and key count, bf16
     KVH, G, hd, kv_len, past, sizes, dtype, tol = (2, 2, 16, 256, 100, (1, 17, 70), torch.float32, 1e-5) \
@@ -159,8 +159,8 @@ def check_tree_attention_equals_sdpa(device: str = "cpu"):
 def check_ancestors_equal_pointer_doubling(device: str = "cpu"):
     import math
 
-    from eval import triton_kernels
-    from eval.verify import ancestor_matrix, ancestor_table
+    from eval.engine import triton_kernels
+    from eval.engine.verify import ancestor_matrix, ancestor_table
     from tests.eval.test_walk_device import random_tree
 
     gen = torch.Generator().manual_seed(2)
@@ -235,13 +235,13 @@ def compile_for_sm90(kernel, signature: dict, constants: dict) -> None:
 
 @pytest.mark.parametrize("name,signature,constants", COMPILED, ids=[f"{c[0]}-{i}" for i, c in enumerate(COMPILED)])
 def test_kernel_compiles_for_an_sm90_gpu_without_one(name, signature, constants):
-    from eval import triton_kernels
+    from eval.engine import triton_kernels
 
     compile_for_sm90(getattr(triton_kernels, name), signature, constants)
 
 
 def test_a_failing_kernel_switches_every_kernel_off_with_a_warning(caplog):
-    from eval import triton_kernels
+    from eval.engine import triton_kernels
 
     def broken_kernel():
         raise RuntimeError("PTX assembly failed")  # what a Triton build error on an unsupported GPU raises

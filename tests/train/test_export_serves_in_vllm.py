@@ -45,7 +45,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from eval.decode import decode  # noqa: E402
+from eval.engine.decode import decode  # noqa: E402
 from eval.metrics import ResponseRecord, per_depth_acceptance, tau_pooled  # noqa: E402
 from extract.layers import forward_taps  # noqa: E402
 from extract.layers import configured_layer_ids  # noqa: E402

@@ -1,5 +1,5 @@
 """Target caches for attention-only targets (full or sliding layers): `KVTargetCache` (interface:
-eval/target_cache.py).
+eval/engine/cache/interface.py).
 
   * `static=False`: HF `DynamicCache`, additive 4-D mask over past+N keys. The reference path.
   * `static=True`: a preallocated K/V buffer [layers, 2, 1, KVH, capacity, hd] that HF writes
@@ -13,7 +13,7 @@ eval/target_cache.py).
     tree build and its walk. The first replay of each graph is checked against the eager call; a mismatch or
     failed capture falls back to eager.
   * `fused=True` (static only; impl 'fused', and 'graphs' where the target allows): the verify runs
-    `eval.target_forward.VerifyForward` (fused projections, folded-GQA attention straight from the buffer,
+    `eval.engine.target_forward.VerifyForward` (fused projections, folded-GQA attention straight from the buffer,
     compiled pointwise ops under 'graphs') instead of HF's forward. Its first verify is checked against HF's
     forward on the same inputs; a refusal or a mismatch falls back to HF's forward, with a warning.
 """
@@ -27,18 +27,18 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache
 
-from eval.target_cache import (ForwardOutput, HFForward, TargetCache, TreeUnsupportedError, VerifyInputs,
+from eval.engine.cache.interface import (ForwardOutput, HFForward, TargetCache, TreeUnsupportedError, VerifyInputs,
                                recurrent_layer_types)
-from eval.target_forward import VerifyForward, refusal
-from eval.tree import Tree
-from eval.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
+from eval.engine.target_forward import VerifyForward, refusal
+from eval.engine.tree import Tree
+from eval.engine.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
                          visibility_attention_mask)
-from eval.walk import compact_path_rows, compact_rows
+from eval.engine.walk import compact_path_rows, compact_rows
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
 from pipeline.target import text_config
 
-log = get_logger("eval.kv_cache")
+log = get_logger("eval.engine.cache.kv")
 
 KV_BUCKET = 128  # static-cache verify: attended key rows are rounded up to this (one verify graph per bucket)
 
@@ -80,7 +80,7 @@ class KVTargetCache(TargetCache):
                  fused: bool = False):
         if recurrent_layer_types(target.config):
             raise TreeUnsupportedError(f"recurrent layers {recurrent_layer_types(target.config)}: a hybrid target "
-                                       "needs eval.recurrent_cache.HybridTargetCache")
+                                       "needs eval.engine.cache.hybrid.HybridTargetCache")
         self.forward = HFForward(target, tap_ids)
         self.static = self.device_commit = static
         self.graphs = graphs and static and self.forward.device.type == "cuda"
@@ -162,7 +162,7 @@ class KVTargetCache(TargetCache):
     def verify_inputs(self, tree: Tree, ancestors: Tensor | None = None) -> VerifyInputs:
         """Dynamic cache: positions + the 4-D mask over past + N keys. Static cache: positions (from the device
         scalar `past`) + the ancestor matrix; `verify` turns it into the mask for its key bucket. Both are
-        capturable in a CUDA graph (fixed shapes, no host read). ancestors: the tree's eval.verify.ancestor_table,
+        capturable in a CUDA graph (fixed shapes, no host read). ancestors: the tree's eval.engine.verify.ancestor_table,
         if the caller has it."""
         if self.static:
             return VerifyInputs(verify_positions(tree, self.past), None, ancestor_matrix(tree, ancestors))

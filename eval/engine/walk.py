@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eval import triton_kernels
-from eval.round_record import pack_record
-from eval.tree import Tree
+from eval.engine import triton_kernels
+from eval.engine.round_record import pack_record
+from eval.engine.tree import Tree
 
 
 def target_choices(logits: Tensor, temperature: float, uniforms: Tensor | None = None) -> Tensor:
@@ -55,7 +55,7 @@ class Walk:
     last: Tensor  # index of the last accepted node
 
     def host_record(self, tree: Tree) -> Tensor:
-        """The round's record (eval/round_record.py), the one small tensor the round reads back."""
+        """The round's record (eval/engine/round_record.py), the one small tensor the round reads back."""
         return pack_record(self.accepted, self.bonus, tree.depths.max(), self.path, tree.tokens)
 
 
@@ -67,7 +67,7 @@ def jump_rounds(depth_limit: int) -> int:
 def walk_tree(tree: Tree, choices: Tensor, ancestors: Tensor | None = None) -> Walk:
     """Accepted root path of `tree` given the target's choice at every row (choices: int64 [1+n]).
 
-    ancestors: the tree's `eval.verify.ancestor_table` [N, 2^k] (distances 0..L) if the caller built it for the
+    ancestors: the tree's `eval.engine.verify.ancestor_table` [N, 2^k] (distances 0..L) if the caller built it for the
     mask; then ok = AND of match over each row of the table (the doubling already done); otherwise pointer jumping.
     """
     tokens, parents, depths = tree.tokens, tree.parents, tree.depths

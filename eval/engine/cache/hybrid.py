@@ -1,12 +1,12 @@
 """Target caches for hybrid targets: Gated-DeltaNet (linear-attention) + attention layers, e.g. qwen3_5_text
-(interface: eval/target_cache.py; docs/tree.md, "Hybrid (recurrent) targets").
+(interface: eval/engine/cache/interface.py; docs/tree.md, "Hybrid (recurrent) targets").
 
 A tree mask cannot keep a tree's branches apart inside a recurrent layer, so the Gated-DeltaNet layers are walked
-along the tree instead (eval/tree_recurrent.py).
+along the tree instead (eval/engine/tree_recurrent.py).
 
 `HybridTargetCache` (the default for hybrids), a round of N verify rows:
   * verify: ONE HF forward over the N rows. Attention layers run under the tree mask at positions start + depth
-    (eval/verify.py) and append N K/V rows to HF's dynamic cache; each Gated-DeltaNet module is routed, for the
+    (eval/engine/verify.py) and append N K/V rows to HF's dynamic cache; each Gated-DeltaNet module is routed, for the
     duration of that forward, to `tree_gated_delta_net` with its layer's committed conv window and state (read
     only), and its node rows are kept, stacked over layers, for the commit. The Triton walk's order and scratch
     are computed once per tree for all layers.
@@ -19,7 +19,7 @@ along the tree instead (eval/tree_recurrent.py).
   stacked buffers; HF's cache holds views of them (HF writes its states in place), so one launch commits them all.
   On CUDA with Triton neither the verify nor the commit reads the device: the round keeps the decoder's one sync.
   With `static=True` (impls 'static' and 'graphs') the attention layers write their K/V into one preallocated
-  buffer [A, 2, 1, KVH, capacity, hd] (`StaticHybridKV`, eval/kv_cache.py's StaticKV contract) and a verify of N
+  buffer [A, 2, 1, KVH, capacity, hd] (`StaticHybridKV`, eval/engine/cache/kv.py's StaticKV contract) and a verify of N
   rows attends to the first kv_len = length + N rows rounded up to KV_BUCKET, under a mask built inside the verify
   from the tree's ancestor matrix and the device length; the stacked states keep their addresses across prompts.
   Every shape is then fixed by (N, kv_len), and with `graphs=True` (CUDA) each verify, AR steps included, is
@@ -45,13 +45,13 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicCache
 
-from eval.kv_cache import KV_BUCKET, keep_dynamic_rows, logits_close
-from eval.target_cache import ForwardOutput, HFForward, TargetCache, VerifyInputs
-from eval.tree import Tree
-from eval.tree_recurrent import TreeLayerRecord, commit_path, tree_gated_delta_net, tree_walk
-from eval.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
+from eval.engine.cache.kv import KV_BUCKET, keep_dynamic_rows, logits_close
+from eval.engine.cache.interface import ForwardOutput, HFForward, TargetCache, VerifyInputs
+from eval.engine.tree import Tree
+from eval.engine.tree_recurrent import TreeLayerRecord, commit_path, tree_gated_delta_net, tree_walk
+from eval.engine.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
                          visibility_attention_mask)
-from eval.walk import compact_rows
+from eval.engine.walk import compact_rows
 from pipeline.cuda_graphs import CudaGraphFn
 from extract.layers import decoder_layers
 from pipeline.target import gated_delta_kernels, text_config
@@ -63,7 +63,7 @@ RECORD_FIELDS = ("conv_inputs", "conv_outputs", "g", "beta")  # a verify's node 
 class StaticHybridKV(DynamicCache):
     """HF's cache for a hybrid `config` whose attention layers write K/V into the preallocated buffer
     kv [A, 2, 1, KVH, capacity, hd] (slot j = the j-th attention layer) at `write_rows` (int64 [q], set before each
-    forward) and return rows [0, kv_len) as views (eval/kv_cache.py StaticKV's contract); the Gated-DeltaNet layers
+    forward) and return rows [0, kv_len) as views (eval/engine/cache/kv.py StaticKV's contract); the Gated-DeltaNet layers
     keep HF's own conv / recurrent state handling (prefill and AR steps)."""
 
     def __init__(self, config, kv: Tensor, attention_layers: Sequence[int]):
@@ -151,7 +151,7 @@ class HybridTargetCache(TargetCache):
         return [min(max_length, max(1, kv_len - rows)) for kv_len in range(first, last + 1, KV_BUCKET)]
 
     def key_rows(self, length: int, rows: int) -> int:
-        """Key rows a static verify of `rows` rows on `length` committed rows attends to (eval/kv_cache.py)."""
+        """Key rows a static verify of `rows` rows on `length` committed rows attends to (eval/engine/cache/kv.py)."""
         return min(self.kv.shape[4], -(-(length + rows) // KV_BUCKET) * KV_BUCKET)
 
     def prefill(self, input_ids: Tensor) -> ForwardOutput:

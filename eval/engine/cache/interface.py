@@ -1,6 +1,6 @@
 """The target's cache behind ONE interface, so the decoders never touch KV or recurrent state directly.
 
-    cache = target_cache(target, tap_ids)       # eval/caches.py: one per (target, taps, impl), reused
+    cache = target_cache(target, tap_ids)       # eval/engine/cache/factory.py: one per (target, taps, impl), reused
     cache.reset(capacity)                       # empty; capacity = rows the decode may ever hold
     out = cache.prefill(prompt_ids [S])         # rows 0..S-1; out.logits [1, V] (last row), out.features [S, F]
     vin = cache.verify_inputs(tree)             # positions start+depth and the 4-D tree mask (start = length)
@@ -12,14 +12,14 @@
 features: the target's taps (extract/layers.py convention, concatenated shallow -> deep) recorded with
 `extract.layers.TapHooks` during the same forward; None when no taps were requested (AR).
 
-Implementations, one module per kind (`eval.caches.target_cache` picks one):
-  * `eval.kv_cache.KVTargetCache`: targets with only (full or sliding) attention layers: dynamic (HF
+Implementations, one module per kind (`eval.engine.cache.factory.target_cache` picks one):
+  * `eval.engine.cache.kv.KVTargetCache`: targets with only (full or sliding) attention layers: dynamic (HF
     `DynamicCache`, the reference path) or static (one preallocated K/V buffer, optionally the fused verify forward
-    of eval/target_forward.py and CUDA graphs).
-  * `eval.recurrent_cache.HybridTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers: one
+    of eval/engine/target_forward.py and CUDA graphs).
+  * `eval.engine.cache.hybrid.HybridTargetCache`: hybrid targets with linear-attention (Gated DeltaNet) layers: one
     forward over the tree's rows, attention layers under the tree mask, Gated-DeltaNet layers walked along the
     tree; the accepted node's state committed without a re-run (docs/tree.md, "Hybrid (recurrent) targets").
-    `eval.recurrent_cache.PathBatchedTargetCache` (impl 'paths') is its reference: every root->leaf path verified
+    `eval.engine.cache.hybrid.PathBatchedTargetCache` (impl 'paths') is its reference: every root->leaf path verified
     as its own batch row.
 
 Targets must run with attn_implementation "sdpa" or "eager" for tree masks (never flash_attention_2).
@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from eval.tree import Tree
+from eval.engine.tree import Tree
 from extract.layers import TapHooks
 from pipeline.target import text_config
 

@@ -52,7 +52,7 @@ from dflash_model.model import DecoderLayer, DFlashDrafter, apply_rope, rope_cos
 DRAFT_BUCKET = 128  # attended key rows are rounded up to this (one step graph per bucket)
 CAPACITY_STEP = 2048  # the context buffer grows in these steps (graphs are kept while it does not grow)
 
-log = get_logger("eval.draft_forward")
+log = get_logger("eval.engine.draft_forward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ _FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def draft_forward(drafter, *, graphs: bool = False):
     """The decode-time forward of `drafter`: one `DraftForward` per (DFlashDrafter, graphs), reused across decode
     calls (its buffers and graphs persist); with CUDA graphs its pieces are also compiled (inductor fuses the norms,
-    RoPE and residual adds between the matmuls, as eval/target_forward.py does for the verify). Any other drafter object is used as it is: it implements the same calls
+    RoPE and residual adds between the matmuls, as eval/engine/target_forward.py does for the verify). Any other drafter object is used as it is: it implements the same calls
     (`args`, `reset`, `prefill`, `__call__`, `describe`), e.g. a drafter that drafts from a known continuation."""
     if not isinstance(drafter, DFlashDrafter):
         return drafter

@@ -2,8 +2,8 @@
 
 A hybrid target (Qwen3.5/3.6: three of every four layers are Gated DeltaNet) keeps, per linear-attention layer, a
 short-convolution window and a recurrent state instead of K/V rows, so the tree mask of the attention layers
-(eval/verify.py) cannot keep the branches of a tree apart there. Here each such layer runs over the N nodes of a
-tree (eval/tree.py layout: node 0 = root, parents[0] = 0, parents[i] < i; the same node order and positions as the
+(eval/engine/verify.py) cannot keep the branches of a tree apart there. Here each such layer runs over the N nodes of a
+tree (eval/engine/tree.py layout: node 0 = root, parents[0] = 0, parents[i] < i; the same node order and positions as the
 attention layers) with the recurrence taken along the tree instead of along the flattened order:
 
     conv     u_i = act(sum_{j<K} w[:, K-1-j] * x_{a_j(i)})   a_0(i) = i, a_j(i) = parent of a_{j-1}(i); a tap farther
@@ -24,7 +24,7 @@ is 48*128*128 fp32 = 3 MiB per layer. A budget-256 tree has N = 257 nodes: 771 M
 for the 48 layers if every node's state were kept until the walk picks the accepted node (plus 0.7 GiB of conv
 windows). Instead:
   * verify keeps only what the walk needs, the outputs o [N, HV, d_v]. The Triton kernel
-    (eval/tree_recurrent_triton.py) walks the nodes in depth-first order and keeps one state per DEPTH, not per
+    (eval/engine/tree_recurrent_triton.py) walks the nodes in depth-first order and keeps one state per DEPTH, not per
     node: (L+1) * 3 MiB = 48 MiB for depth limit L = 15, one buffer reused by every layer; a node's state stays in
     registers for its first child and is stored only when the node has a second child. This torch version (the
     definition, and the CPU path) goes level by level and holds two levels' states at a time.
@@ -42,7 +42,7 @@ API (N nodes; all tensors on one device; host syncs only in the torch versions):
     tree_gated_delta_net(layer, hidden [1, N, D], tree, conv_state [1, C, K], recurrent_state [1, HV, dk, dv], walk)
         -> (out [1, N, D], TreeLayerRecord)        record.commit(path, conv_state, recurrent_state): in place
     commit_path(layer, rows stacked over B layers, path, conv_states [B, C, K], recurrent_states [B, HV, dk, dv]):
-        the same commit for B layers at once (eval/recurrent_cache.py commits a target's layers with it)
+        the same commit for B layers at once (eval/engine/cache/hybrid.py commits a target's layers with it)
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eval import triton_kernels
-from eval.tree import Tree
+from eval.engine import triton_kernels
+from eval.engine.tree import Tree
 
 L2_EPS = 1e-6  # HF's l2norm / fla's use_qk_l2norm_in_kernel: x / sqrt(sum(x^2) + eps)
 
@@ -170,7 +170,7 @@ def _kernels(device):
     """The Triton module when its kernels can run on `device` (CUDA, Triton present, nothing failed yet)."""
     if not triton_kernels.available(device):
         return None
-    from eval import tree_recurrent_triton
+    from eval.engine import tree_recurrent_triton
 
     return tree_recurrent_triton
 
@@ -190,7 +190,7 @@ def commit_path(layer, conv_inputs: Tensor, conv_outputs: Tensor, g: Tensor, bet
     leading layer axis: conv_inputs / conv_outputs [B, N, C], g / beta [B, N, HV]): conv_states [B, C, K] <- the last
     K conv inputs along the path (committed ones first), recurrent_states [B, HV, dk, dv] <- S_{path[-1]} recomputed
     along the path (n steps). The result is the cache HF leaves after running those n tokens from the committed
-    state. On CUDA: one launch for the states of all B layers (eval/tree_recurrent_triton.py)."""
+    state. On CUDA: one launch for the states of all B layers (eval/engine/tree_recurrent_triton.py)."""
     _, k, v = _split_heads(conv_outputs, layer)
     new_windows = path_conv_state(conv_inputs.index_select(1, path), conv_states)
     kernels = _kernels(path.device)

@@ -31,7 +31,7 @@ Two builders, identical output:
     (i+1)(j+1) <= budget (any other candidate is beaten by >= budget dominating ones); a stable sort of the
     candidates laid out in (parent slot, rank) order realises the tie-break; a final stable sort over the per-depth
     winners laid out (depth, slot) picks the global top `n`. On CUDA the same selection runs as Triton kernels
-    (eval/triton_kernels.py `select_tree`: ranks by counting unique int64 keys instead of sorting).
+    (eval/engine/triton_kernels.py `select_tree`: ranks by counting unique int64 keys instead of sorting).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eval import triton_kernels
+from eval.engine import triton_kernels
 
 LOGPROB_FLOOR = -1e30  # clamp for log-probs: keeps every prefix score finite (15 * -1e30 is still finite in fp32)
 MAX_BUDGET = 1 << 16
@@ -78,7 +78,7 @@ def top_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     a tie at the k-th logit keeps the lowest ids). log-prob = fp32(logit) - fp32 logsumexp of the row, clamped at
     LOGPROB_FLOOR and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts and Python comparisons
     agree; the [L, V] fp32 log-softmax is never written. On CUDA with Triton, 16-bit logits take a radix select
-    (eval/triton_kernels.py `top_log_probs`); everything else takes `top_log_probs_torch`, the definition.
+    (eval/engine/triton_kernels.py `top_log_probs`); everything else takes `top_log_probs_torch`, the definition.
     """
     if draft_logits.dtype in triton_kernels.TOP_K_DTYPES and triton_kernels.available(draft_logits.device):
         top = triton_kernels.run(triton_kernels.top_log_probs, draft_logits, k, LOGPROB_FLOOR)
@@ -234,7 +234,7 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     draft_logits: [L, V] (any float dtype; the builder works in fp32). root_token: int or device scalar tensor.
     Work: one topk + logsumexp over [L, V]; per depth one gather + add + stable sort over the staircase
     (~B·ln B candidates); one stable sort over the L·B per-depth winners. On CUDA with Triton the selection
-    (everything after the top-K) is L + 3 Triton launches, eval/triton_kernels.py.
+    (everything after the top-K) is L + 3 Triton launches, eval/engine/triton_kernels.py.
     """
     _check_budget(budget)
     L, V = draft_logits.shape

@@ -1,4 +1,4 @@
-"""Triton kernels of the Gated-DeltaNet tree verify: each equals a torch function of eval/tree_recurrent.py.
+"""Triton kernels of the Gated-DeltaNet tree verify: each equals a torch function of eval/engine/tree_recurrent.py.
 
     tree_causal_conv1d       `tree_causal_conv1d`: one program per (node block, channel block) walks each node's
                              K-1 ancestors up the parent pointers (then the committed window), fused with SiLU
@@ -40,19 +40,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eval.verify import ancestor_table
+from eval.engine.verify import ancestor_table
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU installs: eval/tree_recurrent.py runs its torch versions
+except ImportError:  # CPU installs: eval/engine/tree_recurrent.py runs its torch versions
     triton = None
 
 BV = 8  # value columns per program (fla's fused_recurrent decode kernel uses the same), one warp
 
 
 def walk_order(parents: Tensor, depths: Tensor, depth_limit: int) -> tuple[Tensor, Tensor]:
-    """The kernel's walk of a tree (eval/tree.py layout): (order int64 [N], fork int8 [N]).
+    """The kernel's walk of a tree (eval/engine/tree.py layout): (order int64 [N], fork int8 [N]).
 
     order: depth-first pre-order, children in index order; order[0] = 0 (the root); every subtree contiguous.
     fork[i] = 1 iff node i has two or more children (its state is stored for the later ones).
@@ -191,7 +191,7 @@ def _pow2(n: int) -> int:
 
 def tree_causal_conv1d(x: Tensor, conv_state: Tensor, weight: Tensor, parents: Tensor, depths: Tensor,
                        activation: str | None = "silu") -> Tensor:
-    """eval/tree_recurrent.py `tree_causal_conv1d`: x [N, C] (row stride free, channels contiguous), conv_state
+    """eval/engine/tree_recurrent.py `tree_causal_conv1d`: x [N, C] (row stride free, channels contiguous), conv_state
     [C, K] (channel stride free), weight [C, K] -> [N, C] in x's dtype."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"tree conv: activation {activation!r} not supported (silu or none)")
@@ -224,7 +224,7 @@ def _walk(q, k, v, g, beta, parents, depths, fork, order, steps, h0, scratch, ou
 def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor, depths: Tensor,
                           initial_state: Tensor, walk: tuple[Tensor, Tensor], depth_limit: int,
                           scratch: Tensor | None = None) -> Tensor:
-    """eval/tree_recurrent.py `tree_gated_delta_rule` in one launch: q, k [N, HK, dk], v [N, HV, dv] (row stride
+    """eval/engine/tree_recurrent.py `tree_gated_delta_rule` in one launch: q, k [N, HK, dk], v [N, HV, dv] (row stride
     free: views of the conv output), g, beta [N, HV], initial_state [HV, dk, dv] fp32 contiguous, walk =
     `walk_order(parents, depths, depth_limit)` -> o [N, HV, dv] in v's dtype. scratch: [depth_limit + 1, HV, dk, dv]
     fp32 to reuse across layers (allocated when None)."""
@@ -241,7 +241,7 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
 
 def path_gated_delta_state(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor,
                            out: Tensor | None = None) -> Tensor:
-    """eval/tree_recurrent.py `path_gated_delta_state` in one launch: the state [..., HV, dk, dv] fp32 of path[-1]
+    """eval/engine/tree_recurrent.py `path_gated_delta_state` in one launch: the state [..., HV, dk, dv] fp32 of path[-1]
     after the root path `path` [n] from initial_state (fp32 contiguous), for one layer (k [N, HK, dk], ...) or a
     stack of layers (k [B, N, HK, dk], v [B, N, HV, dv], g, beta [B, N, HV], initial_state [B, HV, dk, dv]);
     written into `out` (may BE initial_state)."""

@@ -7,9 +7,9 @@ a 12 ms verify even inside a CUDA graph. `VerifyForward` computes the same funct
   * fused projections: q/k/v and gate/up are ONE GEMM each (`fuse_projections` re-points HF's weights at
     row-views of one buffer, so the model itself is unchanged and no memory is added);
   * GQA without a K/V copy: keys/values are read straight from the cache [KVH, kv_len, hd]. The attention is
-    chosen by `ATTENTIONS` — by default on CUDA SDPA with enable_gqa under the eval/verify.py mask;
+    chosen by `ATTENTIONS` — by default on CUDA SDPA with enable_gqa under the eval/engine/verify.py mask;
     also SDPA over "folded" queries (the G heads of a KV group laid out along the query axis) and a Triton
-    tree-attention kernel (eval/triton_kernels.py) that reads the [N, N] ancestor matrix instead of a mask and
+    tree-attention kernel (eval/engine/triton_kernels.py) that reads the [N, N] ancestor matrix instead of a mask and
     splits the keys into chunks merged by log-sum-exp (`merge_splits`). All three measured within 0.4 ms of
     each other at budget 256 on the H200 (docs/benchmarks.md);
   * pointwise work (RMSNorm, q/k norm, RoPE, SiLU*up, residuals) in two functions per layer that
@@ -21,7 +21,7 @@ the attention, o GEMM, fused merge/residual/norm kernels, gate/up GEMM, fused Si
 
 Only targets whose layer math is exactly that are accepted (`refusal`): model_type llama / qwen2 / qwen3,
 every layer full attention (no sliding window), SiLU MLP, RMSNorm, and HF's own `rotary_emb` module (so every
-RoPE scaling variant comes from HF). The cache (eval/kv_cache.py) checks the first verify against HF's forward
+RoPE scaling variant comes from HF). The cache (eval/engine/cache/kv.py) checks the first verify against HF's forward
 and falls back to it on any disagreement.
 
 Layer-id convention: features are the residual-stream outputs of layers `tap_ids` (extract/layers.py), the
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eval import triton_kernels
-from eval.verify import visibility_attention_mask
+from eval.engine import triton_kernels
+from eval.engine.verify import visibility_attention_mask
 from extract.layers import base_model, decoder_layers, validate_layer_ids
 from pipeline.target import text_config
 
@@ -204,7 +204,7 @@ def post_attention(x: Tensor, attn: Tensor, lse: Tensor | None, w: LayerWeights,
 class VerifyForward:
     """`forward(ids [N], positions [1, N], mask [1, 1, N, kv_len] additive, write_rows [N], kv [layers, 2, 1, KVH,
     cap, hd], kv_len)` -> (logits [N, V], features [N, n_taps*D] or None); writes K/V rows `write_rows` of every
-    layer and attends to rows [0, kv_len) under `mask` (eval/verify.py layout)."""
+    layer and attends to rows [0, kv_len) under `mask` (eval/engine/verify.py layout)."""
 
     def __init__(self, target, tap_ids: Sequence[int], *, compile: bool = False, attention: str = "auto",
                  splits: int | None = None):

@@ -1,6 +1,6 @@
 """Tree verification inputs (docs/tree.md, "Verify: positions and mask"): position ids and the 4-D attention mask, built on the device.
 
-One target forward verifies every node of a `eval.tree.Tree`:
+One target forward verifies every node of a `eval.engine.tree.Tree`:
 
     input ids     [bonus, node_1 .. node_n]                     (1 + n rows, tree index order)
     position ids  start + depth                                 siblings share a position (docs/tree.md, "Verify: positions and mask")
@@ -23,8 +23,8 @@ import math
 import torch
 from torch import Tensor
 
-from eval import triton_kernels
-from eval.tree import Tree
+from eval.engine import triton_kernels
+from eval.engine.tree import Tree
 
 
 def verify_positions(tree: Tree, start) -> Tensor:

@@ -1,15 +1,15 @@
 """Which target cache a decode gets: one object per (target, taps, impl), reused across decode calls (its buffers
-and CUDA graphs persist). The interface is eval/target_cache.py; the implementations are eval/kv_cache.py
-(attention-only targets) and eval/recurrent_cache.py (Gated-DeltaNet hybrids)."""
+and CUDA graphs persist). The interface is eval/engine/cache/interface.py; the implementations are eval/engine/cache/kv.py
+(attention-only targets) and eval/engine/cache/hybrid.py (Gated-DeltaNet hybrids)."""
 
 from __future__ import annotations
 
 import weakref
 from typing import Sequence
 
-from eval.kv_cache import KVTargetCache
-from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache
-from eval.target_cache import TargetCache, recurrent_layer_types
+from eval.engine.cache.kv import KVTargetCache
+from eval.engine.cache.hybrid import HybridTargetCache, PathBatchedTargetCache
+from eval.engine.cache.interface import TargetCache, recurrent_layer_types
 
 _CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 IMPLS = ("auto", "dynamic", "static", "fused", "graphs", "paths")
@@ -17,7 +17,7 @@ IMPLS = ("auto", "dynamic", "static", "fused", "graphs", "paths")
 
 def target_cache(target, tap_ids: Sequence[int] = (), impl: str = "auto") -> TargetCache:
     """The target's cache object. impl: 'dynamic' (reference, HF forward), 'static' (HF forward on the static
-    buffer), 'fused' (static + eval.target_forward, eager), 'graphs' (fused with compiled pointwise ops where the
+    buffer), 'fused' (static + eval.engine.target_forward, eager), 'graphs' (fused with compiled pointwise ops where the
     target allows, else HF's forward, + CUDA graphs; CUDA only), or 'auto' (graphs on CUDA, dynamic on CPU).
     Hybrid targets get `HybridTargetCache` for every impl but 'paths' (the path-batched reference, hybrids only):
     dynamic for 'dynamic' and for 'auto' on a CPU, static K/V for 'static' and 'fused', static + CUDA graphs for

@@ -1,13 +1,13 @@
 """The round's CUDA kernels (Triton): each one computes exactly what a torch function elsewhere defines.
 
-    top_log_probs    eval/tree.py `top_log_probs_torch` for 16-bit logits (radix select + logsumexp + ordering)
-    select_tree      eval/tree.py `build_tree` after the top-K (the per-depth staircase selection + final pick,
+    top_log_probs    eval/engine/tree.py `top_log_probs_torch` for 16-bit logits (radix select + logsumexp + ordering)
+    select_tree      eval/engine/tree.py `build_tree` after the top-K (the per-depth staircase selection + final pick,
                      with pruning)
-    ancestor_table,  eval/verify.py functions of the same names (walking up the parents instead of
+    ancestor_table,  eval/engine/verify.py functions of the same names (walking up the parents instead of
     ancestor_matrix  pointer doubling + concatenation + scatter)
-    greedy_walk      eval/walk.py `target_choices` at T = 0 + `walk_tree` + `Walk.host_record`
-    compact_path_rows  eval/walk.py function of the same name (the static cache's move of the path's K/V rows)
-    tree_attention   eval/target_forward.py attention under the eval/verify.py tree mask (split over keys)
+    greedy_walk      eval/engine/walk.py `target_choices` at T = 0 + `walk_tree` + `Walk.host_record`
+    compact_path_rows  eval/engine/walk.py function of the same name (the static cache's move of the path's K/V rows)
+    tree_attention   eval/engine/target_forward.py attention under the eval/engine/verify.py tree mask (split over keys)
 
 Why: in a CUDA graph each small torch op still costs a kernel of a few microseconds; the torch versions of the
 selection and of choices + walk are ~180 and ~22 kernels per round (about 0.45 and 0.09 ms of GPU time at budget
@@ -35,7 +35,7 @@ import math
 import torch
 from torch import Tensor
 
-from eval import round_record
+from eval.engine import round_record
 
 try:
     import triton
@@ -61,7 +61,7 @@ def run(kernel, *args):
         if not _FAILED:
             from pipeline.log import get_logger
 
-            get_logger("eval.triton_kernels").warning(
+            get_logger("eval.engine.triton_kernels").warning(
                 "Triton kernel %s failed (%s: %s): using the torch versions from now on", kernel.__name__,
                 type(exc).__name__, exc)
         _FAILED.append(f"{kernel.__name__}: {exc}")
@@ -192,7 +192,7 @@ SELECT_CONFIG = (8, 1024, 4)  # rank counting: candidates per program, keys per 
 
 def select_tree(top_lp: Tensor, top_ids: Tensor, slot_of: Tensor, rank_of: Tensor, first: Tensor, budget: int,
                 n: int, root: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(tokens, parents, depths) int64 [1 + n] of the tree (eval/tree.py layout and order) from fp32 top_lp [L, K]
+    """(tokens, parents, depths) int64 [1 + n] of the tree (eval/engine/tree.py layout and order) from fp32 top_lp [L, K]
     (rows sorted descending), int64 top_ids [L, K], the staircase (slot_of, rank_of [M] in (slot, rank) order;
     first [budget]: index of (slot, 0)) and root int64 [1]. Launches: the candidate keys of depth 1; one rank count
     per depth (which writes the next depth's keys); one over the L*B winners (which also writes their node ids);
@@ -323,7 +323,7 @@ TOP_K_CHUNK = 4096  # columns per program of the radix passes
 
 
 def top_log_probs(logits: Tensor, k: int, floor: float) -> tuple[Tensor, Tensor]:
-    """eval/tree.py `top_log_probs` for 16-bit logits [L, V] (TOP_K_DTYPES): (fp32 log-probs [L, k] clamped at
+    """eval/engine/tree.py `top_log_probs` for 16-bit logits [L, V] (TOP_K_DTYPES): (fp32 log-probs [L, k] clamped at
     `floor`, int64 ids [L, k]), value descending, equal values by id ascending (ties at the k-th value: lowest ids).
 
     Radix select on 16-bit keys, with no sort of the row: a memset and four launches.
@@ -358,7 +358,7 @@ def top_log_probs(logits: Tensor, k: int, floor: float) -> tuple[Tensor, Tensor]
 
 
 # ----------------------------------------------------------------------------------------------
-# Ancestors (eval/verify.py `ancestor_table`, `ancestor_matrix`)
+# Ancestors (eval/engine/verify.py `ancestor_table`, `ancestor_matrix`)
 # ----------------------------------------------------------------------------------------------
 
 if triton is not None:
@@ -384,7 +384,7 @@ if triton is not None:
 
 
 def ancestor_table(parents: Tensor, width: int) -> Tensor:
-    """eval/verify.py `ancestor_table` with `width` = 2^k columns: int64 [N, width], one launch."""
+    """eval/engine/verify.py `ancestor_table` with `width` = 2^k columns: int64 [N, width], one launch."""
     N = parents.shape[0]
     table = torch.empty(N, width, dtype=torch.long, device=parents.device)
     _ancestor_table_kernel[(triton.cdiv(N, 128),)](parents, N, width, table, BLOCK=128)
@@ -392,7 +392,7 @@ def ancestor_table(parents: Tensor, width: int) -> Tensor:
 
 
 def ancestor_matrix(table: Tensor) -> Tensor:
-    """eval/verify.py `ancestor_matrix` from the table: bool [N, N], a memset and one launch."""
+    """eval/engine/verify.py `ancestor_matrix` from the table: bool [N, N], a memset and one launch."""
     N, W = table.shape
     vis = torch.zeros(N, N, dtype=torch.bool, device=table.device)
     _ancestor_matrix_kernel[(triton.cdiv(N, 128),)](table, N, W, vis.view(torch.int8), BLOCK=128)
@@ -470,7 +470,7 @@ if triton is not None:
 
 
 def greedy_choices(logits: Tensor) -> Tensor:
-    """eval/walk.py `target_choices` at T = 0: the first argmax of each row of logits [N, V] -> int64 [N]."""
+    """eval/engine/walk.py `target_choices` at T = 0: the first argmax of each row of logits [N, V] -> int64 [N]."""
     N, V = logits.shape
     chunk = 4096  # one load of 4096 values per program: memory-parallel, not a serial loop
     chunks = triton.cdiv(V, chunk)
@@ -484,9 +484,9 @@ def greedy_choices(logits: Tensor) -> Tensor:
 
 def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tensor, logits: Tensor,
                 depth_limit: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """eval/walk.py at T = 0 in three launches: (accepted, path [L+1], bonus, last, the round record of
-    eval/round_record.py, packed by the walk kernel at its offsets); accepted/bonus/last are 0-dim int64.
-    ancestors: eval/verify.py `ancestor_table` [N, W]."""
+    """eval/engine/walk.py at T = 0 in three launches: (accepted, path [L+1], bonus, last, the round record of
+    eval/engine/round_record.py, packed by the walk kernel at its offsets); accepted/bonus/last are 0-dim int64.
+    ancestors: eval/engine/verify.py `ancestor_table` [N, W]."""
     N = tokens.shape[0]
     L = depth_limit
     choices = greedy_choices(logits)
@@ -503,7 +503,7 @@ def greedy_walk(tokens: Tensor, parents: Tensor, depths: Tensor, ancestors: Tens
 
 
 # ----------------------------------------------------------------------------------------------
-# Path compaction (eval/walk.py `compact_path_rows`)
+# Path compaction (eval/engine/walk.py `compact_path_rows`)
 # ----------------------------------------------------------------------------------------------
 
 if triton is not None:
@@ -526,7 +526,7 @@ if triton is not None:
 
 
 def compact_path_rows(x: Tensor, dim: int, past: Tensor, path: Tensor) -> Tensor:
-    """eval/walk.py `compact_path_rows` for a contiguous x, in place, one launch; returns x."""
+    """eval/engine/walk.py `compact_path_rows` for a contiguous x, in place, one launch; returns x."""
     P, R = math.prod(x.shape[:dim]), x.shape[dim]
     C = x.numel() // (P * R)
     block_c = min(_pow2(C), 128)
@@ -593,7 +593,7 @@ ATTENTION_CONFIG = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, warps, stages
 def tree_attention(q: Tensor, keys: Tensor, values: Tensor, visibility: Tensor, past: Tensor, scale: float,
                    splits: int, config: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
     """q [KVH, M, hd] (folded: row m is tree token m % N), keys/values [KVH, kv_len, hd] (row stride free, last dim
-    contiguous), visibility bool [N, N] (eval/verify.py ancestor matrix), past 0-dim device int -> per-split outputs
+    contiguous), visibility bool [N, N] (eval/engine/verify.py ancestor matrix), past 0-dim device int -> per-split outputs
     [S, KVH, M, hd] (q dtype) and log-sum-exps [S, KVH, M] fp32 (-inf where a split saw no key); S = splits, and
     kv_len % (BLOCK_N * S) == 0. Keys at or beyond past + N are never read."""
     H, M, hd = q.shape

@@ -1,15 +1,15 @@
 """ONE decode loop for autoregressive, DFlash-chain and DDTree decoding (batch 1) against an HF target.
 
-Every method is the same round on a different tree (eval/tree.py layout; root = the bonus token):
+Every method is the same round on a different tree (eval/engine/tree.py layout; root = the bonus token):
 
     prefill   target on the prompt -> first bonus token (the first new token) and the prompt's tap features
-    round     draft       the drafter's forward (eval/draft_forward.py): context K/V of the rows the last round
+    round     draft       the drafter's forward (eval/engine/draft_forward.py): context K/V of the rows the last round
                           committed + the block [bonus, MASK...] -> logits [L, V]  (L = B-1; skipped for AR)
               tree_build  AR: root only | chain: argmax of each row | DDTree: best-first top-`budget` prefixes;
                           then verify positions (start + depth) and the 4-D ancestor mask
               verify      one target forward over the 1+n tree rows (logits + taps)
               walk_commit target choice per row (argmax / one sample per row), device walk, ONE host read
-                          (the round record, eval/round_record.py), KV compaction to the accepted path, the
+                          (the round record, eval/engine/round_record.py), KV compaction to the accepted path, the
                           drafter's next context = target features gathered at the L+1 path nodes
     emits     accepted drafted tokens + the new bonus; tau = 1 + accepted (AR: 1)
 
@@ -31,14 +31,14 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from eval import triton_kernels
-from eval.caches import target_cache
-from eval.draft_forward import draft_forward
-from eval.round_record import RoundRecord, parse_record, record_size
-from eval.target_cache import TargetCache, TreeUnsupportedError, VerifyInputs, tree_unsupported_reason
-from eval.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
-from eval.verify import ancestor_table
-from eval.walk import Walk, target_choices, walk_tree
+from eval.engine import triton_kernels
+from eval.engine.cache.factory import target_cache
+from eval.engine.draft_forward import draft_forward
+from eval.engine.round_record import RoundRecord, parse_record, record_size
+from eval.engine.cache.interface import TargetCache, TreeUnsupportedError, VerifyInputs, tree_unsupported_reason
+from eval.engine.tree import Tree, build_tree, build_tree_heap, chain_tree, root_tree, tree_size
+from eval.engine.verify import ancestor_table
+from eval.engine.walk import Walk, target_choices, walk_tree
 from pipeline.cuda_graphs import CudaGraphFn
 
 METHODS = ("ar", "chain", "ddtree")
@@ -63,8 +63,8 @@ class DecodeResult:
     tree_sizes: list[int]  # drafted nodes verified per round (root excluded)
     timings: dict[str, float] = field(default_factory=dict)  # prefill, decode; + PHASES with phase timing
     stop_reason: str = "max_new_tokens"  # or "stop_token"
-    verify_path: str = ""  # eval.target_cache TargetCache.describe(): the verify forward these timings come from
-    draft_path: str = ""  # eval.draft_forward DraftForward.describe(): the drafter's forward ('' for AR)
+    verify_path: str = ""  # eval.engine.cache.interface TargetCache.describe(): the verify forward these timings come from
+    draft_path: str = ""  # eval.engine.draft_forward DraftForward.describe(): the drafter's forward ('' for AR)
 
 
 class _Clock:
@@ -104,9 +104,9 @@ def decode(method: str, target, drafter, prompt_ids: Sequence[int] | Tensor, *, 
     """Decode one response with `method` ('ar' | 'chain' | 'ddtree'); see the module docstring.
 
     target: HF causal LM (sdpa/eager attention for 'ddtree'). drafter: dflash_model.model.DFlashDrafter with the target
-    head attached, run by eval.draft_forward (or an object implementing DraftForward's calls); unused for 'ar'.
+    head attached, run by eval.engine.draft_forward (or an object implementing DraftForward's calls); unused for 'ar'.
     budget: DDTree node budget. tree_builder: 'device' (default) or 'heap' (the
-    CPU reference, identical trees). cache_impl: eval.caches.target_cache impl ('auto': CUDA graphs on GPU,
+    CPU reference, identical trees). cache_impl: eval.engine.cache.factory.target_cache impl ('auto': CUDA graphs on GPU,
     dynamic KV on CPU). phase_timing: synchronize at phase boundaries to fill the per-phase timings.
     """
     if method not in METHODS:
@@ -152,7 +152,7 @@ class _Decoder:
     tree_builder: str
     temperature: float
     cache: TargetCache
-    draft: object  # eval.draft_forward.DraftForward (or a drafter implementing its calls); None for AR
+    draft: object  # eval.engine.draft_forward.DraftForward (or a drafter implementing its calls); None for AR
     L: int  # drafted depth limit: B-1 (0 for AR)
     vocab: int
     device: torch.device
@@ -283,7 +283,7 @@ def warm_up(method: str, target, drafter, *, max_length: int, budget: int | None
 
 class RoundOps:
     """build(draft logits, bonus) -> (tree, verify inputs), walk(tree, logits, uniforms) -> (walk, record) and
-    read(record) -> the record on the host (eval/round_record.py).
+    read(record) -> the record on the host (eval/engine/round_record.py).
 
     With a graph-enabled static cache both run as CUDA graphs keyed by the round's static shape (so a round
     launches: drafter, build graph, verify graph, walk graph (which also copies the record into pinned host
