@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from eval.engine import triton_kernels
+from eval.engine import triton_runtime, walk_triton
 from eval.engine.cache.factory import target_cache
 from eval.engine.draft_forward import draft_forward
 from eval.engine.round_record import RoundRecord, parse_record, record_size
@@ -331,8 +331,8 @@ class RoundOps:
 
     def _walk_eager(self, tokens, parents, depths, ancestors, logits, uniforms, features):
         walked = None
-        if self.temperature <= 0 and triton_kernels.available(self.device):  # the same walk in three launches
-            walked = triton_kernels.run(triton_kernels.greedy_walk, tokens, parents, depths, ancestors, logits,
+        if self.temperature <= 0 and triton_runtime.available(self.device):  # the same walk in three launches
+            walked = triton_runtime.run(walk_triton.greedy_walk, tokens, parents, depths, ancestors, logits,
                                         self.depth_limit)
         if walked is not None:
             accepted, path, bonus, last, record = walked

@@ -8,7 +8,7 @@
     path[d]    the accepted node at depth d for d <= accepted (path[0] = 0, the root; later entries 0)
     tokens     the tokens of those nodes (tokens[0] = the root = the previous bonus)
 
-Packed on the device by `pack_record` (torch) or, at T = 0 on CUDA, inside eval/engine/triton_kernels.py's walk kernel at
+Packed on the device by `pack_record` (torch) or, at T = 0 on CUDA, inside eval/engine/walk_triton.py's walk kernel at
 the same offsets (`HEAD`); read on the host by `parse_record`. Nothing else indexes the record.
 """
 

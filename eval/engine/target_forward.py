@@ -9,7 +9,7 @@ a 12 ms verify even inside a CUDA graph. `VerifyForward` computes the same funct
   * GQA without a K/V copy: keys/values are read straight from the cache [KVH, kv_len, hd]. The attention is
     chosen by `ATTENTIONS` — by default on CUDA SDPA with enable_gqa under the eval/engine/verify.py mask;
     also SDPA over "folded" queries (the G heads of a KV group laid out along the query axis) and a Triton
-    tree-attention kernel (eval/engine/triton_kernels.py) that reads the [N, N] ancestor matrix instead of a mask and
+    tree-attention kernel (eval/engine/target_forward_triton.py) that reads the [N, N] ancestor matrix instead of a mask and
     splits the keys into chunks merged by log-sum-exp (`merge_splits`). All three measured within 0.4 ms of
     each other at budget 256 on the H200 (docs/benchmarks.md);
   * pointwise work (RMSNorm, q/k norm, RoPE, SiLU*up, residuals) in two functions per layer that
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eval.engine import triton_kernels
+from eval.engine import target_forward_triton, triton_runtime
 from eval.engine.verify import visibility_attention_mask
 from extract.layers import base_model, decoder_layers, validate_layer_ids
 from pipeline.target import text_config
@@ -236,7 +236,7 @@ class VerifyForward:
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         self.attention = attention
-        self.attention_config = None  # (BLOCK_M, BLOCK_N, warps, stages); None = triton_kernels.ATTENTION_CONFIG
+        self.attention_config = None  # (BLOCK_M, BLOCK_N, warps, stages); None = target_forward_triton.ATTENTION_CONFIG
         self.splits = splits  # key chunks of the Triton attention; None = `attention_splits`
         self.compiled = compile
         self.pre, self.post = pre_attention, post_attention
@@ -252,7 +252,7 @@ class VerifyForward:
         mode = self.attention
         if mode == "auto":
             mode = "sdpa_gqa" if torch.device(device).type == "cuda" else "sdpa"
-        if mode == "triton" and not triton_kernels.available(device):
+        if mode == "triton" and not triton_runtime.available(device):
             mode = "sdpa"
         return mode
 
@@ -264,7 +264,7 @@ class VerifyForward:
             return self.splits
         sms = torch.cuda.get_device_properties(self.base.embed_tokens.weight.device).multi_processor_count
         tiles = self.kv_heads * -(-queries // 64)
-        block_n = (self.attention_config or triton_kernels.ATTENTION_CONFIG)[1]
+        block_n = (self.attention_config or target_forward_triton.ATTENTION_CONFIG)[1]
         options = [s for s in (1, 2, 4, 8) if kv_len % (block_n * s) == 0]
         return min(options, key=lambda s: (-(-tiles * s // sms) / s, s))
 
@@ -307,7 +307,7 @@ class VerifyForward:
             keys, values = kv[l, 0, 0].narrow(1, 0, kv_len), kv[l, 1, 0].narrow(1, 0, kv_len)  # [KVH, kv_len, hd]
             lse = None
             if mode == "triton":
-                attn, lse = triton_kernels.tree_attention(q, keys, values, visibility, past, self.scale, splits,
+                attn, lse = target_forward_triton.tree_attention(q, keys, values, visibility, past, self.scale, splits,
                                                           self.attention_config)
                 attn, lse = (attn[0], None) if splits == 1 else (attn, lse)  # a failure: cache falls back to HF
             elif mode == "sdpa_gqa":  # q [N, H, hd] read as [1, H, N, hd]; the output keeps q's layout

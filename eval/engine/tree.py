@@ -31,7 +31,7 @@ Two builders, identical output:
     (i+1)(j+1) <= budget (any other candidate is beaten by >= budget dominating ones); a stable sort of the
     candidates laid out in (parent slot, rank) order realises the tie-break; a final stable sort over the per-depth
     winners laid out (depth, slot) picks the global top `n`. On CUDA the same selection runs as Triton kernels
-    (eval/engine/triton_kernels.py `select_tree`: ranks by counting unique int64 keys instead of sorting).
+    (eval/engine/tree_triton.py `select_tree`: ranks by counting unique int64 keys instead of sorting).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eval.engine import triton_kernels
+from eval.engine import tree_triton, triton_runtime
 
 LOGPROB_FLOOR = -1e30  # clamp for log-probs: keeps every prefix score finite (15 * -1e30 is still finite in fp32)
 MAX_BUDGET = 1 << 16
@@ -78,10 +78,10 @@ def top_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     a tie at the k-th logit keeps the lowest ids). log-prob = fp32(logit) - fp32 logsumexp of the row, clamped at
     LOGPROB_FLOOR and never -0.0 (x - lse rounds an exact zero to +0.0), so float sorts and Python comparisons
     agree; the [L, V] fp32 log-softmax is never written. On CUDA with Triton, 16-bit logits take a radix select
-    (eval/engine/triton_kernels.py `top_log_probs`); everything else takes `top_log_probs_torch`, the definition.
+    (eval/engine/tree_triton.py `top_log_probs`); everything else takes `top_log_probs_torch`, the definition.
     """
-    if draft_logits.dtype in triton_kernels.TOP_K_DTYPES and triton_kernels.available(draft_logits.device):
-        top = triton_kernels.run(triton_kernels.top_log_probs, draft_logits, k, LOGPROB_FLOOR)
+    if draft_logits.dtype in tree_triton.TOP_K_DTYPES and triton_runtime.available(draft_logits.device):
+        top = triton_runtime.run(tree_triton.top_log_probs, draft_logits, k, LOGPROB_FLOOR)
         if top is not None:
             return top
     return top_log_probs_torch(draft_logits, k)
@@ -234,7 +234,7 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     draft_logits: [L, V] (any float dtype; the builder works in fp32). root_token: int or device scalar tensor.
     Work: one topk + logsumexp over [L, V]; per depth one gather + add + stable sort over the staircase
     (~B·ln B candidates); one stable sort over the L·B per-depth winners. On CUDA with Triton the selection
-    (everything after the top-K) is L + 3 Triton launches, eval/engine/triton_kernels.py.
+    (everything after the top-K) is L + 3 Triton launches, eval/engine/tree_triton.py.
     """
     _check_budget(budget)
     L, V = draft_logits.shape
@@ -247,8 +247,8 @@ def build_tree(draft_logits: Tensor, budget: int, root_token) -> Tree:
     top_lp, top_ids = top_log_probs(draft_logits, min(B, V))
     K = top_lp.shape[1]
     slot_of, rank_of, first, frontier = _staircase(B, K, device)  # [M] candidates in (slot, rank) order
-    if triton_kernels.available(device):  # the same selection in L + 3 launches
-        arrays = triton_kernels.run(triton_kernels.select_tree, top_lp, top_ids, slot_of, rank_of, first, B, n,
+    if triton_runtime.available(device):  # the same selection in L + 3 launches
+        arrays = triton_runtime.run(tree_triton.select_tree, top_lp, top_ids, slot_of, rank_of, first, B, n,
                                     _root_tensor(root_token, device))
         if arrays is not None:
             return Tree(*arrays, n, L, "tree")

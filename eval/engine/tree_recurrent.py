@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eval.engine import triton_kernels
+from eval.engine import triton_runtime
 from eval.engine.tree import Tree
 
 L2_EPS = 1e-6  # HF's l2norm / fla's use_qk_l2norm_in_kernel: x / sqrt(sum(x^2) + eps)
@@ -168,7 +168,7 @@ def path_gated_delta_state(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: 
 
 def _kernels(device):
     """The Triton module when its kernels can run on `device` (CUDA, Triton present, nothing failed yet)."""
-    if not triton_kernels.available(device):
+    if not triton_runtime.available(device):
         return None
     from eval.engine import tree_recurrent_triton
 
@@ -196,7 +196,7 @@ def commit_path(layer, conv_inputs: Tensor, conv_outputs: Tensor, g: Tensor, bet
     kernels = _kernels(path.device)
     state = None
     if kernels is not None:  # writes the new states over the committed ones
-        state = triton_kernels.run(kernels.path_gated_delta_state, k, v, g, beta, path, recurrent_states,
+        state = triton_runtime.run(kernels.path_gated_delta_state, k, v, g, beta, path, recurrent_states,
                                    recurrent_states)
     if state is None:
         recurrent_states.copy_(path_gated_delta_state(k, v, g, beta, path, recurrent_states))
@@ -258,14 +258,14 @@ def tree_gated_delta_net(layer, hidden_states: Tensor, tree: Tree, conv_state: T
     kernels = _kernels(hidden.device)
     u = o = None
     if kernels is not None:
-        u = triton_kernels.run(kernels.tree_causal_conv1d, mixed, conv_state[0], weight, tree.parents, tree.depths,
+        u = triton_runtime.run(kernels.tree_causal_conv1d, mixed, conv_state[0], weight, tree.parents, tree.depths,
                                layer.activation)
     if u is None:
         u = tree_causal_conv1d(mixed, conv_state[0], weight, tree.parents, tree.depths, layer.activation)
     q, k, v = _split_heads(u, layer)
     if kernels is not None:
         order_and_forks, scratch = walk if walk is not None else tree_walk(tree, layer)
-        o = triton_kernels.run(kernels.tree_gated_delta_rule, q, k, v, g, beta, tree.parents, tree.depths,
+        o = triton_runtime.run(kernels.tree_gated_delta_rule, q, k, v, g, beta, tree.parents, tree.depths,
                                recurrent_state[0], order_and_forks, tree.depth_limit, scratch)
     if o is None:
         o = tree_gated_delta_rule(q, k, v, g, beta, tree.parents, tree.depths, recurrent_state[0])

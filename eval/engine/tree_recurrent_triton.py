@@ -40,13 +40,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from eval.engine.triton_runtime import tl, triton  # None on CPU installs: eval/engine/tree_recurrent.py runs torch
 from eval.engine.verify import ancestor_table
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs: eval/engine/tree_recurrent.py runs its torch versions
-    triton = None
 
 BV = 8  # value columns per program (fla's fused_recurrent decode kernel uses the same), one warp
 

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-from eval.engine import triton_kernels
+from eval.engine import triton_runtime, verify_triton
 from eval.engine.tree import Tree
 
 
@@ -36,8 +36,8 @@ def ancestor_table(parents: Tensor, depth_limit: int) -> Tensor:
     """[N, 2^k] node ids: column m = the ancestor m steps up (the root's self-loop absorbs overshoot), k =
     ceil(log2(L+1)), so columns cover distances 0..L. Built by doubling: k gathers, no loop over nodes."""
     rounds = max(1, math.ceil(math.log2(depth_limit + 1)))
-    if triton_kernels.available(parents.device):  # the same table in one launch
-        table = triton_kernels.run(triton_kernels.ancestor_table, parents, 1 << rounds)
+    if triton_runtime.available(parents.device):  # the same table in one launch
+        table = triton_runtime.run(verify_triton.ancestor_table, parents, 1 << rounds)
         if table is not None:
             return table
     table = torch.arange(parents.shape[0], device=parents.device).unsqueeze(1)
@@ -53,8 +53,8 @@ def ancestor_matrix(tree: Tree, ancestors: Tensor | None = None) -> Tensor:
     ancestors: `ancestor_table(tree.parents, tree.depth_limit)` if already computed."""
     N = tree.size
     table = ancestor_table(tree.parents, tree.depth_limit) if ancestors is None else ancestors
-    if triton_kernels.available(table.device):
-        vis = triton_kernels.run(triton_kernels.ancestor_matrix, table)
+    if triton_runtime.available(table.device):
+        vis = triton_runtime.run(verify_triton.ancestor_matrix, table)
         if vis is not None:
             return vis
     vis = torch.zeros(N, N, dtype=torch.bool, device=tree.parents.device)

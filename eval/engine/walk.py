@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eval.engine import triton_kernels
+from eval.engine import triton_runtime, walk_triton
 from eval.engine.round_record import pack_record
 from eval.engine.tree import Tree
 
@@ -117,8 +117,8 @@ def compact_rows(x: Tensor, dim: int, past: int, keep: Tensor) -> None:
 def compact_path_rows(x: Tensor, dim: int, past: Tensor, path: Tensor) -> None:
     """`compact_rows` for every entry of `path` [L+1] with `past` a 0-dim device int: fixed shape and no host value
     (CUDA-graph safe). Rows after the accepted ones receive copies that lie past the committed length."""
-    if triton_kernels.available(x.device) and x.is_contiguous():  # the same move in one launch
-        if triton_kernels.run(triton_kernels.compact_path_rows, x, dim, past, path) is not None:
+    if triton_runtime.available(x.device) and x.is_contiguous():  # the same move in one launch
+        if triton_runtime.run(walk_triton.compact_path_rows, x, dim, past, path) is not None:
             return
     dest = past + torch.arange(path.shape[0], device=path.device)
     x.index_copy_(dim, dest, x.index_select(dim, past + path))
