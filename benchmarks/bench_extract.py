@@ -241,7 +241,7 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
     ctx = ExtractContext(location="bench", layer_ids=layer_ids, tap_ids=list(layer_ids),
                          num_layers=text.num_hidden_layers, hidden_size=hidden, vocab_rows=text.vocab_size,
                          fingerprint={"layer_ids": layer_ids, "hidden_size": hidden, "storage_dtype": args.storage_dtype},
-                         config_hash="bench", settings={}, tok_stage=tok, tok_manifest={})
+                         config_hash="bench", settings={}, tok_stage=tok)
     stage = StageDir(cfg.run_dir, "extract")
     stage.begin("bench", force=True)
     backend = HFExtractor("bench", cfg.target, cfg.extract, layer_ids, model=model, device=device)

@@ -92,8 +92,7 @@ def plan(s: dict):
     tok = StageDir(cfg.run_dir, "tokenize")
     ctx = ExtractContext(location=f"bench:{s['shape']}", layer_ids=layer_ids, tap_ids=list(layer_ids),
                          num_layers=layers, hidden_size=hidden, vocab_rows=vocab, fingerprint=fingerprint,
-                         config_hash=f"bench-{s['shape']}-{s['storage_dtype']}", settings={}, tok_stage=tok,
-                         tok_manifest={})
+                         config_hash=f"bench-{s['shape']}-{s['storage_dtype']}", settings={}, tok_stage=tok)
     index = read_tokenized_index(tok)
     keep, _, _ = screen_index(index)
     units = plan_units(index.lengths, keep, s["shard_tokens"])

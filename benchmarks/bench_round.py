@@ -274,7 +274,7 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)
     if args.export:
-        from eval.stage import load_drafter
+        from eval.drafter_inputs import load_drafter
         from pipeline.target import load_target, open_target
 
         if not args.config:

@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pipeline.errors import FingerprintMismatch, StageBusy, StageError
 from pipeline.files import Journal, atomic_write_json, is_debris, read_json, sha256_file
@@ -382,6 +382,15 @@ class StageDir:
     def done_units(self) -> dict[str, dict]:
         return {p.name[: -len(".done.json")]: read_json(p) for p in sorted(self.shards.glob("*.done.json"))}
 
+    def rank_summary(self, ranks: RankInfo, units: Sequence[str], started: float, **extra: Any) -> dict:
+        """A rank of a split run: record the units it owned in ranks/rank-XXXXX.json (extract --verify names a
+        sample's rank from it) and return the rank's result while the stage is not complete,
+        {"stage", "complete": False, "rank", "world_size", "units", "seconds", **extra}."""
+        record = {"rank": ranks.rank, "world_size": ranks.world_size, "units": list(units),
+                  "seconds": round(time.time() - started, 3), **extra}
+        atomic_write_json(self.path / "ranks" / f"rank-{ranks.rank:05d}.json", record)
+        return {"stage": self.stage, "complete": False, **record}
+
     # -- completion --------------------------------------------------------------------------
     def write_manifest(
         self,
@@ -419,7 +428,13 @@ class StageDir:
         return manifest
 
 
-def input_ref(stage: StageDir) -> dict:
-    """What a consumer records about an input stage in its own manifest."""
-    m = stage.manifest()
-    return {"path": str(stage.path), "config_hash": m["config_hash"], "fingerprint": m["fingerprint"]}
+def merge_ranks(stage: StageDir, units: Sequence[str], finish: Callable[[], dict]) -> dict:
+    """`drafter <stage> --merge`, after a split run (a SLURM array, say): refuse while a unit of any rank is not done,
+    naming them; else `finish()`, the stage run on a single rank, which finds every unit done and writes the
+    manifest (a no-op returning it when the last rank already did). `units`: every unit name of the run."""
+    if not stage.is_complete():
+        missing = [u for u in units if stage.unit_done(u) is None]
+        if missing:
+            raise StageError(f"{stage.stage} --merge: {len(missing)} of {len(units)} units are not done "
+                             f"(e.g. {missing[:3]}); re-run the missing ranks first")
+    return finish()

@@ -17,13 +17,16 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from extract.layers import configured_layer_ids
+from drafter.cli import merge_stage
+from eval.conversation import run_conversation
 from eval.engine.decode import decode
 from eval.lossless import NEAR_TIE_MARGIN as NEAR_TIE
-from eval.stage import merge_ranks, run_conversation, run_eval
 from eval.prompts import EvalPrompt, chat_prompt_ids
+from eval.stage import run_eval
+from extract.layers import configured_layer_ids
 from pipeline.config import load_config
 from pipeline.errors import FingerprintMismatch, StageError
+from pipeline.files import read_json
 from pipeline.stage_dir import StageDir
 from pipeline.target import load_target, load_tokenizer, materialize_target, tokenizer_fingerprint
 from dflash_model.export import export_zlab
@@ -210,12 +213,14 @@ def test_split_ranks_share_the_units_and_the_last_rank_writes_the_report(tmp_pat
                                  "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
     export_random_drafter(cfg, cfg.run_dir / "train")
     first = run_eval(cfg, force=False, ranks=RankInfo(0, 2))
-    assert first == {"stage": "eval", "complete": False, "missing_units": ["gsm8k.chain"]}
+    assert {k: v for k, v in first.items() if k != "seconds"} == {  # rank 0's summary: its unit; chain is rank 1's
+        "stage": "eval", "complete": False, "rank": 0, "world_size": 2, "units": ["gsm8k.ar"]}
+    assert read_json(cfg.run_dir / "eval" / "ranks" / "rank-00000.json")["units"] == ["gsm8k.ar"]
     assert not (cfg.run_dir / "eval" / "report.json").exists()
     with pytest.raises(StageError, match=r"eval --merge: 1 of 2 units are not done \(e.g. \['gsm8k.chain'\]\)"):
-        merge_ranks(cfg)
+        merge_stage("eval", cfg)
     manifest = run_eval(cfg, force=False, ranks=RankInfo(1, 2))
-    assert merge_ranks(cfg) == manifest  # the last rank wrote the report: merging again changes nothing
+    assert merge_stage("eval", cfg) == manifest  # the last rank wrote the report: merging again changes nothing
     assert manifest["num_units"] == 2 and manifest["counts"]["responses"] == 2
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
     assert report["cells"][1]["label"] == "chain" and report["cells"][1]["speedup"] > 0
@@ -278,7 +283,8 @@ def test_lossless_check_finds_a_planted_divergence_and_replays_the_decoder_in_fp
     planted divergence to the target's least likely token, at turn 1 of a two-turn prompt: beyond the near-tie
     margin. The fp32 replay re-decodes that prompt with the (correct) decoder, which agrees with AR: the replay
     judges the decoder, not an edited response file (a decoder fault is the next test)."""
-    from eval.stage import Unit, check_lossless, plan_units, read_unit
+    from eval.lossless import check_lossless
+    from eval.units import Unit, plan_units, read_unit
     from eval.prompts import load_benchmark
     from pipeline.target import load_target as load
 

@@ -16,7 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from extract.stage import merge_ranks, repair_extract, run_extract
+from drafter.cli import merge_stage
+from extract.stage import repair_extract, run_extract
 from extract.store import FeatureReader, check_store
 from extract.verify import run_verify
 from pipeline.errors import StageError
@@ -92,7 +93,7 @@ def test_train_refuses_damaged_features_naming_the_file_and_the_repair(clean, tm
         with pytest.raises(StageError, match=r"(?s)damaged.*--repair"):
             run_extract(cfg)
         with pytest.raises(StageError, match=r"(?s)damaged.*--repair"):
-            merge_ranks(cfg)  # not "already merged"
+            merge_stage("extract", cfg)  # not "already merged"
 
 
 @pytest.mark.slow

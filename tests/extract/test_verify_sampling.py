@@ -110,9 +110,9 @@ def test_the_report_names_the_checked_samples_with_shard_and_rank_and_another_se
     write_tokenize_stage(cfg, LENGTHS)
     for r in range(3):
         run_extract(cfg, ranks=RankInfo(r, 3))
-    from extract.stage import merge_ranks
+    from drafter.cli import merge_stage
 
-    merge_ranks(cfg)
+    merge_stage("extract", cfg)
     summaries = {r: read_json(cfg.run_dir / "extract" / "ranks" / f"rank-{r:05d}.json")["units"] for r in range(3)}
     a = run_verify(cfg, against="stored", seed=0)
     printed = capsys.readouterr().out

@@ -62,11 +62,13 @@ def test_samples_and_formats_are_validated(tmp_path):
 
 
 def test_changing_the_number_of_samples_changes_the_config_hash(tmp_path):
+    from pipeline.manifests import CuratedData
     from pipeline.regen.stage import regen_config_record
 
     one = make_config(tmp_path, overrides=["regen.temperature=1.0"])
     three = make_config(tmp_path, overrides=["regen.temperature=1.0", "regen.samples_per_prompt=3"])
-    curated = {"config_hash": "x"}
+    curated = CuratedData(tmp_path / "curate", config_hash="x", fingerprint={}, counts={}, files=[],
+                          train_conversations=None)
     assert regen_config_record(one, curated)[0] != regen_config_record(three, curated)[0]
 
 
