@@ -219,8 +219,9 @@ class RegenConfig:
 @dataclass
 class TokenizeConfig:
     max_len: int = doc("truncate samples to this many tokens (prompt + response)", 3072, ge=16)
-    min_loss_tokens: Optional[int] = doc("drop samples with fewer supervised tokens (None = 2*drafter.block_size)",
-                                         None, ge=1)
+    min_loss_tokens: Optional[int] = doc(
+        "drop samples with fewer supervised tokens (None: only samples with none here; training then skips samples "
+        "with fewer than 2*drafter.block_size, so drafter settings never re-run the data stages)", None, ge=1)
     unstable_template: Literal["split", "drop"] = doc(
         "a multi-turn conversation whose template re-renders earlier turns (Qwen3 with thinking off drops the "
         "empty think block of past turns): 'split' starts a new sample at each such turn, its context the "
@@ -422,7 +423,9 @@ class RunConfig:
 
     @property
     def min_loss_tokens(self) -> int:
-        """Supervised tokens a tokenized sample needs: `tokenize.min_loss_tokens`, else two drafter blocks."""
+        """Supervised tokens a training sample needs (train/data.py `RunPlan` skips the rest):
+        `tokenize.min_loss_tokens`, else two drafter blocks. Tokenize itself drops only below
+        `tokenize.min_loss_tokens` (unset: samples with none), so that no drafter setting is in its config hash."""
         t = self.tokenize.min_loss_tokens
         return t if t is not None else 2 * self.drafter.block_size
 

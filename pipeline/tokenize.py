@@ -22,9 +22,11 @@ end-of-turn id (what the target generated, e.g. `...<|im_end|>`), unsupervised a
 such as the newline after <|im_end|>). A turn cut by max_new_tokens (regen metadata finish 'length')
 keeps its end-of-turn id unsupervised: the target did not write it there.
 
-Then: truncate to `tokenize.max_len`; drop samples with fewer than `tokenize.min_loss_tokens`
-(default 2 * drafter.block_size: `RunConfig.min_loss_tokens`) supervised tokens. Every drop is counted under its reason,
-and every extra sample a split made under `split`: input + split = written + dropped.<reason>.
+Then: truncate to `tokenize.max_len`; drop samples with fewer than `tokenize.min_loss_tokens` supervised tokens
+(unset: samples with none). Two drafter blocks of supervision (`RunConfig.min_loss_tokens`) is a training rule,
+applied by train/data.py `RunPlan`, so that no drafter setting is part of this stage's config hash. Every drop is
+counted under its reason, and every extra sample a split made under `split`: input + split = written +
+dropped.<reason>.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: R
     rows = pq.read_table(regen.shard_path(unit, "parquet")).to_pylist()
     out, drops, examples = [], Counter(), []
     truncated = 0
-    floor, max_len = cfg.min_loss_tokens, cfg.tokenize.max_len
+    floor, max_len = cfg.tokenize.min_loss_tokens or 1, cfg.tokenize.max_len
     split = cfg.tokenize.unstable_template == "split"
     extra = 0  # samples beyond one per conversation, made by splits
 
@@ -239,7 +241,7 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     fingerprint = tokenize_fingerprint(cfg, target)
     check_fingerprint({k: fingerprint[k] for k in ("target", "tokenizer", "enable_thinking")},
                       regenerated.fingerprint, what="the regenerated data (regen stage)", producer="drafter regen")
-    tokenize_settings = {"max_len": cfg.tokenize.max_len, "min_loss_tokens": cfg.min_loss_tokens,
+    tokenize_settings = {"max_len": cfg.tokenize.max_len, "min_loss_tokens": cfg.tokenize.min_loss_tokens,
                          "unstable_template": cfg.tokenize.unstable_template}
     config_hash, settings = config_record(target=cfg.target, tokenize=tokenize_settings,
                                           regen_output=regenerated.config_hash)
