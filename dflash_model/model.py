@@ -298,8 +298,8 @@ def _first_layer_step(layer: DecoderLayer, x: Tensor, ctx: Tensor, ctx_cos: Tens
                       sin: Tensor, mask) -> Tensor:
     """`_layer_step` of the first layer, whose x (the frozen embedding of the block) needs no gradient where every
     later layer's does. A function of its own so that compiled it has its own graphs: sharing one would make each
-    step alternate between two requires_grad guards, and with the shape guards that exhausted torch._dynamo's
-    recompile limit (8) in the first minutes of the 2026-12-02 H200 run."""
+    step alternate between two requires_grad guards, and with the shape guards that exhausts torch._dynamo's
+    recompile limit (8) within minutes of training (docs/benchmarks.md, "quality")."""
     return _layer_step(layer, x, ctx, ctx_cos, ctx_sin, cos, sin, mask)
 
 

@@ -131,8 +131,8 @@ def _group_size() -> int:
 
 
 def barrier() -> None:
-    """Wait for every rank (no-op with one process: NCCL would build a communicator for its first barrier, and the
-    one-GPU recipe's first checkpoint stalled ~20 s on the H200, cause not isolated)."""
+    """Wait for every rank (no-op with one process: NCCL would build a communicator for its first barrier, a stall
+    the one-GPU recipe's first checkpoint showed, docs/benchmarks.md "quality")."""
     if _group_size() > 1:
         torch.distributed.barrier()
 

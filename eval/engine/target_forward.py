@@ -1,17 +1,17 @@
 """The target's verify forward, rebuilt for speed: Llama-family attention targets on the static KV buffer.
 
-HF's forward under a custom 4-D mask costs ~60 kernels per decoder layer (unfused fp32 RMSNorm, rotate-half
-RoPE, a GQA copy of K/V because SDPA with a mask cannot broadcast heads). On a Qwen3-8B shape that is ~8 ms of
-a 12 ms verify even inside a CUDA graph. `VerifyForward` computes the same function with
+HF's forward under a custom 4-D mask runs dozens of small kernels per decoder layer (unfused fp32 RMSNorm,
+rotate-half RoPE, a GQA copy of K/V because SDPA with a mask cannot broadcast heads): most of a verify even inside
+a CUDA graph is not its GEMMs (docs/benchmarks.md, "eval"). `VerifyForward` computes the same function with
 
   * fused projections: q/k/v and gate/up are ONE GEMM each (`fuse_projections` re-points HF's weights at
     row-views of one buffer, so the model itself is unchanged and no memory is added);
   * GQA without a K/V copy: keys/values are read straight from the cache [KVH, kv_len, hd]. The attention is
     chosen by `ATTENTIONS` — by default on CUDA SDPA with enable_gqa under the eval/engine/verify.py mask;
     also SDPA over "folded" queries (the G heads of a KV group laid out along the query axis) and a Triton
-    tree-attention kernel (eval/engine/target_forward_triton.py) that reads the [N, N] ancestor matrix instead of a mask and
-    splits the keys into chunks merged by log-sum-exp (`merge_splits`). All three measured within 0.4 ms of
-    each other at budget 256 on the H200 (docs/benchmarks.md);
+    tree-attention kernel (eval/engine/target_forward_triton.py) that reads the [N, N] ancestor matrix instead of
+    a mask and splits the keys into chunks merged by log-sum-exp (`merge_splits`); docs/benchmarks.md ("eval")
+    compares the three;
   * pointwise work (RMSNorm, q/k norm, RoPE, SiLU*up, residuals) in two functions per layer that
     torch.compile fuses (`compile=True`; weights are arguments, so one compiled graph serves every layer
     and every N).

@@ -18,17 +18,15 @@ same order as the verify did for that node (fp32 stores and reloads in between a
 
 Cost model: the walk is sequential over the N nodes (each step: two l2 norms over d_k, a decay, two reductions
 over d_k on a [d_k, BV] block), parallel over HV * d_v / BV programs (48 * 16 = 768 at the 27B shape, BV = 8 as
-fla's decode kernel). Measured on the H200 before the prefetch below (docs/benchmarks.md, "hybrid"): 25 ms for the
-48 layers at N = 257, ≈ 2 µs a step, so a step waited on its loads (node index, then that node's rows, then a
-forked parent's state) rather than on its arithmetic.
+fla's decode kernel). Without the prefetch below a step waits on its loads (node index, then that node's rows,
+then a forked parent's state) rather than on its arithmetic (docs/benchmarks.md, "hybrid", has the timings).
 
 Prefetch. Each step therefore computes on inputs loaded during the step before and issues the next step's loads
 (and the index of the one after) before its own arithmetic; a reload of a forked parent's state is loaded one step
 early too (safe: that parent is a strict ancestor of the current node, so the current node's own fork store goes to
 a deeper slot). Past the last node the prefetch indices wrap to the root, which never reloads; no load of the
 walk leaves its tensors (tests/eval/test_tree_recurrent_triton.py puts every tensor against an unreadable page).
-Not yet timed on a GPU: its first H200 run (2026-12-02) met the wrap's out-of-bounds reload, since fixed. A
-chunked form over the ancestor mask (UT transform restricted to ancestors) would replace the N sequential steps by
+A chunked form over the ancestor mask (UT transform restricted to ancestors) would replace the N sequential steps by
 matrix products if the walk stays latency-bound.
 
 `walk_order` is torch (fixed shapes, no host sync: CUDA-graph friendly) and runs on any device.
@@ -156,7 +154,7 @@ if triton is not None:
                 # an earlier sibling's subtree ran in between: the parent forked and sits at depth1 - 1 (a strict
                 # ancestor of `node`, so step t's own fork store goes to a deeper slot than this load reads). The
                 # root (depth 0) never reloads: past the last node the walk wraps to it, and its "parent" would be
-                # scratch slot -1, outside the buffer (an illegal address on the H200, 2026-12-02)
+                # scratch slot -1, outside the buffer: an illegal address on a GPU
                 reload1 = (tl.load(parents + nxt) != node) & (depth1 > 0)
                 stored1 = tl.load(scratch + (depth1 - 1) * HV * DK * DV + h_at, mask=tl.where(reload1, h_ok, False),
                                   other=0.0)  # (a scalar & block mask is refused by the interpreter: where)

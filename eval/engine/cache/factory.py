@@ -28,7 +28,7 @@ def target_cache(target, tap_ids: Sequence[int] = (), impl: str = "auto") -> Tar
     recurrent = bool(recurrent_layer_types(target.config))
     if impl == "paths" and not recurrent:
         raise ValueError("cache impl 'paths' (path-batched tree verify) is for hybrid targets only")
-    if impl == "auto":  # on CUDA the graphed verify: 2.5-5x HF's eager forward on a 27B hybrid (docs/benchmarks.md)
+    if impl == "auto":  # on CUDA the graphed verify: HF's eager forward is launch-bound there (docs/benchmarks.md)
         impl = "graphs" if device.type == "cuda" else "dynamic"
     if recurrent and impl == "fused":  # no fused forward for hybrids: HF's forward on the static cache
         impl = "static"

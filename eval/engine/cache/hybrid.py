@@ -23,11 +23,10 @@ along the tree instead (eval/engine/tree_recurrent.py).
   rows attends to the first kv_len = length + N rows rounded up to KV_BUCKET, under a mask built inside the verify
   from the tree's ancestor matrix and the device length; the stacked states keep their addresses across prompts.
   Every shape is then fixed by (N, kv_len), and with `graphs=True` (CUDA) each verify, AR steps included, is
-  captured once as a CUDA graph and replayed: HF's eager hybrid forward is bound by its launches (docs/benchmarks.md,
-  "hybrid": at the Qwen3.6-27B shape on an H200 an AR step 115 -> 22.8 ms, a budget-256 tree verify 122 -> 52.5 ms),
-  so 'auto' picks it on CUDA.
+  captured once as a CUDA graph and replayed: HF's eager hybrid forward is bound by its launches, not the GPU
+  (docs/benchmarks.md, "hybrid"), so 'auto' picks it on CUDA.
 
-`PathBatchedTargetCache` (the reference: the test oracle of the tree-aware verify, and what the H200 benchmark
+`PathBatchedTargetCache` (the reference: the test oracle of the tree-aware verify, and what the hybrid benchmark
 compares it with): every root->leaf path is one row of a batch [P, depth+1] run through HF's own forward from a
 copy of the committed cache (rows cannot leak into each other); each node's logits and taps come from a row that
 holds it, and commit re-runs the accepted path on the committed cache. P*(depth+1) rows and one host read of the
