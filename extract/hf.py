@@ -38,8 +38,8 @@ WRITE_CHUNK_BYTES = 64 << 20  # one pwrite job; several run in parallel on the w
 COMPILE_PROBES = ((2, 64), (1, 48))  # (B, S) of the probe batches: one graph for B >= 2, one for B == 1
 LOOP_MAX_ERROR = 1e-3  # eager layer loop vs forward_taps (the same kernels: expected 0)
 # compiled vs eager: bf16 rounding through fused kernels, summed over every layer: a few percent on real weights
-# (docs/benchmarks.md, "quality", run 1); a wrong graph gives more: a layer step without its residual ~1, one 5 % off ~0.2
-# (tests/extract/test_hf.py).
+# (docs/benchmarks.md, "quality", run 1); a wrong graph gives more: a layer step without its residual ~1, one 5 %
+# off ~0.2 (tests/extract/test_hf.py).
 COMPILED_MAX_ERROR = 0.1
 
 
