@@ -202,7 +202,7 @@ CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch",
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.slow
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
-    run_interpreted(check, MODULE)
+    run_interpreted(check, MODULE, group=tuple(CHECKS))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="guard pages are host memory: the interpreter reads it")

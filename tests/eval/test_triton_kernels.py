@@ -9,6 +9,7 @@ CUDA). Every kernel is also compiled here for an sm_90 GPU (`test_kernel_compile
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -23,11 +24,39 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_interpreted(check: str, module: str = "tests.eval.test_triton_kernels") -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", f"from {module} import {check}; {check}()"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+_INTERPRETED: dict[tuple[str, str], str | None] = {}  # (module, check) -> None (passed) or the failure
+
+
+def run_interpreted(check: str, module: str = "tests.eval.test_triton_kernels", group: tuple[str, ...] = ()) -> None:
+    """`module.check()` in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined, at import).
+
+    The checks of `group` (a file's parametrized checks) run in ONE subprocess the first time any of them is asked
+    for, each reporting its own outcome, so a file pays one Python + torch + Triton start instead of one per check;
+    a check that subprocess did not report (it died on an earlier one) runs again alone, as before."""
+    if (module, check) not in _INTERPRETED:
+        _INTERPRETED.update(_interpret(module, group or (check,), timeout=300 * max(1, len(group))))
+    if (module, check) not in _INTERPRETED:
+        _INTERPRETED.update(_interpret(module, (check,), timeout=300))
+    failure = _INTERPRETED.get((module, check), f"{check}: the interpreter subprocess reported nothing")
+    assert failure is None, failure
+
+
+def _interpret(module: str, checks: tuple[str, ...], timeout: int) -> dict[tuple[str, str], str | None]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    code = (f"import json, traceback\nimport {module} as m\nfor name in {list(checks)!r}:\n"
+            "    try:\n        getattr(m, name)()\n        out = None\n"
+            "    except BaseException:\n        out = traceback.format_exc()[-3000:]\n"
+            "    print('CHECK ' + json.dumps([name, out]), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CHECK "):
+            name, out = json.loads(line[len("CHECK "):])
+            results[(module, name)] = out
+    if proc.returncode != 0 and len(checks) == 1 and (module, checks[0]) not in results:
+        results[(module, checks[0])] = proc.stderr[-3000:]  # it died: its own stderr is the finding
+    return results
 
 
 def check_select_tree_equals_heap(device: str = "cpu"):
@@ -184,7 +213,7 @@ CHECKS = ["check_top_log_probs_equals_torch", "check_compact_path_rows_equals_to
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.slow
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
-    run_interpreted(check)
+    run_interpreted(check, group=tuple(CHECKS))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA (run on the GPU machine)")
