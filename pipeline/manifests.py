@@ -157,6 +157,6 @@ def train_outputs(train_dir: Path) -> TrainedDrafter:
     common, m = stage_outputs(stage)
     tokenizer = field(stage, m, "fingerprint.tokenizer", dict, optional=True) or \
         field(stage, m, "fingerprint.features.tokenizer", dict, optional=True)
-    layer_ids = field(stage, m, "fingerprint.features.layer_ids", list, optional=True)
+    recorded = field(stage, m, "fingerprint.features.layer_ids", list, optional=True) is not None
     return TrainedDrafter(**vars(common), drafter=field(stage, m, "fingerprint.drafter", dict), tokenizer=tokenizer,
-                          layer_ids=None if layer_ids is None else _int_list(stage, m, "fingerprint.features.layer_ids"))
+                          layer_ids=_int_list(stage, m, "fingerprint.features.layer_ids") if recorded else None)

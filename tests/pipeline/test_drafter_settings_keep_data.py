@@ -48,8 +48,9 @@ def test_changing_a_drafter_setting_leaves_tokenize_and_extract_outputs_valid(tm
     reader = FeatureReader(cfg.run_dir / "extract")
     skipped = {}
     for block in (4, 8, 16):
+        needed = make_config(tmp_path, overrides=[f"drafter.block_size={block}"]).min_loss_tokens
         plan = RunPlan.build(reader.ids, reader.lengths, reader.num_loss_tokens, block_size=block,
-                             min_loss_tokens=make_config(tmp_path, overrides=[f"drafter.block_size={block}"]).min_loss_tokens,
+                             min_loss_tokens=needed,
                              budget=1024, world_size=1, grad_accum=1, seed=0, epochs=1, max_steps=None,
                              eval_fraction=0.0, eval_max_samples=None)
         skipped[block] = plan.too_few_loss_tokens
