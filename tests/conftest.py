@@ -38,6 +38,16 @@ def prompt_records(name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: -n 2 --dist loadfile) the files that hold slow tests are handed out first, so
+    that no worker starts a long end-to-end file while the other has nothing left; within a file, and in a run
+    without workers, the order is pytest's."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: every other order is kept
+
+
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
