@@ -36,8 +36,12 @@ demo: setup
 	$(DRAFTER) run --config $(CONFIG) $(ARGS)
 	@echo "report: runs/$$($(PY) -c 'import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).name)' $(CONFIG))/eval/report.md"
 
+# `make test` runs on two pytest-xdist workers, one file per worker at a time (module fixtures stay on one worker;
+# the files with slow tests go first, tests/conftest.py): on 2 cores the slow tier's subprocesses and engines overlap.
+XDIST ?= -n 2 --dist loadfile
+
 test: setup browser
-	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q tests $(ARGS)
+	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q $(XDIST) tests $(ARGS)
 
 test-fast: setup
 	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q -m "not slow" tests $(ARGS)

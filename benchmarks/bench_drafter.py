@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.blocks import build_block_batch, dense_block_mask, flex_block_mask, sample_anchors  # noqa: E402
+from dflash_model.blocks import build_block_batch, dense_block_mask, flex_block_mask, sample_anchors  # noqa: E402
 from train.loss import dflash_loss  # noqa: E402
-from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
+from dflash_model.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
 PRESETS = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=320, taps=3, block=8,

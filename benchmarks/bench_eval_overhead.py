@@ -1,6 +1,6 @@
 """Per-round cost of DDTree around the target forward, and of the verify forward itself, per budget.
 
-What runs is the decoder's own code (eval.decode round helpers, eval.target_cache target caches) on a random-init target
+What runs is the decoder's own code (eval.engine.decode round helpers, eval.engine.cache.interface target caches) on a random-init target
 of the real shape (weights do not change the speed) with a random-init DFlash drafter:
 
   build+mask   tree build on the device (top-K, best-first selection) + verify positions + ancestor matrix
@@ -12,7 +12,7 @@ of the real shape (weights do not change the speed) with a random-init DFlash dr
   overhead     the three in ONE timed region, as a round runs them (one sync: the read)
                (reference, DDTree authors' code on H200: 0.89 / 1.02 / 1.52 / 4.28 ms at budgets 16/64/256/1024)
   verify       the target forward over 1+n rows with ~`--past` committed rows: the decoder's default on CUDA
-               (static KV + eval.target_forward fused forward + Triton tree attention + CUDA graphs), then
+               (static KV + eval.engine.target_forward fused forward + Triton tree attention + CUDA graphs), then
                HF's forward on the static KV in CUDA graphs, static KV eager, and the dynamic-cache reference path
                (reference code: ~29 ms up to budget 256, 48 ms at 1024)
   round        end-to-end decode: decode wall time / rounds (includes the drafter), phase timing off
@@ -42,12 +42,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eval.kv_cache import KVTargetCache  # noqa: E402
-from eval.caches import target_cache  # noqa: E402
-from eval.decode import decode, round_ops, warm_up  # noqa: E402
-from eval.tree import build_tree, build_tree_heap  # noqa: E402
+from eval.engine.cache.kv import KVTargetCache  # noqa: E402
+from eval.engine.cache.factory import target_cache  # noqa: E402
+from eval.engine.decode import decode, round_ops, warm_up  # noqa: E402
+from eval.engine.tree import build_tree, build_tree_heap  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402
-from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
+from dflash_model.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
 SHAPES = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
@@ -272,7 +272,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens of the end-to-end decode per budget (0 = skip)")
     ap.add_argument("--skip-reference", action="store_true", help="skip the eager-static and dynamic verify columns")
-    ap.add_argument("--attention", default="auto", help="eval.target_forward.ATTENTIONS mode of the fused verify")
+    ap.add_argument("--attention", default="auto", help="eval.engine.target_forward.ATTENTIONS mode of the fused verify")
     ap.add_argument("--draft", choices=["drafter", "two-way"], default="drafter",
                     help="draft logits of the overhead columns: the random drafter's (its trees are one level deep: "
                          "pruning skips the deeper depths), or two likely tokens per depth (every depth selects)")

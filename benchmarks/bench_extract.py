@@ -175,7 +175,7 @@ def write_tokens(run_dir: Path, lengths: np.ndarray, vocab: int, seed: int = 0):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.runner import StageDir
+    from pipeline.stage_dir import StageDir
 
     stage = StageDir(run_dir, "tokenize")
     stage.shards.mkdir(parents=True, exist_ok=True)
@@ -264,7 +264,7 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
     from extract.hf import plan_batches
     from extract.stage import ExtractContext, extract_units, plan_units, read_tokenized_index, screen_index
     from pipeline.config import load_config
-    from pipeline.runner import StageDir
+    from pipeline.stage_dir import StageDir
 
     cfg = bench_config(args, model, device, storage_dtype, out_dir)
     tok = write_tokens(cfg.run_dir, lengths, model.config.get_text_config().vocab_size)
@@ -280,7 +280,7 @@ def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndar
     ctx = ExtractContext(location="bench", layer_ids=layer_ids, tap_ids=list(layer_ids),
                          num_layers=text.num_hidden_layers, hidden_size=hidden, vocab_rows=text.vocab_size,
                          fingerprint={"layer_ids": layer_ids, "hidden_size": hidden, "storage_dtype": storage_dtype},
-                         config_hash="bench", settings={}, tok_stage=tok, tok_manifest={})
+                         config_hash="bench", settings={}, tok_stage=tok)
     stage = StageDir(cfg.run_dir, "extract")
     stage.begin("bench", force=True)
     # warm-up (kernels, allocator, pinned buffers): one batch of the longest samples, written to a scratch unit

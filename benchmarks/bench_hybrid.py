@@ -13,7 +13,7 @@ initialised directly on the device in the compute dtype:
 Hybrid, with `--past` committed rows (a prefill of that many tokens), taps = 5 layers (extract.layers default):
   ar_step_ms              decode('ar') wall time per round (HF's one-token step, fla's recurrent kernel)
   chain_verify_ms         the verify forward over a 16-row chain (root + 15 drafted), the default hybrid cache
-  tree_verify_ms[b]       the tree-aware verify (eval/recurrent_cache.py HybridTargetCache) of the budget-b tree
+  tree_verify_ms[b]       the tree-aware verify (eval/engine/cache/hybrid.py HybridTargetCache) of the budget-b tree
   path_batched_verify_ms  the same tree path by path (PathBatchedTargetCache, the reference); skipped with a
                           recorded reason when its replicated cache would not fit in free GPU memory
   overhead_ms[b]          build + walk + the one read + commit (K/V compaction and every Gated-DeltaNet layer's
@@ -59,11 +59,11 @@ from benchmarks.bench_eval_overhead import SHAPES as ATTENTION_SHAPES  # noqa: E
 from benchmarks.bench_eval_overhead import deepest_path, two_way_draft  # noqa: E402
 from benchmarks.bench_extract import (disk_bandwidth, flops_per_token, length_mix, matmul_rate,  # noqa: E402
                                       run_pipeline)
-from eval.decode import decode, round_ops, warm_up  # noqa: E402
-from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache  # noqa: E402
-from eval.caches import target_cache  # noqa: E402
-from eval.tree import chain_tree  # noqa: E402
-from eval.tree_recurrent import tree_walk  # noqa: E402
+from eval.engine.decode import decode, round_ops, warm_up  # noqa: E402
+from eval.engine.cache.hybrid import HybridTargetCache, PathBatchedTargetCache  # noqa: E402
+from eval.engine.cache.factory import target_cache  # noqa: E402
+from eval.engine.tree import chain_tree  # noqa: E402
+from eval.engine.tree_recurrent import tree_walk  # noqa: E402
 from extract.layers import default_layer_ids  # noqa: E402
 from extract.store import bytes_per_token  # noqa: E402
 from pipeline.cuda_graphs import host_syncs  # noqa: E402
@@ -361,7 +361,7 @@ def count_syncs(cache, ops, logits, bonus, path_t, n, device, rewind) -> tuple[i
 def gdn_walk(cache, tree, device, iters) -> float:
     """Median ms of the tree conv + walk of every Gated-DeltaNet layer on random rows of the layer's shape (what
     the tree-aware verify adds over a plain forward; the Triton kernels on CUDA, torch on CPU)."""
-    from eval import tree_recurrent, tree_recurrent_triton
+    from eval.engine import tree_recurrent, tree_recurrent_triton
 
     layer = cache.linear[0][1]
     HK, HV, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
@@ -499,7 +499,7 @@ def main(argv=None) -> int:
                     help="profile the overhead region at the largest budget: top operators by device / host time")
     ap.add_argument("--cache", choices=["dynamic", "static", "graphs"], default="dynamic",
                     help="the hybrid verify's cache: HF's dynamic cache (the default), the static K/V buffer, or the "
-                         "static buffer with every verify a CUDA graph (eval/recurrent_cache.py)")
+                         "static buffer with every verify a CUDA graph (eval/engine/cache/hybrid.py)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"

@@ -8,7 +8,7 @@
 
 `prepare` writes a tokenize-stage directory of random token ids (benchmarks/bench_extract.py's lognormal length
 mix and writer) and the settings every later step reads (settings.json), so all ranks plan the same units.
-`rank` finds its rank the way `drafter extract` does (pipeline.runner.rank_from_env: --rank flags, torchrun
+`rank` finds its rank the way `drafter extract` does (pipeline.stage_dir.rank_from_env: --rank flags, torchrun
 RANK/WORLD_SIZE, SLURM_ARRAY_TASK_ID/COUNT, SLURM_PROCID/NTASKS), builds a random-init target of the named shape
 on its device (bench_extract.build_target: weights do not change the speed), takes `units_for_rank` of the
 stage's deterministic plan and runs the stage's own code (`extract.stage.extract_units` -> `extract.hf.HFExtractor`
@@ -82,7 +82,7 @@ def plan(s: dict):
     """(cfg, ExtractContext, extract StageDir, TokenizedIndex, units): identical on every rank and in the merge."""
     from extract.layers import LAYER_CONVENTION, default_layer_ids
     from extract.stage import ExtractContext, plan_units, read_tokenized_index, screen_index
-    from pipeline.runner import StageDir
+    from pipeline.stage_dir import StageDir
 
     cfg = stage_config(s, s.get("device", "cpu"))
     layers, hidden, vocab = s["num_layers"], s["hidden_size"], s["vocab_size"]
@@ -92,8 +92,7 @@ def plan(s: dict):
     tok = StageDir(cfg.run_dir, "tokenize")
     ctx = ExtractContext(location=f"bench:{s['shape']}", layer_ids=layer_ids, tap_ids=list(layer_ids),
                          num_layers=layers, hidden_size=hidden, vocab_rows=vocab, fingerprint=fingerprint,
-                         config_hash=f"bench-{s['shape']}-{s['storage_dtype']}", settings={}, tok_stage=tok,
-                         tok_manifest={})
+                         config_hash=f"bench-{s['shape']}-{s['storage_dtype']}", settings={}, tok_stage=tok)
     index = read_tokenized_index(tok)
     keep, _, _ = screen_index(index)
     units = plan_units(index.lengths, keep, s["shard_tokens"])
@@ -115,7 +114,7 @@ def read_settings(work_dir: Path) -> dict:
 def prepare(a) -> dict:
     """Fresh work dir: tokenized input of `tokens_per_rank * world_size` tokens + settings.json."""
     from extract.store import bytes_per_token
-    from pipeline.runner import atomic_write_json
+    from pipeline.files import atomic_write_json
 
     work = Path(a.work_dir).resolve()
     shutil.rmtree(work / "bench", ignore_errors=True)
@@ -157,7 +156,7 @@ def prepare(a) -> dict:
 def wait_for_all(work: Path, rank: int, world: int, timeout: float) -> None:
     """File barrier: announce this rank ready, return once all `world` ranks are (array tasks share no process
     group). Gives up when another rank has failed (work/failed/) or after `timeout` seconds."""
-    from pipeline.runner import atomic_write_text
+    from pipeline.files import atomic_write_text
 
     ready = work / "ready"
     atomic_write_text(ready / f"rank-{rank:05d}", str(time.time()))
@@ -177,7 +176,8 @@ def run_rank(a) -> dict:
     from extract.hf import HFExtractor, plan_batches
     from extract.stage import extract_units, read_samples
     from pipeline.log import progress
-    from pipeline.runner import atomic_write_json, rank_from_env, units_for_rank
+    from pipeline.files import atomic_write_json
+    from pipeline.stage_dir import rank_from_env, units_for_rank
 
     work = Path(a.work_dir).resolve()
     s = read_settings(work)
@@ -343,7 +343,8 @@ def main(argv=None) -> int:
         try:
             run_rank(a)
         except BaseException as e:  # tell the ranks waiting at the start barrier
-            from pipeline.runner import atomic_write_text, rank_from_env
+            from pipeline.files import atomic_write_text
+            from pipeline.stage_dir import rank_from_env
 
             try:
                 r = rank_from_env(a.rank, a.world_size).rank

@@ -43,7 +43,7 @@ from benchmarks.bench_train import SHAPES, device_features_fn, make_args, make_d
 def run(a) -> dict | None:
     """Build the engine, time `a.steps` optimizer steps after `a.warmup`, check replicas. The row (rank 0) or None."""
     from pipeline.config import TrainConfig
-    from pipeline.runner import StageError
+    from pipeline.errors import StageError
     from train.distributed import barrier, init_distributed
     from train.engine import TrainForward, build_engine, compile_layers
     from train.loss import default_gamma

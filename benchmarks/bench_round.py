@@ -1,5 +1,5 @@
 """The whole speculative round at steady state against one AR step: drafter, tree build + walk, verify, as
-`eval.decode.decode` runs them, after `eval.decode.warm_up` has captured every CUDA graph the decodes use.
+`eval.engine.decode.decode` runs them, after `eval.engine.decode.warm_up` has captured every CUDA graph the decodes use.
 
 Two modes, one command each:
 
@@ -47,10 +47,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_eval_overhead import build_target  # noqa: E402
-from eval.decode import decode, warm_up  # noqa: E402
+from eval.engine.decode import decode, warm_up  # noqa: E402
 from pipeline.config import BenchmarkConfig, load_config  # noqa: E402
 from pipeline.cuda_graphs import GRAPH_LOG, host_syncs  # noqa: E402
-from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
+from dflash_model.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
 RECIPES = {"qwen3-8b": "configs/qwen3-8b.yaml", "tiny": "configs/tiny.yaml"}  # the drafter recipe of each shape
 
@@ -190,7 +190,7 @@ def profile_drafter(drafter: DFlashDrafter, past: int, steps: int, device: torch
     sync after it, and the lower bound weight bytes / copy bandwidth."""
     from torch.profiler import ProfilerActivity, profile
 
-    from eval.draft_forward import STEP_FNS, DraftForward
+    from eval.engine.draft_forward import STEP_FNS, DraftForward
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -274,7 +274,7 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)
     if args.export:
-        from eval.stage import load_drafter
+        from eval.drafter_inputs import load_drafter
         from pipeline.target import load_target, open_target
 
         if not args.config:

@@ -146,7 +146,7 @@ class Result:
 
 
 def make_args(shape: dict):
-    from train.model import DrafterArgs
+    from dflash_model.model import DrafterArgs
 
     n = shape["taps"]
     L = shape["target_layers"]
@@ -159,7 +159,7 @@ def make_args(shape: dict):
 
 
 def make_drafter(args, device, dtype, *, attach: bool = True):
-    from train.model import DFlashDrafter
+    from dflash_model.model import DFlashDrafter
 
     torch.manual_seed(0)
     with torch.device(device):

@@ -36,16 +36,16 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from eval.decode import decode, warm_up  # noqa: E402
+from eval.engine.decode import decode, warm_up  # noqa: E402
 from eval.prompts import load_benchmark  # noqa: E402
 from eval.vllm_serving import logits_on_served_contexts, near_tie_flips, relative_error, semantics_check, serve  # noqa: E402
 from extract.layers import configured_layer_ids  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
 from pipeline.target import load_target, load_tokenizer, materialize_target  # noqa: E402
-from train.blocks import FULL, SLIDING  # noqa: E402
-from train.export import export_zlab, load_zlab  # noqa: E402
-from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
+from dflash_model.blocks import FULL, SLIDING  # noqa: E402
+from dflash_model.export import export_zlab, load_zlab  # noqa: E402
+from dflash_model.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_eval_overhead import SHAPES, build_drafter, build_target  # noqa: E402
-from eval.kv_cache import KVTargetCache  # noqa: E402
-from eval.caches import target_cache  # noqa: E402
-from eval.decode import round_ops  # noqa: E402
-from eval.target_forward import VerifyForward  # noqa: E402
-from eval.tree import build_tree, build_tree_heap, top_log_probs  # noqa: E402
+from eval.engine.cache.kv import KVTargetCache  # noqa: E402
+from eval.engine.cache.factory import target_cache  # noqa: E402
+from eval.engine.decode import round_ops  # noqa: E402
+from eval.engine.target_forward import VerifyForward  # noqa: E402
+from eval.engine.tree import build_tree, build_tree_heap, top_log_probs  # noqa: E402
 
 
 def gpu_ms(fn, iters: int = 20) -> float:
@@ -216,12 +216,12 @@ def main() -> None:
               f"walk graph {gpu_ms(lambda: gops.walk(tree, anc, out.logits, None, out.features)):.3f} ms GPU")
         print(f"selection configs at budget {budget} (candidates per program, keys per step, warps): GPU ms of "
               f"build_tree in a CUDA graph")
-        from eval import triton_kernels
-        default = triton_kernels.SELECT_CONFIG
+        from eval.engine import tree_triton
+        default = tree_triton.SELECT_CONFIG
         bf16_logits = draft_logits.to(torch.bfloat16)
         for cfg in ((2, 1024, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 2), (8, 1024, 4), (8, 2048, 8),
                     (16, 1024, 4), (32, 512, 4)):
-            triton_kernels.SELECT_CONFIG = cfg
+            tree_triton.SELECT_CONFIG = cfg
             try:
                 ms = graph_ms(lambda: build_tree(bf16_logits, budget, bonus))
                 same = all(torch.equal(x, y) for x, y in zip(
@@ -230,7 +230,7 @@ def main() -> None:
                 print(f"  {cfg}: {ms:.4f} ms, = heap: {same}")
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not a crash
                 print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
-        triton_kernels.SELECT_CONFIG = default
+        tree_triton.SELECT_CONFIG = default
         for b in (16, 64, 256, 1024):
             k = min(b, vocab)
             t_top = gpu_ms(lambda: top_log_probs(draft_logits.to(torch.bfloat16), k))

@@ -4,7 +4,7 @@
     drafter curate   --config configs/tiny.yaml
     drafter regen    --config configs/smollm2-135m.yaml regen.max_samples=64   (regenerate, then tokenize)
     drafter regen    --config ... --rank R --world-size W, then: drafter regen --merge --config ...
-    drafter tokenize --config ...
+    drafter tokenize --config ... [--rank R --world-size W], then: drafter tokenize --merge --config ...
     drafter extract  --config ... [--rank R --world-size W] | --merge | --verify [--seed S] | --repair
     drafter train    --config ...          (torchrun --nproc-per-node 8 -m drafter.cli train ... for many GPUs)
     drafter eval     --config ... [--rank R --world-size W], then: drafter eval --merge --config ...
@@ -24,9 +24,11 @@ import re
 import sys
 
 from pipeline.config import ConfigError, RunConfig, load_config
-from pipeline.runner import RankInfo, StageError, rank_from_env
+from pipeline.errors import StageError
+from pipeline.stage_dir import RankInfo, StageDir, merge_ranks, rank_from_env
 
 STAGES = ("curate", "regen", "tokenize", "extract", "train", "eval")
+SPLIT_STAGES = ("regen", "tokenize", "extract", "eval")  # units sliced over ranks; `--merge` finishes a split run
 
 
 def _stage_fn(name: str):
@@ -47,8 +49,30 @@ def _stage_fn(name: str):
     return fn
 
 
+def _unit_names_fn(name: str):
+    """`<stage module>.unit_names(cfg)`: every unit of a split stage's run, in the order ranks slice them."""
+    if name == "regen":
+        from pipeline.regen.stage import unit_names as fn
+    elif name == "tokenize":
+        from pipeline.tokenize import unit_names as fn
+    elif name == "extract":
+        from extract.stage import unit_names as fn
+    elif name == "eval":
+        from eval.stage import unit_names as fn
+    else:
+        raise KeyError(name)
+    return fn
+
+
+def merge_stage(name: str, cfg: RunConfig) -> dict:
+    """`drafter <stage> --merge` after a split run: the manifest once every rank's units are done, refused (naming
+    the missing units) before. One rule for every split stage: `pipeline.stage_dir.merge_ranks`."""
+    return merge_ranks(StageDir(cfg.run_dir, name), _unit_names_fn(name)(cfg), lambda: _stage_fn(name)(cfg))
+
+
 def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:
-    """Run one stage. Every stage function has the signature fn(cfg, *, force, ranks) -> manifest dict.
+    """Run one stage: `run_<stage>(cfg, *, force, ranks) -> dict` (docs/design.md, "Stage contract"), which returns
+    the manifest, or a rank's summary while a split run is not complete.
 
     The resolved config is saved beside the stage's output (`runs/<run>/<stage>/config.yaml`) when the stage ran;
     the re-run of a finished stage is a no-op that writes nothing (it works on a read-only copy of the run).
@@ -127,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = command(name)
         _config_args(p)
         _run_args(p)
-    for split_stage in ("regen", "extract", "eval"):
+    for split_stage in SPLIT_STAGES:
         sub.choices[split_stage].add_argument(
             "--merge", action="store_true", help="after a split run (--world-size > 1): check every unit is done, write the manifest")
     ext = sub.choices["extract"]
@@ -235,21 +259,10 @@ def _dispatch(args) -> int:
 
         repair_extract(cfg)
         return 0
-    if args.command == "extract" and args.merge:
-        from extract.stage import merge_ranks
-
-        merge_ranks(cfg)
-        return 0
-    if args.command == "eval" and args.merge:
-        from eval.stage import merge_ranks
-
-        merge_ranks(cfg)
-        return 0
-    if args.command == "regen" and args.merge:
-        from pipeline.regen.stage import merge_ranks
-
-        merge_ranks(cfg)
-        run_stage("tokenize", cfg)  # what a single-rank `drafter regen` does next
+    if getattr(args, "merge", False):
+        merge_stage(args.command, cfg)
+        if args.command == "regen":
+            run_stage("tokenize", cfg)  # what a single-rank `drafter regen` does next
         return 0
     if args.command == "run":
         for name in STAGES:

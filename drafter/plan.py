@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.config import RunConfig
-from pipeline.runner import StageDir, human_bytes
+from pipeline.files import human_bytes
+from pipeline.manifests import curate_outputs, tokenize_outputs
+from pipeline.stage_dir import StageDir
 
 
 @dataclass(frozen=True)
@@ -148,18 +150,16 @@ def source_records(cfg: RunConfig) -> tuple[int, list[str]]:
 
 
 def _curated_count(cfg: RunConfig) -> int | None:
-    stage = StageDir(cfg.run_dir, "curate")
-    if stage.is_complete():
-        return stage.manifest()["counts"].get("train")
+    if StageDir(cfg.run_dir, "curate").is_complete():
+        return curate_outputs(cfg.run_dir).train_conversations
     return None
 
 
 def _measured_tokens(cfg: RunConfig) -> tuple[int, int] | None:
-    stage = StageDir(cfg.run_dir, "tokenize")
-    if stage.is_complete():
-        c = stage.manifest()["counts"]
-        if c.get("written") and c.get("tokens"):
-            return c["written"], c["tokens"]
+    if StageDir(cfg.run_dir, "tokenize").is_complete():
+        tokenized = tokenize_outputs(cfg.run_dir)
+        if tokenized.samples and tokenized.tokens:
+            return tokenized.samples, tokenized.tokens
     return None
 
 

@@ -16,9 +16,9 @@ says what happened: gap <= margin -> a near-tie (rounding picked one of two equa
 is 0.125), summed over a verify forward's rounding: 0.5 logits. A real bug (a wrong position, mask or KV row) moves
 the chosen token's logit by whole units, far past it.
 
-A fixed margin still has a tail: a 256-node tree verify rounds differently from AR's one-row step, and on the H200
-SmolLM2's bf16 verify left AR at gaps of 0.51 in 3 of 240 responses (docs/benchmarks.md). So a divergence beyond the
-margin is decided by a replay (`fp32_replay`): AR and the method decode the same prompt again in fp32, through the
+A fixed margin still has a tail: a 256-node tree verify rounds differently from AR's one-row step, and bf16 verifies
+leave AR just past the margin now and then (docs/benchmarks.md, "quality", lossless check). So a divergence beyond
+the margin is decided by a replay (`fp32_replay`): AR and the method decode the same prompt again in fp32, through the
 divergence, on the same device and decode path. Rounding does not survive fp32 (the two agree); a bug in the
 decoder does (they differ again). The report shows "identical" beside "identical or rounding" (near-ties and
 divergences the fp32 replay did not reproduce); the second must be 100 %. The replay checks the decoder, not a
@@ -30,11 +30,20 @@ prompts of each benchmark decoded whole in fp32 by AR and by the method, where i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
+
+from eval import conversation
+from eval.metrics import ResponseRecord
+from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids
+from eval.units import Unit
+from pipeline.config import RunConfig
+from pipeline.log import get_logger
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+log = get_logger("eval")
 
 NEAR_TIE_MARGIN = 0.5
 
@@ -120,7 +129,7 @@ def fp32_logits_at(target) -> Callable[[list[int]], "Tensor"]:
 
 def fp32_replay(decode: Callable[..., object], target, drafter, method: str, budget: int | None,
                 stop_token_ids: Sequence[int] = (), cache_impl: str = "auto") -> Callable[[list[int], int], str]:
-    """replay for `classify`: AR and `method` decode `n` tokens of the prompt with `decode` (eval.decode.decode)
+    """replay for `classify`: AR and `method` decode `n` tokens of the prompt with `decode` (eval.engine.decode.decode)
     on `target` / `drafter` (both fp32; the verify path `cache_impl`, the eval's) and are compared. Never raises: a
     replay that cannot run says why."""
 
@@ -170,3 +179,102 @@ def fp32_subset_summary(outcomes: Sequence[str], prompt_ids: Sequence[str], max_
     return {"prompts": n, "max_new_tokens": max_new_tokens,
             "identical": (n - len(bad)) / n if n else None,
             "not_identical": [{"prompt_id": pid, "outcome": o} for pid, o in bad]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The check over an eval run's responses
+# ----------------------------------------------------------------------------------------------
+
+
+def check_lossless(cfg: RunConfig, by_unit: dict[Unit, list[ResponseRecord]], benchmarks: dict[str, LoadedBenchmark],
+                   tokenizer, location: str) -> dict[str, dict] | None:
+    """unit name -> `eval.lossless.lossless_summary` of its responses against AR's, at temperature 0.
+
+    Per prompt the first turn that differs from AR's is classified (`eval.lossless.classify`, fp32 logits of the
+    target at the divergence); later turns of that prompt follow a different history and are not compared. A
+    divergence beyond the near-tie margin is replayed in fp32 (`eval.lossless.fp32_replay`: AR and the unit's method
+    decode that prompt again through the divergence, with the fp32 target and drafter on the target's device). The
+    fp32 target is loaded only when some response differs or eval.fp32_subset asks for it, the fp32 drafter only
+    when a replay or the subset needs it. eval.fp32_subset = N: the first N prompts of each benchmark (first turn)
+    are decoded whole in fp32 by AR and each method (`eval.lossless.fp32_subset_summary`: identical must be 1.0)."""
+    e = cfg.eval
+    if not e.lossless_check or e.temperature != 0:
+        return None
+    todo: dict[str, list[tuple[ResponseRecord, ResponseRecord]]] = {}
+    for u, recs in by_unit.items():
+        ar = by_unit.get(Unit(u.benchmark, "ar"))
+        if ar is None or u.method == "ar":
+            continue
+        ar_by = {(r.prompt_id, r.turn): r for r in ar}
+        first: dict[str, tuple[ResponseRecord, ResponseRecord]] = {}
+        for r in sorted(recs, key=lambda r: r.turn):
+            a = ar_by.get((r.prompt_id, r.turn))
+            if a is not None and a.output_ids != r.output_ids and r.prompt_id not in first:
+                first[r.prompt_id] = (a, r)
+        todo[u.name] = list(first.values())
+    if not any(todo.values()) and not e.fp32_subset:
+        return {u.name: lossless_summary(len(recs), []) for u, recs in by_unit.items() if u.name in todo}
+    import torch
+
+    from eval.drafter_inputs import drafter_dir, load_drafter
+    from eval.engine.decode import decode
+    from pipeline.target import load_target
+
+    target = load_target(location, replace(cfg.target, dtype="float32")).eval()
+    logits_at = fp32_logits_at(target)
+    fp32_drafter: list = []  # loaded at the first replay
+
+    def replay_for(u: Unit):
+        def replay(prompt_ids: list[int], n: int) -> str:
+            if not fp32_drafter:
+                fp32_drafter.append(load_drafter(drafter_dir(cfg), target, target.device)[0])
+            run = fp32_replay(decode, target, fp32_drafter[0], u.method, u.budget,
+                              conversation.stop_token_ids(tokenizer, target), cache_impl=e.target_cache)
+            return run(prompt_ids, n)
+        return replay
+
+    def first_turn_ids(p: EvalPrompt) -> list[int]:
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}],
+                               enable_thinking=cfg.target.enable_thinking)
+
+    prompts = {p.id: p for b in benchmarks.values() for p in b.prompts}
+    out = {}
+    with torch.inference_mode():
+        for u, recs in by_unit.items():
+            if u.name not in todo:
+                continue
+            found = []
+            for a, r in todo[u.name]:
+                messages = []
+                for turn, user in enumerate(prompts[r.prompt_id].turns[: r.turn + 1]):
+                    messages.append({"role": "user", "content": user})
+                    if turn < r.turn:  # earlier turns are identical to AR's: the same history
+                        messages.append({"role": "assistant",
+                                         "content": tokenizer.decode(_earlier_output(by_unit, u, r, turn),
+                                                                     skip_special_tokens=True)})
+                ids = chat_prompt_ids(tokenizer, messages, enable_thinking=cfg.target.enable_thinking)
+                found.append(classify(r.prompt_id, r.turn, ids, a.output_ids, r.output_ids, logits_at,
+                                      replay=replay_for(u)))
+            out[u.name] = lossless_summary(len(recs), found)
+            s = out[u.name]
+            if e.fp32_subset:
+                subset = benchmarks[u.benchmark].prompts[: e.fp32_subset]
+                replay = replay_for(u)
+                s["fp32_subset"] = fp32_subset_summary([replay(first_turn_ids(p), e.max_new_tokens) for p in subset],
+                                                       [p.id for p in subset], e.max_new_tokens)
+                if s["fp32_subset"]["not_identical"]:
+                    log.warning("%s: in fp32, %d of %d subset prompts decode differently from AR (a bug): e.g. %s",
+                                u.name, len(s["fp32_subset"]["not_identical"]), len(subset),
+                                s["fp32_subset"]["not_identical"][0])
+            if s["not_near_tie"]:
+                log.info("%s: %d of %d divergences from AR lie beyond the near-tie margin; the fp32 replay agrees with "
+                         "AR on %d (rounding)", u.name, s["not_near_tie"], s["divergences"], s["fp32_replay_identical"])
+            if s["bugs"]:
+                log.warning("%s: %d responses leave AR's output and the fp32 replay does not put them back (a bug): "
+                            "e.g. %s", u.name, s["bugs"], s["bug_examples"][0])
+    del target, fp32_drafter
+    return out
+
+
+def _earlier_output(by_unit: dict, unit: Unit, r: ResponseRecord, turn: int) -> list[int]:
+    return next(x.output_ids for x in by_unit[unit] if x.prompt_id == r.prompt_id and x.turn == turn)

@@ -7,7 +7,7 @@ The formats are those of `z-lab/dflash: dflash/benchmark.py` (also used by `lira
     math       "{problem}\\nPlease reason step by step, and put your final answer within \\\\boxed{}."
     humaneval  "Write a solution to the following problem and make sure that it passes the tests:\\n```python\\n{prompt}\\n```"
     mt_bench   the record's `turns` as they are (two user turns; the second is asked after the target's own
-               first answer, see `eval.stage.run_conversation`)
+               first answer, see `eval.conversation.run_conversation`)
     alpaca     "{instruction}" or "{instruction}\\n\\n{input}" (Stanford-Alpaca seed tasks: the first instance's input)
 
 Prompts are the first `num_samples` valid records of the file, in file order (deterministic, no shuffle).

@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipeline.runner import atomic_write_json, atomic_write_text, read_json
+from pipeline.files import atomic_write_json, atomic_write_text, read_json
 
 DASH = "—"
 REPORT_FILES = ("report.json", "report.md", "report.html")  # what write_report writes

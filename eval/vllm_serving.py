@@ -158,7 +158,7 @@ def near_tie_flips(pairs) -> tuple[int, list]:
 
 def with_semantics(drafter, target, **changes):
     """The same weights under other attention settings (`DrafterArgs` fields: layer_types / sliding_window)."""
-    from train.model import DFlashDrafter
+    from dflash_model.model import DFlashDrafter
 
     other = DFlashDrafter(replace(drafter.args, **changes)).to(next(drafter.parameters()))
     other.load_state_dict(drafter.state_dict())
@@ -170,7 +170,7 @@ def nearest_wrong_semantics(args) -> dict[str, dict]:
     """The attention settings one mistake away from ``args`` (`DrafterArgs`), by name: a window one shorter / one
     longer, the sliding layers run as full (bidirectional) attention; a drafter of full layers only: run causally
     (a window longer than any sequence)."""
-    from train.blocks import FULL, SLIDING
+    from dflash_model.blocks import FULL, SLIDING
 
     types = list(args.layer_types)
     if SLIDING not in types:

@@ -37,9 +37,9 @@ log = get_logger("extract.hf")
 WRITE_CHUNK_BYTES = 64 << 20  # one pwrite job; several run in parallel on the writer threads
 COMPILE_PROBES = ((2, 64), (1, 48))  # (B, S) of the probe batches: one graph for B >= 2, one for B == 1
 LOOP_MAX_ERROR = 1e-3  # eager layer loop vs forward_taps (the same kernels: expected 0)
-# compiled vs eager: bf16 rounding through fused kernels, summed over every layer. On SmolLM2-135M's real weights
-# (30 layers, random-token probes, H200) it reached 3.3e-2 and 5.5e-2 in two processes (docs/benchmarks.md); a wrong
-# graph gives more: a layer step without its residual ~1, one 5 % off ~0.2 (tests/extract/test_hf.py).
+# compiled vs eager: bf16 rounding through fused kernels, summed over every layer: a few percent on real weights
+# (docs/benchmarks.md, "quality", run 1); a wrong graph gives more: a layer step without its residual ~1, one 5 %
+# off ~0.2 (tests/extract/test_hf.py).
 COMPILED_MAX_ERROR = 0.1
 
 

@@ -7,8 +7,9 @@ Steps (the stage contract of docs/design.md):
      the same plan and takes ``units_for_rank`` of it;
   3. for each unit not done: read its samples, drop bad ones (counted with a reason), write the shard in
      place inside an ``AtomicFile`` (temp + fsync + rename), then the sidecar with sha256 and counts;
-  4. one rank: write index.parquet + manifest.  Several ranks: ``drafter extract --merge`` does that once
-     every unit is done.
+  4. one rank: write index.parquet + manifest.  Several ranks: each stops after its units (returning its rank
+     summary), and ``drafter extract --merge`` writes them once every unit is done (the index is built once, by one
+     process, not by whichever ranks happen to finish together).
 
 ``drafter extract --repair`` (`repair_extract`) re-extracts only the units whose shard fails its checks and
 rebuilds the index and manifest; a finished extraction whose files fail their size/header checks is refused
@@ -32,10 +33,10 @@ from extract.layers import LAYER_CONVENTION, configured_layer_ids, stored_tap_id
 from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, check_store, damaged, finalize_store
 from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
-from pipeline.runner import (
-    AtomicFile, RankInfo, StageDir, StageError, acquire_lock, atomic_write_json, check_fingerprint, human_bytes,
-    input_ref, read_json, release_locks, units_for_rank,
-)
+from pipeline.errors import StageError
+from pipeline.files import AtomicFile, human_bytes, read_json
+from pipeline.manifests import tokenize_outputs
+from pipeline.stage_dir import RankInfo, StageDir, acquire_lock, check_fingerprint, release_locks, units_for_rank
 
 log = get_logger("extract")
 
@@ -172,7 +173,7 @@ def check_sample(input_ids: np.ndarray, loss_mask: np.ndarray, vocab_rows: int) 
 
 
 # ----------------------------------------------------------------------------------------------
-# Context shared by run, merge and verify
+# Context shared by run, repair and verify
 # ----------------------------------------------------------------------------------------------
 
 
@@ -188,7 +189,6 @@ class ExtractContext:
     config_hash: str
     settings: dict  # what config_hash hashes, by name (pipeline.config.config_record)
     tok_stage: StageDir
-    tok_manifest: dict
 
 
 def extract_context(cfg: RunConfig) -> ExtractContext:
@@ -196,9 +196,9 @@ def extract_context(cfg: RunConfig) -> ExtractContext:
     from pipeline.target import open_target
 
     tok_stage = StageDir(cfg.run_dir, "tokenize")
-    tok_manifest = tok_stage.manifest()
+    tokenized = tokenize_outputs(cfg.run_dir)
     target = open_target(cfg.target, cfg.cache_dir)
-    check_fingerprint(target.fingerprint, tok_manifest.get("fingerprint", {}),
+    check_fingerprint(target.fingerprint, tokenized.fingerprint,
                       what=f"tokenize output {tok_stage.path}", producer="tokenize")
     text = target.text
     e = cfg.extract
@@ -214,10 +214,10 @@ def extract_context(cfg: RunConfig) -> ExtractContext:
     }
     target_out = {k: v for k, v in vars(cfg.target).items() if k != "device"}  # same features on any device
     config_hash, settings = config_record(
-        target=target_out, fingerprint=fingerprint, tokenize_output=tok_manifest["config_hash"],
+        target=target_out, fingerprint=fingerprint, tokenize_output=tokenized.config_hash,
         extract={"backend": e.backend, "shard_tokens": e.shard_tokens, "max_samples": e.max_samples})
     return ExtractContext(target.location, layer_ids, tap_ids, int(text.num_hidden_layers), int(text.hidden_size),
-                          int(text.vocab_size), fingerprint, config_hash, settings, tok_stage, tok_manifest)
+                          int(text.vocab_size), fingerprint, config_hash, settings, tok_stage)
 
 
 def make_backend(cfg: RunConfig, ctx: ExtractContext, backend: str | None = None, *, max_len: int = 4096):
@@ -257,7 +257,7 @@ def check_disk_space(path: Path, remaining_tokens: int, per_token: int) -> int:
 
 def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
     """Extract this rank's units; with one rank also write the index and manifest. Returns the manifest
-    (one rank) or this rank's summary (several ranks)."""
+    (one rank) or this rank's summary (several ranks: `drafter extract --merge` writes the manifest)."""
     started = time.time()
     ctx = extract_context(cfg)
     stage = StageDir(cfg.run_dir, "extract")
@@ -289,13 +289,10 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
             bar.close()
         finally:
             backend.close()
-    rank_summary = {"rank": ranks.rank, "world_size": ranks.world_size, "units": [u.name for u in mine],
-                    "tokens": int(sum(u.tokens for u in mine)), "seconds": round(time.time() - started, 3)}
-    atomic_write_json(stage.path / "ranks" / f"rank-{ranks.rank:05d}.json", rank_summary)
     if ranks.is_split:
         summary("extract", f"rank {ranks.rank}/{ranks.world_size}: {len(mine)} units done; "
                            "run `drafter extract --merge` once every rank has finished")
-        return rank_summary
+        return stage.rank_summary(ranks, [u.name for u in mine], started, tokens=int(sum(u.tokens for u in mine)))
     return _finalize(cfg, ctx, stage, index, units, started)
 
 
@@ -431,7 +428,7 @@ def _finalize(cfg: RunConfig, ctx: ExtractContext, stage: StageDir, index: Token
     shard_names = [f"{u.name}.{SHARD_EXT}" for u in units if done[u.name]["files"]]
     manifest = finalize_store(
         stage, shard_names=shard_names, config_hash=ctx.config_hash, fingerprint=ctx.fingerprint, started=started,
-        inputs={"tokenize": input_ref(ctx.tok_stage)}, counts=counts,
+        inputs={"tokenize": tokenize_outputs(cfg.run_dir).ref()}, counts=counts,
         extra={"backend": cfg.extract.backend, "failure_examples": examples,
                "bytes_per_token": bytes_per_token(len(ctx.tap_ids), ctx.hidden_size, cfg.extract.storage_dtype)},
     )
@@ -441,31 +438,13 @@ def _finalize(cfg: RunConfig, ctx: ExtractContext, stage: StageDir, index: Token
     return manifest
 
 
-def merge_ranks(cfg: RunConfig) -> dict:
-    """After a split run: check every unit is done, then write index.parquet + manifest (idempotent)."""
-    started = time.time()
+def unit_names(cfg: RunConfig) -> list[str]:
+    """Every unit of this config's extraction, in the order ranks slice them (`drafter extract --merge` checks
+    them): a function of the tokenized input's lengths and `extract.shard_tokens` alone."""
     ctx = extract_context(cfg)
-    stage = StageDir(cfg.run_dir, "extract")
-    if stage.is_complete():
-        m = stage.manifest()
-        if m.get("config_hash") == ctx.config_hash:
-            problems = check_store(stage.path, full=False)
-            if problems:
-                raise damaged(stage.path, problems)
-            log.info("extract is already merged: %s", stage.path)
-            return m
-    state = stage.path / "state.json"
-    if not state.exists():
-        raise StageError(f"nothing to merge at {stage.path}: run `drafter extract` (all ranks) first")
-    if read_json(state).get("config_hash") != ctx.config_hash:
-        raise StageError(f"{stage.path} holds work from another config; re-run extract with this config (--force)")
     index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)
     keep, _, _ = screen_index(index)
-    units = plan_units(index.lengths, keep, cfg.extract.shard_tokens)
-    ranks = sorted(p.name for p in (stage.path / "ranks").glob("rank-*.json"))
-    started = min([started] + [p.stat().st_mtime for p in (stage.path / "ranks").glob("rank-*.json")])
-    log.info("merging %d units from %d rank summaries", len(units), len(ranks))
-    return _finalize(cfg, ctx, stage, index, units, started)
+    return [u.name for u in plan_units(index.lengths, keep, cfg.extract.shard_tokens)]
 
 
 def repair_extract(cfg: RunConfig) -> dict:

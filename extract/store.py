@@ -2,7 +2,7 @@
 
 Layout of a finished extraction (``runs/<run>/extract/``; full description in docs/storage.md)::
 
-    manifest.json                 fingerprint, counts, sha256 of every shard (pipeline.runner.StageDir)
+    manifest.json                 fingerprint, counts, sha256 of every shard (pipeline.stage_dir.StageDir)
     index.parquet                 one row per sample: id, shard, row, token_offset, length, num_loss_tokens, source_row
     shards/NNNNN.safetensors      one unit of work; a valid safetensors file, token-major
     shards/NNNNN.done.json        sidecar: bytes + sha256 (a unit is done iff it matches)
@@ -36,7 +36,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.runner import MANIFEST, StageError, read_json, sha256_file, with_path
+from pipeline.errors import StageError
+from pipeline.files import read_json, sha256_file, with_path
+from pipeline.stage_dir import MANIFEST
 
 FORMAT_VERSION = "dflash-features/1"
 INDEX_FILE = "index.parquet"
@@ -253,7 +255,7 @@ class ShardWriter:
     disjoint tokens.  fp8 scales are kept in memory (``set_scales``) and written by ``close``.
     With ``stream_hash=True`` the caller feeds the feature bytes in token order to ``hash_features``
     (one thread) and ``close`` returns the file's sha256 without reading the file back.
-    Use inside ``pipeline.runner.AtomicFile`` so a killed writer never leaves a complete-looking shard.
+    Use inside ``pipeline.stage_dir.AtomicFile`` so a killed writer never leaves a complete-looking shard.
 
     >>> with AtomicFile(final) as tmp:
     ...     w = ShardWriter(tmp, ids, input_ids, loss_masks, num_taps=5, hidden_size=D, storage_dtype="bfloat16")
@@ -595,7 +597,7 @@ def write_index(path: Path, cols: dict[str, list]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.runner import atomic_write_bytes
+    from pipeline.files import atomic_write_bytes
 
     table = pa.table({
         "id": pa.array(cols["id"], pa.string()),
@@ -716,9 +718,9 @@ def finalize_store(
 ) -> dict:
     """Write ``index.parquet`` from the shards' headers, then the manifest (last: it marks completion).
 
-    ``stage`` is a `pipeline.runner.StageDir` whose units (one per shard) are all finished.
+    ``stage`` is a `pipeline.stage_dir.StageDir` whose units (one per shard) are all finished.
     """
-    from pipeline.runner import sha256_file as _sha
+    from pipeline.files import sha256_file as _sha
 
     cols = build_index([stage.shards / n for n in shard_names])
     ids = cols["id"]
@@ -755,7 +757,8 @@ def write_feature_store(
     """
     import time
 
-    from pipeline.runner import AtomicFile, StageDir
+    from pipeline.files import AtomicFile
+    from pipeline.stage_dir import StageDir
 
     path = Path(path)
     stage = StageDir(path.parent, path.name)

@@ -39,7 +39,9 @@ from extract.stage import (
 from extract.store import SHARD_EXT, Shard, ShardWriter, check_store
 from pipeline.config import RunConfig
 from pipeline.log import get_logger, summary
-from pipeline.runner import StageDir, StageError, atomic_write_json, check_fingerprint, read_json
+from pipeline.errors import StageError
+from pipeline.files import atomic_write_json, read_json
+from pipeline.stage_dir import StageDir, check_fingerprint
 from pipeline.target import load_target, resolve_device, resolve_dtype
 
 log = get_logger("extract.verify")

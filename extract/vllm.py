@@ -28,7 +28,7 @@ from extract.store import ShardWriter
 from extract.vllm_connector import read_receipts, token_ids_sha
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
-from pipeline.runner import StageError
+from pipeline.errors import StageError
 from pipeline.target import check_vllm, vllm_engine_kwargs
 
 log = get_logger("extract.vllm")

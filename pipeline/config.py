@@ -71,7 +71,7 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a run or source name
 
 def check_layer_types(layer_types: list[str], num_layers: int, sliding_window: int | None) -> None:
     """Drafter layer types: one per layer, each 'full_attention' or 'sliding_attention'; a sliding layer needs a
-    window >= 1. Shared by the `drafter` section's validation and `train.model.DrafterArgs` (also built from an
+    window >= 1. Shared by the `drafter` section's validation and `dflash_model.model.DrafterArgs` (also built from an
     exported drafter's config.json)."""
     if len(layer_types) != num_layers:
         raise ConfigError(f"drafter.layer_types: has {len(layer_types)} entries but drafter.num_layers is {num_layers}")
@@ -221,8 +221,9 @@ class RegenConfig:
 @dataclass
 class TokenizeConfig:
     max_len: int = doc("truncate samples to this many tokens (prompt + response)", 3072, ge=16)
-    min_loss_tokens: Optional[int] = doc("drop samples with fewer supervised tokens (None = 2*drafter.block_size)",
-                                         None, ge=1)
+    min_loss_tokens: Optional[int] = doc(
+        "drop samples with fewer supervised tokens (None: only samples with none here; training then skips samples "
+        "with fewer than 2*drafter.block_size, so drafter settings never re-run the data stages)", None, ge=1)
     unstable_template: Literal["split", "drop"] = doc(
         "a multi-turn conversation whose template re-renders earlier turns (Qwen3 with thinking off drops the "
         "empty think block of past turns): 'split' starts a new sample at each such turn, its context the "
@@ -428,7 +429,9 @@ class RunConfig:
 
     @property
     def min_loss_tokens(self) -> int:
-        """Supervised tokens a tokenized sample needs: `tokenize.min_loss_tokens`, else two drafter blocks."""
+        """Supervised tokens a training sample needs (train/data.py `RunPlan` skips the rest):
+        `tokenize.min_loss_tokens`, else two drafter blocks. Tokenize itself drops only below
+        `tokenize.min_loss_tokens` (unset: samples with none), so that no drafter setting is in its config hash."""
         t = self.tokenize.min_loss_tokens
         return t if t is not None else 2 * self.drafter.block_size
 
@@ -652,7 +655,7 @@ def config_record(**sections: Any) -> tuple[str, dict]:
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    from pipeline.runner import atomic_write_text
+    from pipeline.files import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

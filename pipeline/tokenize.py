@@ -22,9 +22,11 @@ end-of-turn id (what the target generated, e.g. `...<|im_end|>`), unsupervised a
 such as the newline after <|im_end|>). A turn cut by max_new_tokens (regen metadata finish 'length')
 keeps its end-of-turn id unsupervised: the target did not write it there.
 
-Then: truncate to `tokenize.max_len`; drop samples with fewer than `tokenize.min_loss_tokens`
-(default 2 * drafter.block_size: `RunConfig.min_loss_tokens`) supervised tokens. Every drop is counted under its reason,
-and every extra sample a split made under `split`: input + split = written + dropped.<reason>.
+Then: truncate to `tokenize.max_len`; drop samples with fewer than `tokenize.min_loss_tokens` supervised tokens
+(unset: samples with none). Two drafter blocks of supervision (`RunConfig.min_loss_tokens`) is a training rule,
+applied by train/data.py `RunPlan`, so that no drafter setting is part of this stage's config hash. Every drop is
+counted under its reason, and every extra sample a split made under `split`: input + split = written +
+dropped.<reason>.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import encode_chat, end_of_turn_ids
 from pipeline.rejects import Rejected
-from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, check_fingerprint,
-                             input_ref, units_for_rank)
+from pipeline.errors import StageError
+from pipeline.files import AtomicFile
+from pipeline.manifests import RegeneratedData, regen_outputs
+from pipeline.stage_dir import RankInfo, StageDir, check_fingerprint, units_for_rank
 from pipeline.sample_ids import turn_id
 from pipeline.target import OpenedTarget, open_target, render_chat
 
@@ -154,7 +158,7 @@ def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: R
     rows = pq.read_table(regen.shard_path(unit, "parquet")).to_pylist()
     out, drops, examples = [], Counter(), []
     truncated = 0
-    floor, max_len = cfg.min_loss_tokens, cfg.tokenize.max_len
+    floor, max_len = cfg.tokenize.min_loss_tokens or 1, cfg.tokenize.max_len
     split = cfg.tokenize.unstable_template == "split"
     extra = 0  # samples beyond one per conversation, made by splits
 
@@ -194,7 +198,7 @@ def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: R
     )
 
 
-def _finalize(stage: StageDir, units: list[str], *, regen: StageDir, config_hash: str, fingerprint: dict,
+def _finalize(stage: StageDir, units: list[str], *, regenerated: RegeneratedData, config_hash: str, fingerprint: dict,
               started: float) -> dict | None:
     done = stage.done_units()
     missing = [u for u in units if u not in done]
@@ -213,7 +217,7 @@ def _finalize(stage: StageDir, units: list[str], *, regen: StageDir, config_hash
         raise StageError(f"tokenize accounting broken: {dict(counts)}")
     examples = [e for u in units for e in done[u]["drop_examples"]][:MAX_DROP_EXAMPLES]
     manifest = stage.write_manifest(config_hash=config_hash, fingerprint=fingerprint,
-                                    inputs={"regen": input_ref(regen)}, counts=dict(counts), started=started,
+                                    inputs={"regen": regenerated.ref()}, counts=dict(counts), started=started,
                                     extra={"drop_examples": examples})
     split = f" (+{counts['split']} from turn splits)" if counts["split"] else ""
     summary("tokenize", f"{counts['written']} samples, {counts['tokens']} tokens ({counts['loss_tokens']} supervised), "
@@ -221,34 +225,36 @@ def _finalize(stage: StageDir, units: list[str], *, regen: StageDir, config_hash
     return manifest
 
 
+def unit_names(cfg: RunConfig) -> list[str]:
+    """Every unit of this config's tokenize run (one per regenerated shard), in the order ranks slice them."""
+    return regen_outputs(cfg.run_dir).units
+
+
 def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
-    """Tokenize this rank's regen shards; the rank that completes the last one writes the manifest."""
+    """Tokenize this rank's regen shards; the rank that completes the last one writes the manifest. Returns the
+    manifest, or this rank's summary while other ranks' units are missing."""
     started = time.time()
     regen = StageDir(cfg.run_dir, "regen")
-    regen_manifest = regen.manifest()
+    regenerated = regen_outputs(cfg.run_dir)
     target = open_target(cfg.target, cfg.cache_dir)
     tokenizer = target.tokenizer
     fingerprint = tokenize_fingerprint(cfg, target)
     check_fingerprint({k: fingerprint[k] for k in ("target", "tokenizer", "enable_thinking")},
-                      regen_manifest["fingerprint"], what="the regenerated data (regen stage)", producer="drafter regen")
-    tokenize_settings = {"max_len": cfg.tokenize.max_len, "min_loss_tokens": cfg.min_loss_tokens,
+                      regenerated.fingerprint, what="the regenerated data (regen stage)", producer="drafter regen")
+    tokenize_settings = {"max_len": cfg.tokenize.max_len, "min_loss_tokens": cfg.tokenize.min_loss_tokens,
                          "unstable_template": cfg.tokenize.unstable_template}
     config_hash, settings = config_record(target=cfg.target, tokenize=tokenize_settings,
-                                          regen_output=regen_manifest["config_hash"])
+                                          regen_output=regenerated.config_hash)
     stage = StageDir(cfg.run_dir, "tokenize")
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
         return stage.manifest()
-    units = sorted(f["name"][: -len(".parquet")] for f in regen_manifest["files"])
+    units = regenerated.units
     mine = units_for_rank(units, ranks)
     todo = [u for u in mine if not stage.unit_done(u)]
     end_of_turn = set(end_of_turn_ids(tokenizer, target.location))
     for unit in progress(todo, desc=f"tokenize rank {ranks.rank}", unit="shard"):
         tokenize_unit(unit, regen, stage, tokenizer, cfg, end_of_turn=end_of_turn, fingerprint=fingerprint)
-    if ranks.is_split:
-        atomic_write_json(stage.path / "ranks" / f"rank-{ranks.rank:05d}.json",
-                          {"rank": ranks.rank, "world_size": ranks.world_size, "units": mine})
-    manifest = _finalize(stage, units, regen=regen, config_hash=config_hash, fingerprint=fingerprint,
+    rank_summary = stage.rank_summary(ranks, mine, started) if ranks.is_split else None
+    manifest = _finalize(stage, units, regenerated=regenerated, config_hash=config_hash, fingerprint=fingerprint,
                          started=started)
-    if manifest is None:
-        return {"stage": "tokenize", "complete": False, "rank": ranks.rank, "world_size": ranks.world_size}
-    return manifest
+    return manifest if manifest is not None else rank_summary

@@ -14,6 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+# One OpenMP thread in every subprocess a test starts (the CLI, scripts, interpreters), as `one_torch_thread` gives
+# the tests themselves: tiny models are overhead-bound, and two threads per process on a shared 2-core machine (or
+# beside a second xdist worker) mostly wait for each other. Tests that need another count set it explicitly.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = REPO / "data" / "prompts"  # vendored public prompt sets (data/prompts/README.md)
@@ -32,6 +36,16 @@ def prompt_records(name: str) -> list[dict]:
     if path.suffix == ".json":
         return json.loads(path.read_text())
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: -n 2 --dist loadfile) the files that hold slow tests are handed out first, so
+    that no worker starts a long end-to-end file while the other has nothing left; within a file, and in a run
+    without workers, the order is pytest's."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: every other order is kept
 
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -67,7 +81,7 @@ def make_config(tmp_path: Path, base: str = "configs/tiny.yaml", overrides: list
 def one_torch_thread():
     """One intra-op thread for every test: tiny models are overhead-bound, and on the shared 2-core machine two
     OpenMP threads mostly wait for each other (measured 4-30x slower than one under load; the blocks/model/lossless
-    tests 3x). Subprocesses are not affected (they set their own, e.g. OMP_NUM_THREADS=1)."""
+    tests 3x). Subprocesses get OMP_NUM_THREADS=1 from the environment (above)."""
     import torch
 
     n = torch.get_num_threads()

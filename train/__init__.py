@@ -1,1 +1,2 @@
-"""Train stage: the DFlash drafter (model, blocks, loss, export) and its trainer (data, engine, checkpoint, metrics)."""
+"""Train stage: the DFlash drafter's training (loss, data, engine, checkpoint, metrics, trainer); the model itself is
+`dflash_model`."""

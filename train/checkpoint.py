@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.log import get_logger
-from pipeline.runner import StageError, atomic_write_json, atomic_write_text, read_json
+from pipeline.errors import StageError
+from pipeline.files import atomic_write_json, atomic_write_text, read_json
 
 log = get_logger("train.checkpoint")
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from pipeline.sample_ids import prompt_id
-from train.blocks import BlockBatch, build_block_batch, sample_anchors
+from dflash_model.blocks import BlockBatch, build_block_batch, sample_anchors
 from train.preempt import ignore_in_worker
 
 EVAL_EPOCH = -1  # the anchor "epoch" of held-out evaluation: the same anchors at every eval
@@ -187,13 +187,17 @@ class RunPlan:
     which samples train and which are held out, every epoch's steps, the total step count and the held-out steps.
 
     Samples no longer than one block (`<= block_size` tokens: no anchor fits) are dropped from both sides and
-    counted in `too_short`. `state()` holds the fields a checkpoint must match to resume exactly
+    counted in `too_short`; so are samples with fewer supervised tokens than `min_loss_tokens`
+    (`RunConfig.min_loss_tokens`: two drafter blocks unless `tokenize.min_loss_tokens` says otherwise), counted in
+    `too_few_loss_tokens`. That rule lives here, not in tokenize, so that a drafter setting never changes the data
+    stages' outputs. `state()` holds the fields a checkpoint must match to resume exactly
     (train/checkpoint.py RESUME_FIELDS)."""
 
     lengths: np.ndarray  # int64 [num samples] tokens per sample
     train_idx: np.ndarray  # source indices trained on
     eval_idx: np.ndarray  # held-out source indices (never trained on)
     too_short: int
+    too_few_loss_tokens: int
     budget: int
     world_size: int
     grad_accum: int
@@ -203,17 +207,23 @@ class RunPlan:
     _epochs: dict = field(default_factory=dict, repr=False)  # the last two epochs' plans
 
     @classmethod
-    def build(cls, ids: Sequence[str], lengths: np.ndarray, *, block_size: int, budget: int, world_size: int,
-              grad_accum: int, seed: int, epochs: float, max_steps: int | None, eval_fraction: float,
-              eval_max_samples: int | None) -> "RunPlan":
+    def build(cls, ids: Sequence[str], lengths: np.ndarray, loss_tokens: np.ndarray, *, block_size: int,
+              min_loss_tokens: int, budget: int, world_size: int, grad_accum: int, seed: int, epochs: float,
+              max_steps: int | None, eval_fraction: float, eval_max_samples: int | None) -> "RunPlan":
+        """ids [N]; lengths, loss_tokens: int [N] tokens and supervised tokens per sample."""
         lengths = np.asarray(lengths, dtype=np.int64)
+        loss_tokens = np.asarray(loss_tokens, dtype=np.int64)
         train_idx, eval_idx = heldout_split(ids, eval_fraction)
         short = lengths[train_idx] <= block_size
-        train_idx = train_idx[~short]
-        eval_idx = eval_idx[lengths[eval_idx] > block_size][:eval_max_samples]  # never trained on, either way
+        few = ~short & (loss_tokens[train_idx] < min_loss_tokens)
+        train_idx = train_idx[~(short | few)]
+        usable = (lengths[eval_idx] > block_size) & (loss_tokens[eval_idx] >= min_loss_tokens)
+        eval_idx = eval_idx[usable][:eval_max_samples]  # never trained on, either way
         if len(train_idx) == 0:
-            raise ValueError(f"no training sample is longer than block_size={block_size} tokens")
-        plan = cls(lengths, train_idx, eval_idx, int(short.sum()), budget, world_size, grad_accum, seed)
+            raise ValueError(f"no training sample is longer than block_size={block_size} tokens with at least "
+                             f"{min_loss_tokens} supervised tokens (RunConfig.min_loss_tokens)")
+        plan = cls(lengths, train_idx, eval_idx, int(short.sum()), int(few.sum()), budget, world_size, grad_accum,
+                   seed)
         plan.total_steps = total_steps(lambda e: len(plan.epoch(e)), epochs, max_steps)
         if len(eval_idx):
             plan.eval_steps = plan_eval(lengths, eval_idx, budget=budget, world_size=world_size)

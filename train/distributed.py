@@ -2,7 +2,7 @@
 device it drives, and the few collectives the trainer needs.
 
 Launch modes, all through `drafter train` / `python -m drafter.cli train`; rank and world size come from
-`pipeline.runner.rank_from_env` (the same reading every split stage uses), the rest from the launcher:
+`pipeline.stage_dir.rank_from_env` (the same reading every split stage uses), the rest from the launcher:
   * torchrun (one node):  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are set by torchrun;
   * srun (many nodes):    only SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODELIST are set; the torch
                           variables are derived from them (MASTER_ADDR = first host of the node list, MASTER_PORT
@@ -26,7 +26,8 @@ from typing import Callable, Mapping, TypeVar
 import torch
 
 from pipeline.log import get_logger
-from pipeline.runner import StageError, rank_from_env
+from pipeline.errors import StageError
+from pipeline.stage_dir import rank_from_env
 
 log = get_logger("train.distributed")
 
@@ -130,8 +131,8 @@ def _group_size() -> int:
 
 
 def barrier() -> None:
-    """Wait for every rank (no-op with one process: NCCL would build a communicator for its first barrier, and the
-    one-GPU recipe's first checkpoint stalled ~20 s on the H200, cause not isolated)."""
+    """Wait for every rank (no-op with one process: NCCL would build a communicator for its first barrier, a stall
+    the one-GPU recipe's first checkpoint showed, docs/benchmarks.md "quality")."""
     if _group_size() > 1:
         torch.distributed.barrier()
 

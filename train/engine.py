@@ -19,7 +19,7 @@ import torch
 
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.log import get_logger
-from pipeline.runner import atomic_write_json, read_json
+from pipeline.files import atomic_write_json, read_json
 
 log = get_logger("train.engine")
 

@@ -23,10 +23,11 @@ from extract.layers import LAYER_CONVENTION, base_model, configured_layer_ids, s
 from extract.store import FeatureReader
 from pipeline.config import ConfigError, RunConfig, TargetConfig
 from pipeline.log import get_logger
-from pipeline.runner import StageDir, check_fingerprint
+from pipeline.manifests import StageOutputs, extract_outputs, tokenize_outputs
+from pipeline.stage_dir import StageDir, check_fingerprint
 from pipeline.target import OpenedTarget, load_target, open_target, text_config
 from train.loss import kl_share
-from train.model import DrafterArgs
+from dflash_model.model import DrafterArgs
 from train.online import TokenizedReader
 
 log = get_logger("train")
@@ -38,6 +39,7 @@ class TrainInputs:
     args: DrafterArgs
     tap_ids: list[int]  # the taps of the features the step receives, in column order (drafter's first)
     stage: StageDir  # the input stage: extract (offline) or tokenize (online)
+    input: StageOutputs  # its manifest, typed (pipeline/manifests.py)
     open_source: Callable[[], Any]  # opens the sample source (train/data.py: `ids`, `lengths`, `sample(i)`)
     source: Any  # one opened source (ids and lengths for the plan)
     features: dict  # the feature fingerprint trained on (the extract manifest's, or what online computes)
@@ -79,7 +81,8 @@ def open_inputs(cfg: RunConfig) -> TrainInputs:
     distil = bool(kl_share(cfg.train.loss, cfg.train.kl_weight))
     if cfg.train.online:
         stage = StageDir(cfg.run_dir, "tokenize")
-        check_fingerprint(target.fingerprint, stage.manifest()["fingerprint"],
+        outputs = tokenize_outputs(cfg.run_dir)
+        check_fingerprint(target.fingerprint, outputs.fingerprint,
                           what=f"tokenized data at {stage.path}", producer="tokenize")
         open_source = functools.partial(TokenizedReader, stage.path)
         tap_ids = stored_tap_ids(expected["layer_ids"], num_layers, distil)
@@ -91,15 +94,16 @@ def open_inputs(cfg: RunConfig) -> TrainInputs:
                               "training reads from the stored features: set extract.last_hidden=true (and re-run "
                               "extract), or compute the features in the step with train.online=true")
         stage = StageDir(cfg.run_dir, "extract")
-        features = stage.manifest()["fingerprint"]
+        outputs = extract_outputs(cfg.run_dir)
+        features = outputs.fingerprint
         check_fingerprint(expected, features, what=f"extracted features at {stage.path}", producer="extract")
         open_source = functools.partial(FeatureReader, stage.path)
-        tap_ids = stored_tap_ids(features["layer_ids"], num_layers, bool(features.get("last_hidden", False)))
+        tap_ids = stored_tap_ids(outputs.layer_ids, num_layers, outputs.last_hidden)
     args = DrafterArgs.from_run_config(cfg, target.config, len(target.tokenizer), layer_ids=features["layer_ids"])
     source = open_source()  # offline: checks the index and every shard's size and header (extract/store.py)
     if not cfg.train.online:
         source.verify_shards_in_background()  # every shard's sha256 before a worker opens it, off the critical path
-    return TrainInputs(target, args, tap_ids, stage, open_source, source, features)
+    return TrainInputs(target, args, tap_ids, stage, outputs, open_source, source, features)
 
 
 # ----------------------------------------------------------------------------------------------

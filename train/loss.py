@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from pipeline.config import ConfigError
-from train.blocks import BlockBatch
+from dflash_model.blocks import BlockBatch
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the DFlash paper, appendix A.1
 

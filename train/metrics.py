@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import RunConfig, to_dict
-from pipeline.runner import atomic_write_text
+from pipeline.files import atomic_write_text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -42,7 +42,7 @@ class DrafterShape:
 
     @classmethod
     def from_args(cls, args) -> "DrafterShape":
-        """From train.model.DrafterArgs."""
+        """From dflash_model.model.DrafterArgs."""
         windows = tuple(args.sliding_window if t == "sliding_attention" else None for t in args.layer_types)
         return cls(hidden=args.hidden_size, num_taps=args.num_taps, num_layers=args.num_hidden_layers,
                    num_heads=args.num_attention_heads, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,

@@ -10,13 +10,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.runner import StageDir, StageError
+from pipeline.errors import StageError
+from pipeline.stage_dir import StageDir
 
 
 class TokenizedReader:
-    """The tokenize stage's parquet shards as a sample source (`ids`, `lengths`, `sample(i)` without features).
+    """The tokenize stage's parquet shards as a sample source (`ids`, `lengths`, `num_loss_tokens`, `sample(i)`
+    without features).
 
-    Columns per design.md: id, input_ids list<int32>, loss_mask list<uint8>, num_tokens. Shards are memory-mapped.
+    Columns per design.md: id, input_ids list<int32>, loss_mask list<uint8>, num_tokens, num_loss_tokens. Shards are
+    memory-mapped.
     """
 
     def __init__(self, stage_path: str | Path):
@@ -27,10 +30,11 @@ class TokenizedReader:
         files = sorted((path / "shards").glob("*.parquet"))
         if not files:
             raise StageError(f"{path}/shards has no parquet shards: run `drafter tokenize` first")
-        self.table = pa.concat_tables([pq.read_table(f, columns=["id", "input_ids", "loss_mask", "num_tokens"],
-                                                     memory_map=True) for f in files])
+        self.table = pa.concat_tables([pq.read_table(f, columns=["id", "input_ids", "loss_mask", "num_tokens",
+                                                              "num_loss_tokens"], memory_map=True) for f in files])
         self.ids: list[str] = self.table.column("id").to_pylist()
         self.lengths: np.ndarray = self.table.column("num_tokens").to_numpy().astype(np.int64)
+        self.num_loss_tokens: np.ndarray = self.table.column("num_loss_tokens").to_numpy().astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.ids)

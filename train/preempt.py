@@ -28,7 +28,7 @@ import threading
 import torch
 
 from pipeline.log import get_logger
-from pipeline.runner import StageError
+from pipeline.errors import StageError
 from train.distributed import all_reduce_sum
 
 log = get_logger("train")

@@ -20,7 +20,7 @@ import time
 
 from pipeline.config import RunConfig, config_record, hashed_fields
 from pipeline.log import get_logger, summary
-from pipeline.runner import RankInfo, StageDir, input_ref
+from pipeline.stage_dir import RankInfo, StageDir
 from train.distributed import barrier, init_distributed, rank0_first
 from train.inputs import TrainInputs, open_inputs
 from train.preempt import Preempted, StopSignals
@@ -36,10 +36,12 @@ def train_config_record(cfg: RunConfig, inputs: TrainInputs) -> tuple[str, dict]
     return config_record(drafter=cfg.drafter, train=hashed_fields(cfg.train), fingerprint=inputs.fingerprint)
 
 
-def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:
+def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
+    """Train on every rank of the process group (torchrun / SLURM start one process per GPU; `ranks` is only
+    checked against it) and return the manifest on every rank."""
     started = time.time()
     dist, device = init_distributed()
-    if ranks is not None and ranks.world_size not in (1, dist.world_size):
+    if ranks.world_size not in (1, dist.world_size):
         log.warning("--world-size %d ignored: the process group has %d ranks", ranks.world_size, dist.world_size)
     inputs = open_inputs(cfg)
     stage = StageDir(cfg.run_dir, "train")
@@ -65,7 +67,7 @@ def run_train(cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = N
 
     if dist.is_main:
         stage.write_manifest(config_hash=config_hash, fingerprint=inputs.fingerprint,
-                             inputs={inputs.stage.stage: input_ref(inputs.stage)}, counts=result.counts,
+                             inputs={inputs.stage.stage: inputs.input.ref()}, counts=result.counts,
                              started=started, extra=result.extra)
         fe = result.final_eval
         held_out = f", held-out loss {fe['loss']:.4f} tau_hat {fe['tau_hat']:.3f}" if fe else ""

@@ -23,17 +23,18 @@ import torch
 
 from pipeline.config import RunConfig
 from pipeline.log import get_logger, progress
-from pipeline.runner import StageError, atomic_write_json, sha256_file
+from pipeline.errors import StageError
+from pipeline.files import atomic_write_json, sha256_file
 from pipeline.target import load_target
 from train import checkpoint
 from train.data import EVAL_EPOCH, MicroBatchDataset, RunPlan, batch_to, make_loader, rank_micro_batches
 from train.distributed import DistEnv, all_gather_objects, barrier, rank0_first
 from train.engine import TrainForward, build_engine, compile_layers, current_lr, engine_kind
-from train.export import export_zlab, load_zlab
+from dflash_model.export import export_zlab, load_zlab
 from train.inputs import TrainInputs, frozen_pieces_of, read_frozen_target
 from train.loss import default_gamma, kl_share
 from train.metrics import DrafterShape, MetricsLogger, peak_flops
-from train.model import DFlashDrafter
+from dflash_model.model import DFlashDrafter
 from train.online import OnlineFeatures
 from train.preempt import Preempted, StopSignals, any_rank_stopping
 from train.step import StepStats, eval_step, train_step
@@ -57,7 +58,8 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "checkpoints"
         train_cfg = self.train_cfg
         try:
-            self.plan = RunPlan.build(inputs.source.ids, inputs.source.lengths, block_size=self.args.block_size,
+            self.plan = RunPlan.build(inputs.source.ids, inputs.source.lengths, inputs.source.num_loss_tokens,
+                                      block_size=self.args.block_size, min_loss_tokens=cfg.min_loss_tokens,
                                       budget=train_cfg.micro_batch_tokens, world_size=dist.world_size,
                                       grad_accum=train_cfg.grad_accum, seed=train_cfg.seed, epochs=train_cfg.epochs,
                                       max_steps=train_cfg.max_steps, eval_fraction=train_cfg.eval_fraction,
@@ -130,10 +132,11 @@ class Trainer:
                                         resume_step=self.position["global_step"] if self.resumed else None)
             plan = self.plan
             engine = f"DeepSpeed ZeRO-{self.train_cfg.zero_stage}" if self.engine_kind == "deepspeed" else "torch engine"
-            log.info("drafter %.1fM trainable params; %d train / %d held-out samples (%d too short); %d steps; "
-                     "%d ranks; %s %s",
+            log.info("drafter %.1fM trainable params; %d train / %d held-out samples (%d too short, %d with too "
+                     "few supervised tokens); %d steps; %d ranks; %s %s",
                      sum(getattr(p, "ds_numel", p.numel()) for p in self.drafter.parameters()) / 1e6,
-                     len(plan.train_idx), len(plan.eval_idx), plan.too_short, plan.total_steps,
+                     len(plan.train_idx), len(plan.eval_idx), plan.too_short, plan.too_few_loss_tokens,
+                     plan.total_steps,
                      self.dist.world_size, engine, self.train_cfg.precision)
 
     def resume_state(self) -> dict:
@@ -268,6 +271,7 @@ class Trainer:
         plan = self.plan
         counts = {"steps": self.position["global_step"], "train_samples": int(len(plan.train_idx)),
                   "eval_samples": int(len(plan.eval_idx)), "skipped.too_short": plan.too_short,
+                  "skipped.too_few_loss_tokens": plan.too_few_loss_tokens,
                   "tokens_seen": int(self.position["tokens_seen"])}
         extra = {"export": export_info, "world_size": self.dist.world_size, "replica_digests": replicas,
                  "final_eval": final_eval, "final_train": last_train}
@@ -392,7 +396,7 @@ class FeaturesAhead:
 
 
 def _init_from(drafter, args, path: str) -> None:
-    """Start from a z-lab layout drafter (safetensors only, via train.export.load_zlab); shapes must match."""
+    """Start from a z-lab layout drafter (safetensors only, via dflash_model.export.load_zlab); shapes must match."""
     loaded, loaded_args = load_zlab(path)
     mine, theirs = dataclasses.asdict(args), dataclasses.asdict(loaded_args)
     bad = [k for k in mine if mine[k] != theirs.get(k)]

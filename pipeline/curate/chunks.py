@@ -28,7 +28,8 @@ from pipeline.curate.dedup import dedup_text, exact_key, minhash_signatures, shi
 from pipeline.curate.schema import work_schema
 from pipeline.curate.sources import Chunk, read_chunk
 from pipeline.log import progress
-from pipeline.runner import AtomicFile, StageDir
+from pipeline.files import AtomicFile
+from pipeline.stage_dir import StageDir
 
 MIN_RECORDS_PER_WORKER = 10000  # below this, starting worker processes costs more than it saves
 EXAMPLES_PER_REASON = 3  # examples kept per drop reason (per chunk; the report keeps the first overall)

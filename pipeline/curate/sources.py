@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, CurateConfig, SourceConfig
-from pipeline.runner import StageError
+from pipeline.errors import StageError
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

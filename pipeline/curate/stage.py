@@ -34,7 +34,9 @@ from pipeline.curate.report import CHAR_EDGES, histogram, length_summary, render
 from pipeline.curate.schema import CONVERSATION_SCHEMA, KEY_BYTES
 from pipeline.curate.sources import Chunk, check_sources, plan_chunks
 from pipeline.log import get_logger, progress, summary
-from pipeline.runner import AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, atomic_write_text
+from pipeline.errors import StageError
+from pipeline.files import AtomicFile, atomic_write_json, atomic_write_text
+from pipeline.stage_dir import RankInfo, StageDir
 from pipeline.sample_ids import repeat_id
 
 SCHEMA_VERSION = "curate.conversation.v1"

@@ -43,8 +43,10 @@ from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import (MalformedConversation, Skeleton, end_of_turn_ids, prompt_ids, skeleton,
                                          strip_reasoning)
 from pipeline.regen.generator import Generator, Sampling
-from pipeline.runner import (AtomicFile, RankInfo, StageDir, StageError, atomic_write_json, input_ref,
-                             units_for_rank)
+from pipeline.errors import StageError
+from pipeline.files import AtomicFile
+from pipeline.manifests import CuratedData, curate_outputs
+from pipeline.stage_dir import RankInfo, StageDir, units_for_rank
 from pipeline.sample_ids import response_id
 from pipeline.target import OpenedTarget, open_target
 
@@ -147,11 +149,11 @@ def regen_fingerprint(cfg: RunConfig, target: OpenedTarget) -> dict:
     }
 
 
-def regen_config_record(cfg: RunConfig, curate_manifest: dict) -> tuple[str, dict]:
+def regen_config_record(cfg: RunConfig, curated: CuratedData) -> tuple[str, dict]:
     """(hash, settings) of what decides the output: target, sampling, unit layout and the curated input."""
     layout = {"shard_size": cfg.regen.shard_size, "max_samples": cfg.regen.max_samples}
     return config_record(target=cfg.target, sampling=sampling_fields(cfg), regen=layout,
-                         curate_output=curate_manifest["config_hash"])
+                         curate_output=curated.config_hash)
 
 
 def request_seed(base: int, conv_id: str, turn: int) -> int:
@@ -326,7 +328,7 @@ def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dic
 
 
 def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total: int, config_hash: str,
-                   fingerprint: dict, curate: StageDir, started: float) -> dict | None:
+                   fingerprint: dict, curated: CuratedData, started: float) -> dict | None:
     """Write the manifest iff every unit (of every rank) is done; None otherwise."""
     done = stage.done_units()
     missing = [u.name for u in units if u.name not in done]
@@ -338,7 +340,7 @@ def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total:
     seconds = sum(done[u.name]["seconds"] for u in units)
     examples = [f for u in units for f in done[u.name]["failures"]][:MAX_FAILURE_EXAMPLES]
     manifest = stage.write_manifest(
-        config_hash=config_hash, fingerprint=fingerprint, inputs={"curate": input_ref(curate)}, counts=counts,
+        config_hash=config_hash, fingerprint=fingerprint, inputs={"curate": curated.ref()}, counts=counts,
         started=started,
         extra={"failure_examples": examples, "generation_seconds": round(seconds, 3),
                "generated_tokens_per_s": round(counts["generated_tokens"] / seconds, 1) if seconds else None},
@@ -361,59 +363,47 @@ def build_generator(cfg: RunConfig, location: str, tokenizer, stop_ids: Sequence
     return backend.load(location, cfg.target, cfg.regen, tokenizer=tokenizer, stop_ids=stop_ids, sampling=sampling)
 
 
+def unit_names(cfg: RunConfig) -> list[str]:
+    """Every unit of this config's regen run, in the order ranks slice them (`drafter regen --merge` checks them)."""
+    units, _ = plan_units(curate_train_files(StageDir(cfg.run_dir, "curate")), cfg.regen.shard_size,
+                          cfg.regen.max_samples)
+    return [u.name for u in units]
+
+
 def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
     """Regenerate this rank's units; the rank that completes the last unit writes the manifest.
-    Returns the manifest (or this rank's summary). Tokenize is the next stage (`drafter regen` runs it after)."""
+    Returns the manifest, or this rank's summary while other ranks' units are missing (`StageDir.rank_summary`).
+    Tokenize is the next stage (`drafter regen` runs it after)."""
     started = time.time()
+    curated = curate_outputs(cfg.run_dir)
     curate = StageDir(cfg.run_dir, "curate")
-    curate_manifest = curate.manifest()
     stage = StageDir(cfg.run_dir, "regen")
     target = open_target(cfg.target, cfg.cache_dir)
     tokenizer = target.tokenizer
     fingerprint = regen_fingerprint(cfg, target)
-    config_hash, settings = regen_config_record(cfg, curate_manifest)
+    config_hash, settings = regen_config_record(cfg, curated)
     if cfg.regen.backend == "none":
         log.warning("regen.backend is 'none': keeping the dataset's answers (off-policy data)")
 
-    if stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
-        units, total = plan_units(curate_train_files(curate), cfg.regen.shard_size, cfg.regen.max_samples)
-        mine = units_for_rank(units, ranks)
-        todo = [u for u in mine if not stage.unit_done(u.name)]
-        log.info("regen: %d units in all, %d for rank %d/%d, %d to do (backend %s)",
-                 len(units), len(mine), ranks.rank, ranks.world_size, len(todo), cfg.regen.backend)
-        generator = None
-        if todo and cfg.regen.backend != "none":
-            generator = build_generator(cfg, target.location, tokenizer, end_of_turn_ids(tokenizer, target.location))
-        bar = progress(total=len(todo), desc=f"regen rank {ranks.rank}", unit="shard")
-        for unit in todo:
-            rec = process_unit(unit, curate, stage, generator, tokenizer, cfg)
-            bar.set_postfix(tok_s=f"{rec['generated_tokens'] / max(rec['seconds'], 1e-9):.0f}", refresh=False)
-            bar.update(1)
-        bar.close()
-        if generator is not None:
-            generator.close()
-        if ranks.is_split:
-            atomic_write_json(stage.path / "ranks" / f"rank-{ranks.rank:05d}.json",
-                              {"rank": ranks.rank, "world_size": ranks.world_size,
-                               "units": [u.name for u in mine], "seconds": round(time.time() - started, 3)})
-        manifest = finalize_regen(cfg, stage=stage, units=units, total=total, config_hash=config_hash,
-                                  fingerprint=fingerprint, curate=curate, started=started)
-        if manifest is None:
-            return {"stage": "regen", "complete": False, "rank": ranks.rank, "world_size": ranks.world_size}
-    else:
-        manifest = stage.manifest()
-    return manifest
-
-
-def merge_ranks(cfg: RunConfig) -> dict:
-    """After a split run (e.g. a SLURM array): refuse if any unit is missing, else write the manifest (if the
-    last rank has not) — exactly what a single-rank `run_regen` does when no unit is left to do."""
-    stage = StageDir(cfg.run_dir, "regen")
-    if not stage.is_complete():
-        units, _ = plan_units(curate_train_files(StageDir(cfg.run_dir, "curate")), cfg.regen.shard_size,
-                              cfg.regen.max_samples)
-        missing = [u.name for u in units if not stage.unit_done(u.name)]
-        if missing:
-            raise StageError(f"regen --merge: {len(missing)} of {len(units)} units are not done "
-                             f"(e.g. {missing[:3]}); re-run the missing ranks first")
-    return run_regen(cfg)
+    if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
+        return stage.manifest()
+    units, total = plan_units(curate_train_files(curate), cfg.regen.shard_size, cfg.regen.max_samples)
+    mine = units_for_rank(units, ranks)
+    todo = [u for u in mine if not stage.unit_done(u.name)]
+    log.info("regen: %d units in all, %d for rank %d/%d, %d to do (backend %s)",
+             len(units), len(mine), ranks.rank, ranks.world_size, len(todo), cfg.regen.backend)
+    generator = None
+    if todo and cfg.regen.backend != "none":
+        generator = build_generator(cfg, target.location, tokenizer, end_of_turn_ids(tokenizer, target.location))
+    bar = progress(total=len(todo), desc=f"regen rank {ranks.rank}", unit="shard")
+    for unit in todo:
+        rec = process_unit(unit, curate, stage, generator, tokenizer, cfg)
+        bar.set_postfix(tok_s=f"{rec['generated_tokens'] / max(rec['seconds'], 1e-9):.0f}", refresh=False)
+        bar.update(1)
+    bar.close()
+    if generator is not None:
+        generator.close()
+    rank_summary = stage.rank_summary(ranks, [u.name for u in mine], started) if ranks.is_split else None
+    manifest = finalize_regen(cfg, stage=stage, units=units, total=total, config_hash=config_hash,
+                              fingerprint=fingerprint, curated=curated, started=started)
+    return manifest if manifest is not None else rank_summary

@@ -1,10 +1,9 @@
 """The hf backend's fast path: batched decoding over a preallocated KV cache, with the one-token step
 replayed as a CUDA graph on GPU.
 
-`model.generate` spends most of a step on Python and allocator overhead (measured on the H200 with
-SmolLM2: ~2.75K generated tokens/s at batch 256 while the forward alone does ~685K tokens/s). Here every
-tensor of a decode step has a fixed shape and address, so the step is captured once per (batch, cache
-length) and replayed:
+`model.generate` spends most of a step on Python and allocator overhead, not in the forward (docs/benchmarks.md,
+"regen", has the numbers). Here every tensor of a decode step has a fixed shape and address, so the step is
+captured once per (batch, cache length) and replayed:
 
     cache slots:  [ left padding | prompt | generated ... ]      slot index 0 .. L-1
     row b:        pad_b = P - len_b padding slots, prompt at P-len_b .. P-1, token k of the answer at P+k

@@ -1,4 +1,4 @@
-"""eval/decode.py at T=0: chain and DDTree are token-for-token identical to AR greedy decoding.
+"""eval/engine/decode.py at T=0: chain and DDTree are token-for-token identical to AR greedy decoding.
 
 Targets are tiny random HF models (fp32, CPU). Drafters: D's random-init DFlashDrafter (accepts almost nothing)
 and an oracle drafter whose logits rank the target's own greedy continuation first, second (behind a decoy) or
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.target_cache import tree_unsupported_reason
-from eval.decode import decode
+from eval.engine.cache.interface import tree_unsupported_reason
+from eval.engine.decode import decode
 from extract.layers import forward_taps
 from pipeline.config import TargetConfig
 from pipeline.target import load_target, materialize_target
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 from tests.conftest import CACHE
 
@@ -55,7 +55,7 @@ def random_drafter(target, seed: int = 0) -> DFlashDrafter:
 
 
 class OracleDrafter:
-    """A drafter implementing eval.draft_forward.DraftForward's calls that drafts from the target's known greedy
+    """A drafter implementing eval.engine.draft_forward.DraftForward's calls that drafts from the target's known greedy
     continuation, and checks on the host that its context is the target's taps at exactly the committed rows."""
 
     def __init__(self, target, prompt: list[int], greedy: list[int], seed: int, decoy: float = 0.25, miss: float = 0.1,
@@ -258,7 +258,7 @@ def test_bad_arguments_are_refused_with_clear_messages(qwen3):
 
 
 def test_drafter_loaded_from_the_zlab_layout_decodes_like_the_original(qwen3, tmp_path):
-    from train.export import export_zlab, load_zlab
+    from dflash_model.export import export_zlab, load_zlab
 
     drafter = random_drafter(qwen3, seed=3)
     export_zlab(drafter, drafter.args, tmp_path / "export")
@@ -275,7 +275,7 @@ def test_drafter_loaded_from_the_zlab_layout_decodes_like_the_original(qwen3, tm
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
 def test_cuda_graph_rounds_equal_ar_greedy_stay_on_graphs_and_sync_once_per_round():
-    from eval.caches import target_cache
+    from eval.engine.cache.factory import target_cache
     from pipeline.cuda_graphs import GRAPH_LOG, host_syncs
 
     target = tiny_target("qwen3", device="cuda")
@@ -306,7 +306,7 @@ def test_warm_up_captures_every_graph_timed_decoding_uses_and_a_drafter_round_sy
     """After `warm_up(max_length)`, decoding prompts up to that length (the random DFlash drafter, every method)
     captures no new CUDA graph, nothing falls back to eager, the output is AR's, and a round with the drafter's
     graph step still reads the host once."""
-    from eval.decode import warm_up
+    from eval.engine.decode import warm_up
     from pipeline.cuda_graphs import GRAPH_LOG, host_syncs
 
     target = tiny_target("qwen3", device="cuda")

@@ -1,4 +1,4 @@
-"""eval/decode.py at T > 0: DDTree and chain sample exactly the target's distribution (lossless), reproducibly.
+"""eval/engine/decode.py at T > 0: DDTree and chain sample exactly the target's distribution (lossless), reproducibly.
 
 A 16-token random target at T=4 (spread-out next-token distributions): the exact joint distribution of the
 first three new tokens is computed by enumeration and compared (chi-square goodness of fit) with the frequencies
@@ -14,10 +14,10 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
 
-from eval.decode import decode
+from eval.engine.decode import decode
 from pipeline.config import TargetConfig
 from pipeline.target import load_target, materialize_target
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 from tests.conftest import CACHE
 

@@ -1,4 +1,4 @@
-"""eval/draft_forward.py: the drafter's decode-time forward on its static context cache computes what the reference
+"""eval/engine/draft_forward.py: the drafter's decode-time forward on its static context cache computes what the reference
 `DFlashDrafter.draft_logits` (growing per-layer caches) computes, round after round and across key buckets, and
 the scratch rows it writes past the context never reach the logits. On the GPU its CUDA-graph replay equals eager
 and stays on graphs, and a warm-up leaves nothing to capture for timed decoding."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.draft_forward import DRAFT_BUCKET, DraftForward, draft_forward
+from eval.engine.draft_forward import DRAFT_BUCKET, DraftForward, draft_forward
 from pipeline.cuda_graphs import relative_error, rounding_tolerance
-from train.blocks import FULL, SLIDING
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.blocks import FULL, SLIDING
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 B, D, V, TAPS = 8, 64, 320, 3
 

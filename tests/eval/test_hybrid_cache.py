@@ -1,4 +1,4 @@
-"""eval/recurrent_cache.py: the tree-aware hybrid verify equals the path-batched reference, round after round.
+"""eval/engine/cache/hybrid.py: the tree-aware hybrid verify equals the path-batched reference, round after round.
 
 Both caches run the same random-init qwen3_5-style hybrid (Gated-DeltaNet + attention layers) on the same trees:
 the tree-aware one in ONE forward over the tree's rows (attention under the tree mask, Gated-DeltaNet layers walked
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.recurrent_cache import HybridTargetCache, PathBatchedTargetCache
-from eval.caches import target_cache
-from eval.tree import Tree
+from eval.engine.cache.hybrid import HybridTargetCache, PathBatchedTargetCache
+from eval.engine.cache.factory import target_cache
+from eval.engine.tree import Tree
 from tests.eval.test_decode_greedy import TAPS, prompts, tiny_target
 from tests.eval.test_tree_recurrent import SHAPES, root_path, tree_of
 from tests.eval.test_walk_device import random_tree

@@ -81,8 +81,8 @@ def test_a_divergence_beyond_the_margin_is_rounding_only_if_the_fp32_replay_agre
 
 
 def test_fp32_replay_compares_ar_and_the_method_token_for_token_and_reports_a_replay_that_fails(tiny_target):
-    """fp32_replay runs eval.decode.decode's calls: AR and the method through n tokens; equal outputs -> identical."""
-    from eval.decode import decode
+    """fp32_replay runs eval.engine.decode.decode's calls: AR and the method through n tokens; equal outputs -> identical."""
+    from eval.engine.decode import decode
 
     prompt = [5, 17, 42, 99, 3]
     seen = []

@@ -99,7 +99,7 @@ def test_a_line_of_any_size_that_does_not_parse_is_skipped_with_file_and_line(tm
 
 @pytest.mark.parametrize("suffix", [".json", ".parquet"])
 def test_an_unreadable_prompt_file_is_one_error_naming_it(tmp_path, suffix):
-    from pipeline.runner import StageError
+    from pipeline.errors import StageError
 
     path = tmp_path / f"gsm{suffix}"
     if suffix == ".json":

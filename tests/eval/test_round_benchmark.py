@@ -17,8 +17,8 @@ from extract.layers import configured_layer_ids
 from pipeline.config import load_config
 from pipeline.target import load_tokenizer, materialize_target
 from tests.conftest import CACHE, REPO
-from train.export import export_zlab
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.export import export_zlab
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:

@@ -11,10 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eval.kv_cache import KV_BUCKET
-from eval.caches import target_cache
-from eval.decode import round_ops
-from eval.round_record import record_size
+from eval.engine.cache.kv import KV_BUCKET
+from eval.engine.cache.factory import target_cache
+from eval.engine.decode import round_ops
+from eval.engine.round_record import record_size
 
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_unique", "_unique2",
               "unique_consecutive", "equal", "is_nonzero", "lift_fresh", "lift_fresh_copy"}
@@ -110,9 +110,9 @@ def test_a_graphs_first_call_leaves_in_place_state_as_one_run_does():
 
 @pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
 def test_draft_step_has_no_host_read_and_no_host_to_device_copy(layer_types):
-    """The drafter's step (eval/draft_forward.py: context append + block, every layer, LM head) on 'meta'."""
-    from eval.draft_forward import DraftForward
-    from train.model import DFlashDrafter, DrafterArgs
+    """The drafter's step (eval/engine/draft_forward.py: context append + block, every layer, LM head) on 'meta'."""
+    from eval.engine.draft_forward import DraftForward
+    from dflash_model.model import DFlashDrafter, DrafterArgs
 
     D, V, B = 64, 320, 8
     args = DrafterArgs(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -1,4 +1,4 @@
-"""`drafter eval` end to end on configs/tiny.yaml with a random drafter exported by train/export.py:
+"""`drafter eval` end to end on configs/tiny.yaml with a random drafter exported by dflash_model/export.py:
 reports written, greedy chain/DDTree reproduce AR, MT-Bench turn 2 follows the target's own answer,
 kill -9 resume redoes no finished unit, and mismatched drafters are refused."""
 
@@ -17,16 +17,20 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from extract.layers import configured_layer_ids
-from eval.decode import decode
+from drafter.cli import merge_stage
+from eval.conversation import run_conversation
+from eval.engine.decode import decode
 from eval.lossless import NEAR_TIE_MARGIN as NEAR_TIE
-from eval.stage import merge_ranks, run_conversation, run_eval
 from eval.prompts import EvalPrompt, chat_prompt_ids
+from eval.stage import run_eval
+from extract.layers import configured_layer_ids
 from pipeline.config import load_config
-from pipeline.runner import FingerprintMismatch, StageDir, StageError
+from pipeline.errors import FingerprintMismatch, StageError
+from pipeline.files import read_json
+from pipeline.stage_dir import StageDir
 from pipeline.target import load_target, load_tokenizer, materialize_target, tokenizer_fingerprint
-from train.export import export_zlab
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.export import export_zlab
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache"
@@ -203,18 +207,20 @@ def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written(tmp_path):
 
 @pytest.mark.slow
 def test_split_ranks_share_the_units_and_the_last_rank_writes_the_report(tmp_path):
-    from pipeline.runner import RankInfo
+    from pipeline.stage_dir import RankInfo
 
     cfg = make_config(tmp_path, ["eval.methods=[ar,chain]",
                                  "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
     export_random_drafter(cfg, cfg.run_dir / "train")
     first = run_eval(cfg, force=False, ranks=RankInfo(0, 2))
-    assert first == {"stage": "eval", "complete": False, "missing_units": ["gsm8k.chain"]}
+    assert {k: v for k, v in first.items() if k != "seconds"} == {  # rank 0's summary: its unit; chain is rank 1's
+        "stage": "eval", "complete": False, "rank": 0, "world_size": 2, "units": ["gsm8k.ar"]}
+    assert read_json(cfg.run_dir / "eval" / "ranks" / "rank-00000.json")["units"] == ["gsm8k.ar"]
     assert not (cfg.run_dir / "eval" / "report.json").exists()
     with pytest.raises(StageError, match=r"eval --merge: 1 of 2 units are not done \(e.g. \['gsm8k.chain'\]\)"):
-        merge_ranks(cfg)
+        merge_stage("eval", cfg)
     manifest = run_eval(cfg, force=False, ranks=RankInfo(1, 2))
-    assert merge_ranks(cfg) == manifest  # the last rank wrote the report: merging again changes nothing
+    assert merge_stage("eval", cfg) == manifest  # the last rank wrote the report: merging again changes nothing
     assert manifest["num_units"] == 2 and manifest["counts"]["responses"] == 2
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
     assert report["cells"][1]["label"] == "chain" and report["cells"][1]["speedup"] > 0
@@ -277,7 +283,8 @@ def test_lossless_check_finds_a_planted_divergence_and_replays_the_decoder_in_fp
     planted divergence to the target's least likely token, at turn 1 of a two-turn prompt: beyond the near-tie
     margin. The fp32 replay re-decodes that prompt with the (correct) decoder, which agrees with AR: the replay
     judges the decoder, not an edited response file (a decoder fault is the next test)."""
-    from eval.stage import Unit, check_lossless, plan_units, read_unit
+    from eval.lossless import check_lossless
+    from eval.units import Unit, plan_units, read_unit
     from eval.prompts import load_benchmark
     from pipeline.target import load_target as load
 
@@ -315,8 +322,8 @@ def test_a_decoder_that_commits_a_wrong_token_is_a_bug_the_fp32_replay_reproduce
     """A fault injected into the decoder (the target's choice at the tree root replaced by its least likely token,
     so every round that accepts no drafted token commits it) makes chain and DDTree leave AR's output; the fp32
     replay runs the same faulty decoder, the divergence comes back, and the report calls it a bug."""
-    import eval.decode
-    from eval.walk import target_choices
+    import eval.engine.decode
+    from eval.engine.walk import target_choices
 
     def faulty_choices(logits, temperature, uniforms=None):
         choices = target_choices(logits, temperature, uniforms)
@@ -325,7 +332,7 @@ def test_a_decoder_that_commits_a_wrong_token_is_a_bug_the_fp32_replay_reproduce
             choices[0] = logits[0].argmin()
         return choices
 
-    monkeypatch.setattr(eval.decode, "target_choices", faulty_choices)
+    monkeypatch.setattr(eval.engine.decode, "target_choices", faulty_choices)
     cfg.eval.fp32_subset = 1
     run_eval(cfg)
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())

@@ -1,4 +1,4 @@
-"""eval.stage input checks that need no decoding: drafter/target fit, hybrid-target DDTree skip, unit plan,
+"""eval input checks that need no decoding: drafter/target fit, hybrid-target DDTree skip, unit plan,
 drafter location and config errors."""
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from eval.target_cache import tree_unsupported_reason
-from eval.stage import Unit, check_drafter_fits_target, drafter_dir, plan_units, run_eval
+from eval.engine.cache.interface import tree_unsupported_reason
+from eval.drafter_inputs import check_drafter_fits_target, drafter_dir, trained_drafter
+from eval.stage import run_eval
+from eval.units import Unit, plan_units
 from pipeline.config import ConfigError, TargetConfig, load_config
-from pipeline.runner import StageError
+from pipeline.errors import StageError
 from pipeline.target import materialize_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,20 +35,15 @@ def zlab_config(**over):
     return cfg
 
 
-def trained_on(layer_ids):
-    """The train manifest a train run writes beside its export: the feature fingerprint it trained on."""
-    return {"stage": "train", "fingerprint": {"features": {"layer_ids": layer_ids}}}
-
-
 def test_a_drafter_built_for_this_target_is_accepted_and_its_taps_are_the_exports():
     assert check_drafter_fits_target(zlab_config(), target_config("random:qwen3"), None) == [1, 4, 6]
-    assert check_drafter_fits_target(zlab_config(), target_config("random:qwen3"), trained_on([1, 4, 6])) == [1, 4, 6]
+    assert check_drafter_fits_target(zlab_config(), target_config("random:qwen3"), [1, 4, 6]) == [1, 4, 6]
 
 
 def test_an_export_whose_taps_differ_from_the_features_it_was_trained_on_is_refused():
     with pytest.raises(StageError, match=r"target_layer_ids: \[1, 4, 6\], but the features it was trained on "
                                          r"tapped \[1, 3, 6\]"):
-        check_drafter_fits_target(zlab_config(), target_config("random:qwen3"), trained_on([1, 3, 6]))
+        check_drafter_fits_target(zlab_config(), target_config("random:qwen3"), [1, 3, 6])
 
 
 @pytest.mark.parametrize("over, field", [
@@ -97,3 +94,21 @@ def test_missing_drafter_and_bad_eval_config_are_clear_errors(tmp_path):
         run_eval(make_config(tmp_path, overrides=["eval.benchmarks=[]"]))
     with pytest.raises(ConfigError, match=r"eval.max_new_tokens: must be >= 1, got 0"):
         make_config(tmp_path, overrides=["eval.max_new_tokens=0"])
+
+
+def test_the_train_manifest_beside_an_export_is_read_typed_and_a_damaged_one_is_refused_naming_it(tmp_path):
+    import json
+
+    train = tmp_path / "train"
+    (train / "export").mkdir(parents=True)
+    manifest = {"stage": "train", "config_hash": "h", "counts": {}, "files": [],
+                "fingerprint": {"drafter": {"block_size": 8}, "features": {"layer_ids": [1, 4, 6], "tokenizer": {}}}}
+    (train / "manifest.json").write_text(json.dumps(manifest))
+    assert trained_drafter(train / "export").layer_ids == [1, 4, 6]
+    (train / "manifest.json").write_text(json.dumps({**manifest, "stage": "extract"}))
+    assert trained_drafter(train / "export") is None  # another stage's manifest is not the drafter's
+    manifest["fingerprint"]["features"] = "layers 1, 4, 6"
+    (train / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StageError, match=r"(?s)train/manifest\.json: fingerprint\.features is a string, not an "
+                                         r"object.*`drafter train --force`"):
+        trained_drafter(train / "export")

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_report_files import make_report  # noqa: E402
 
 from eval.report import REPORT_FILES, json_ready, verdict_text, write_report  # noqa: E402
-from eval.stage import _log_wandb  # noqa: E402
+from eval.wandb_log import log_eval_run  # noqa: E402
 from tests.conftest import md5_b64, wandb_artifact_files, wandb_offline_records  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_offline_wandb_run_holds_the_cell_tau_and_depth_tables(tmp_path):
     cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}", "train.wandb.mode=offline"])
     report = make_report("tiny", [[3, 2, 1], [4]], [[5, 3]])
-    _log_wandb(cfg, report, tmp_path / "eval")
+    log_eval_run(cfg, report, tmp_path / "eval")
     tables = {p.name.split("_")[0]: p for p in (tmp_path / "eval").rglob("*.table.json")}
     assert {"cells", "tau", "per"} <= set(tables), sorted(tables)
     cells = json.loads(tables["cells"].read_text())
@@ -38,7 +38,7 @@ def test_offline_wandb_run_holds_the_cell_tau_and_depth_tables(tmp_path):
 
 def test_disabled_wandb_writes_no_run(tmp_path):
     cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}", "train.wandb.mode=disabled"])
-    _log_wandb(cfg, make_report("tiny", [[2]], [[3]]), tmp_path / "eval")
+    log_eval_run(cfg, make_report("tiny", [[2]], [[3]]), tmp_path / "eval")
     assert not (tmp_path / "eval").exists()
 
 
@@ -48,7 +48,7 @@ def test_offline_eval_run_is_grouped_with_train_and_carries_the_report_and_its_v
     report = make_report("tiny", [[3, 2, 1], [4]], [[5, 3]])
     stage = tmp_path / "eval"
     write_report(report, stage)
-    _log_wandb(cfg, report, stage)
+    log_eval_run(cfg, report, stage)
     records = wandb_offline_records(stage)
     (run,) = [r.run for r in records if r.HasField("run")]
     assert run.run_group == cfg.name == "tiny" and run.job_type == "eval"

@@ -1,4 +1,4 @@
-"""eval/target_forward.py: the fused verify forward computes HF's forward (fp32, CPU), and the cache only uses it
+"""eval/engine/target_forward.py: the fused verify forward computes HF's forward (fp32, CPU), and the cache only uses it
 after checking that on the first verify."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eval.caches import target_cache
-from eval.decode import decode
-from eval.target_forward import _are_row_views, fuse_projections, refusal
-from eval.tree import build_tree
-from eval.verify import ancestor_table
+from eval.engine.cache.factory import target_cache
+from eval.engine.decode import decode
+from eval.engine.target_forward import _are_row_views, fuse_projections, refusal
+from eval.engine.tree import build_tree
+from eval.engine.verify import ancestor_table
 
 from tests.eval.test_decode_greedy import BLOCK, TAPS, OracleDrafter, naive_greedy, prompts, tiny_target
 
@@ -126,7 +126,7 @@ def test_compiled_fused_forward_equals_eager_with_one_graph_for_every_n_and_laye
     """torch.compile'd pre/post (what the CUDA-graph cache runs), here by inductor on the CPU: the same logits,
     taps and K/V rows as the eager fused forward at several tree sizes, and each function compiled at most twice
     (N dynamic; never once per layer, whose cache slices and weights are arguments)."""
-    import eval.target_forward as tf
+    import eval.engine.target_forward as tf
 
     torch._dynamo.reset()
     target = tiny_target("qwen3")
@@ -148,8 +148,8 @@ def test_compiled_fused_forward_equals_eager_with_one_graph_for_every_n_and_laye
 
 def test_verifies_of_one_tree_size_return_the_same_buffers_whatever_the_key_bucket():
     """So the walk's CUDA graph, captured on the first verify's outputs, never copies [N, V] logits when a longer
-    past brings a new verify graph (eval/kv_cache.py KV_BUCKET); the values still equal HF's forward."""
-    from eval.kv_cache import KV_BUCKET
+    past brings a new verify graph (eval/engine/cache/kv.py KV_BUCKET); the values still equal HF's forward."""
+    from eval.engine.cache.kv import KV_BUCKET
 
     target = tiny_target("qwen3")
     hf, fused = target_cache(target, TAPS, "static"), target_cache(target, TAPS, "fused")

@@ -1,4 +1,4 @@
-"""eval/tree.py: the builders return exactly the `budget` most probable prefixes, in THE layout and order."""
+"""eval/engine/tree.py: the builders return exactly the `budget` most probable prefixes, in THE layout and order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from eval.tree import build_tree, build_tree_heap, chain_tree, heap_select, root_tree, top_log_probs, tree_size
+from eval.engine.tree import build_tree, build_tree_heap, chain_tree, heap_select, root_tree, top_log_probs, tree_size
 
 
 def brute_force_tree(top_lp: np.ndarray, top_ids: np.ndarray, budget: int):

@@ -1,4 +1,4 @@
-"""eval/tree_recurrent.py: a Gated-DeltaNet layer verified over a tree equals HF's layer run along each root path.
+"""eval/engine/tree_recurrent.py: a Gated-DeltaNet layer verified over a tree equals HF's layer run along each root path.
 
 Every node's output, and the cache state committed for it, must be what HF's own layer gives when the node's root
 path (root .. node) is run from the committed cache: token by token (HF's decode path: causal_conv1d_update +
@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from eval.tree import Tree
-from eval.tree_recurrent import (TreeLayerRecord, conv_window_rows, path_gated_delta_state, tree_causal_conv1d,
+from eval.engine.tree import Tree
+from eval.engine.tree_recurrent import (TreeLayerRecord, conv_window_rows, path_gated_delta_state, tree_causal_conv1d,
                                  tree_gated_delta_net, tree_gated_delta_rule)
 from tests.eval.test_walk_device import random_tree
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tree_of(parents: list[int]) -> Tree:
-    """A Tree (eval/tree.py layout) from its parent list; parents[0] = 0 is the root."""
+    """A Tree (eval/engine/tree.py layout) from its parent list; parents[0] = 0 is the root."""
     depths = [0]
     for p in parents[1:]:
         depths.append(depths[p] + 1)

@@ -1,4 +1,4 @@
-"""eval/tree_recurrent_triton.py equals eval/tree_recurrent.py: the walk order on any device, the kernels in Triton's
+"""eval/engine/tree_recurrent_triton.py equals eval/engine/tree_recurrent.py: the walk order on any device, the kernels in Triton's
 CPU interpreter (a subprocess, as tests/eval/test_triton_kernels.py), compiled for sm_90 without a GPU, and compiled
 at the Qwen3.6-27B shape on a GPU machine."""
 
@@ -29,7 +29,7 @@ def depth_first(parents: list[int]) -> list[int]:
 
 
 def test_walk_order_is_the_depth_first_preorder_and_marks_the_forks():
-    from eval.tree_recurrent_triton import walk_order
+    from eval.engine.tree_recurrent_triton import walk_order
 
     gen = torch.Generator().manual_seed(0)
     trees = [tree_of(p) for p in SHAPES.values()]
@@ -49,7 +49,7 @@ def test_walk_order_is_the_depth_first_preorder_and_marks_the_forks():
 
 
 def check_tree_conv_equals_torch(device: str = "cpu"):
-    from eval import tree_recurrent, tree_recurrent_triton
+    from eval.engine import tree_recurrent, tree_recurrent_triton
 
     gen = torch.Generator().manual_seed(1)
     C = 40 if device == "cpu" else 10240  # the 27B conv width on CUDA
@@ -72,7 +72,7 @@ def check_tree_gated_delta_equals_torch(device: str = "cpu"):
     state, written in place over the committed state too. CPU: a tiny GQA shape with d_k, d_v that are not powers
     of two (masked blocks); CUDA: the 27B shape (16 q/k heads, 48 value heads, 128 x 128), bf16 and fp32 rows, up
     to a budget-256 tree."""
-    from eval import tree_recurrent, tree_recurrent_triton
+    from eval.engine import tree_recurrent, tree_recurrent_triton
 
     gen = torch.Generator().manual_seed(3)
     HK, HV, dk, dv, count = (2, 4, 12, 10, 6) if device == "cpu" else (16, 48, 128, 128, 8)
@@ -110,7 +110,7 @@ def check_stacked_path_state_equals_each_layer(device: str = "cpu"):
     """The commit of B stacked layers in one launch (a layer grid axis) leaves every layer's state exactly as the
     one-layer kernel does, and as the torch version with the same leading layer axis; in place over the committed
     states too. Rows are views of one [B, N, C] block per layer stack, as the cache keeps them."""
-    from eval import tree_recurrent, tree_recurrent_triton
+    from eval.engine import tree_recurrent, tree_recurrent_triton
 
     gen = torch.Generator().manual_seed(5)
     B, HK, HV, dk, dv = (3, 2, 4, 12, 10) if device == "cpu" else (48, 16, 48, 128, 128)
@@ -161,7 +161,7 @@ def check_walk_reads_nothing_outside_its_tensors(device: str = "cpu"):
     them, also on the steps whose prefetched loads are discarded (past the last node the indices wrap to the root).
     Written after the H200 run of 2026-12-02: the wrapped step reloaded the root's "parent" from scratch slot -1 (an
     illegal address at budget 64; unnoticed in the interpreter, whose neighbouring bytes were readable)."""
-    from eval import tree_recurrent, tree_recurrent_triton
+    from eval.engine import tree_recurrent, tree_recurrent_triton
 
     gen = torch.Generator().manual_seed(7)
     HK, HV, dk, dv = 2, 4, 12, 10
@@ -202,7 +202,7 @@ CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch",
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.slow
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
-    run_interpreted(check, MODULE)
+    run_interpreted(check, MODULE, group=tuple(CHECKS))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="guard pages are host memory: the interpreter reads it")
@@ -233,6 +233,6 @@ COMPILED = [
 
 @pytest.mark.parametrize("name,signature,constants", COMPILED, ids=[f"{c[0]}-{i}" for i, c in enumerate(COMPILED)])
 def test_kernel_compiles_for_an_sm90_gpu_without_one(name, signature, constants):
-    from eval import tree_recurrent_triton
+    from eval.engine import tree_recurrent_triton
 
     compile_for_sm90(getattr(tree_recurrent_triton, name), signature, constants)

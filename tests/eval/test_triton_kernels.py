@@ -1,4 +1,5 @@
-"""eval/triton_kernels.py equals the torch functions it replaces, run on the CPU through Triton's interpreter.
+"""The engine's Triton kernels (eval/engine/{tree,verify,walk,target_forward}_triton.py) equal the torch functions they
+replace, run on the CPU through Triton's interpreter.
 
 On the CPU `TRITON_INTERPRET=1` executes the kernel code with NumPy, in a subprocess because the switch is read
 when the kernels are defined (at import). On the GPU machine the same checks run compiled for CUDA, at real sizes
@@ -8,6 +9,7 @@ CUDA). Every kernel is also compiled here for an sm_90 GPU (`test_kernel_compile
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -22,16 +24,44 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_interpreted(check: str, module: str = "tests.eval.test_triton_kernels") -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", f"from {module} import {check}; {check}()"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+_INTERPRETED: dict[tuple[str, str], str | None] = {}  # (module, check) -> None (passed) or the failure
+
+
+def run_interpreted(check: str, module: str = "tests.eval.test_triton_kernels", group: tuple[str, ...] = ()) -> None:
+    """`module.check()` in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined, at import).
+
+    The checks of `group` (a file's parametrized checks) run in ONE subprocess the first time any of them is asked
+    for, each reporting its own outcome, so a file pays one Python + torch + Triton start instead of one per check;
+    a check that subprocess did not report (it died on an earlier one) runs again alone, as before."""
+    if (module, check) not in _INTERPRETED:
+        _INTERPRETED.update(_interpret(module, group or (check,), timeout=300 * max(1, len(group))))
+    if (module, check) not in _INTERPRETED:
+        _INTERPRETED.update(_interpret(module, (check,), timeout=300))
+    failure = _INTERPRETED.get((module, check), f"{check}: the interpreter subprocess reported nothing")
+    assert failure is None, failure
+
+
+def _interpret(module: str, checks: tuple[str, ...], timeout: int) -> dict[tuple[str, str], str | None]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    code = (f"import json, traceback\nimport {module} as m\nfor name in {list(checks)!r}:\n"
+            "    try:\n        getattr(m, name)()\n        out = None\n"
+            "    except BaseException:\n        out = traceback.format_exc()[-3000:]\n"
+            "    print('CHECK ' + json.dumps([name, out]), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CHECK "):
+            name, out = json.loads(line[len("CHECK "):])
+            results[(module, name)] = out
+    if proc.returncode != 0 and len(checks) == 1 and (module, checks[0]) not in results:
+        results[(module, checks[0])] = proc.stderr[-3000:]  # it died: its own stderr is the finding
+    return results
 
 
 def check_select_tree_equals_heap(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.tree import _staircase, build_tree_heap, top_log_probs, tree_size
+    from eval.engine import tree_triton
+    from eval.engine.tree import _staircase, build_tree_heap, top_log_probs, tree_size
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(40):
@@ -48,15 +78,15 @@ def check_select_tree_equals_heap(device: str = "cpu"):
         k = min(budget, V)
         lp, ids = top_log_probs(logits, k)
         slot_of, rank_of, first, _ = _staircase(budget, k, device)
-        tokens, parents, depths = triton_kernels.select_tree(lp, ids, slot_of, rank_of, first, budget,
+        tokens, parents, depths = tree_triton.select_tree(lp, ids, slot_of, rank_of, first, budget,
                                                              tree_size(budget, L, V), torch.tensor([3], device=device))
         assert (tokens.tolist(), parents.tolist(), depths.tolist()) == \
             (ref.tokens.tolist(), ref.parents.tolist(), ref.depths.tolist()), trial
 
 
 def check_top_log_probs_equals_torch(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.tree import LOGPROB_FLOOR, top_log_probs_torch
+    from eval.engine import tree_triton
+    from eval.engine.tree import LOGPROB_FLOOR, top_log_probs_torch
 
     gen = torch.Generator().manual_seed(4)
     big = device != "cpu"  # compiled: the real vocabulary and budgets up to 1024
@@ -71,15 +101,15 @@ def check_top_log_probs_equals_torch(device: str = "cpu"):
         if trial % 5 == 1:  # one value everywhere: every key is the threshold
             logits = torch.full((L, V), 1.5)
         logits = logits.to(torch.bfloat16 if trial % 2 else torch.float16).to(device)
-        got_lp, got_ids = triton_kernels.top_log_probs(logits, k, LOGPROB_FLOOR)
+        got_lp, got_ids = tree_triton.top_log_probs(logits, k, LOGPROB_FLOOR)
         ref_lp, ref_ids = top_log_probs_torch(logits, k)
         assert torch.equal(got_ids, ref_ids), trial
         torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=2e-5)
 
 
 def check_compact_path_rows_equals_torch(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.walk import compact_path_rows
+    from eval.engine import walk_triton
+    from eval.engine.walk import compact_path_rows
 
     gen = torch.Generator().manual_seed(5)
     for trial in range(10):
@@ -97,15 +127,15 @@ def check_compact_path_rows_equals_torch(device: str = "cpu"):
         path = path.to(device)
         ref = x.cpu().clone()
         compact_path_rows(ref, dim, past.cpu(), path.cpu())  # on the CPU: the torch version
-        triton_kernels.compact_path_rows(x, dim, past, path)
+        walk_triton.compact_path_rows(x, dim, past, path)
         assert torch.equal(x.cpu(), ref), trial
 
 
 def check_greedy_walk_equals_walk_tree(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.tree import Tree
-    from eval.verify import ancestor_table
-    from eval.walk import target_choices, walk_tree
+    from eval.engine import walk_triton
+    from eval.engine.tree import Tree
+    from eval.engine.verify import ancestor_table
+    from eval.engine.walk import target_choices, walk_tree
     from tests.eval.test_walk_device import random_tree
 
     gen = torch.Generator().manual_seed(1)
@@ -120,7 +150,7 @@ def check_greedy_walk_equals_walk_tree(device: str = "cpu"):
         logits = logits.to(device=device, dtype=dtype)
         anc = ancestor_table(tree.parents, L)
         ref = walk_tree(tree, target_choices(logits, 0.0), anc)
-        accepted, path, bonus, last, record = triton_kernels.greedy_walk(tree.tokens, tree.parents, tree.depths,
+        accepted, path, bonus, last, record = walk_triton.greedy_walk(tree.tokens, tree.parents, tree.depths,
                                                                          anc, logits, L)
         assert (int(accepted), path.tolist(), int(bonus), int(last)) == \
             (int(ref.accepted), ref.path.tolist(), int(ref.bonus), int(ref.last)), trial
@@ -128,10 +158,10 @@ def check_greedy_walk_equals_walk_tree(device: str = "cpu"):
 
 
 def check_tree_attention_equals_sdpa(device: str = "cpu"):
-    from eval import triton_kernels
-    from eval.target_forward import merge_splits
-    from eval.tree import build_tree
-    from eval.verify import ancestor_matrix, visibility_attention_mask
+    from eval.engine import target_forward_triton
+    from eval.engine.target_forward import merge_splits
+    from eval.engine.tree import build_tree
+    from eval.engine.verify import ancestor_matrix, visibility_attention_mask
 
     # CPU interpreter: small fp32 shapes; CUDA: the real head size and key count, bf16
     KVH, G, hd, kv_len, past, sizes, dtype, tol = (2, 2, 16, 256, 100, (1, 17, 70), torch.float32, 1e-5) \
@@ -151,7 +181,7 @@ def check_tree_attention_equals_sdpa(device: str = "cpu"):
                                                                values.float()[None], attn_mask=mask,
                                                                scale=hd ** -0.5)[0]
         for splits in (1, 2, 4, 8):
-            out, lse = triton_kernels.tree_attention(q, keys, values, vis, past_t, hd ** -0.5, splits)
+            out, lse = target_forward_triton.tree_attention(q, keys, values, vis, past_t, hd ** -0.5, splits)
             got = out[0] if splits == 1 else merge_splits(out, lse)
             torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
@@ -159,8 +189,8 @@ def check_tree_attention_equals_sdpa(device: str = "cpu"):
 def check_ancestors_equal_pointer_doubling(device: str = "cpu"):
     import math
 
-    from eval import triton_kernels
-    from eval.verify import ancestor_matrix, ancestor_table
+    from eval.engine import verify_triton
+    from eval.engine.verify import ancestor_matrix, ancestor_table
     from tests.eval.test_walk_device import random_tree
 
     gen = torch.Generator().manual_seed(2)
@@ -169,9 +199,9 @@ def check_ancestors_equal_pointer_doubling(device: str = "cpu"):
         tree = random_tree(gen, int(torch.randint(0, 200, (1,), generator=gen)), max(L, 1), 5)
         ref = ancestor_table(tree.parents, tree.depth_limit)  # on the CPU: pointer doubling
         width = 1 << max(1, math.ceil(math.log2(tree.depth_limit + 1)))
-        table = triton_kernels.ancestor_table(tree.parents.to(device), width)
+        table = verify_triton.ancestor_table(tree.parents.to(device), width)
         assert torch.equal(table.cpu(), ref), trial
-        assert torch.equal(triton_kernels.ancestor_matrix(table).cpu(), ancestor_matrix(tree, ref)), trial
+        assert torch.equal(verify_triton.ancestor_matrix(table).cpu(), ancestor_matrix(tree, ref)), trial
 
 
 CHECKS = ["check_top_log_probs_equals_torch", "check_compact_path_rows_equals_torch", "check_select_tree_equals_heap", "check_ancestors_equal_pointer_doubling",
@@ -183,7 +213,7 @@ CHECKS = ["check_top_log_probs_equals_torch", "check_compact_path_rows_equals_to
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.slow
 def test_kernel_equals_its_torch_reference_in_the_interpreter(check):
-    run_interpreted(check)
+    run_interpreted(check, group=tuple(CHECKS))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA (run on the GPU machine)")
@@ -196,27 +226,27 @@ def test_kernel_equals_its_torch_reference_on_cuda(check):
 # specialized to constants by Triton's launcher, so the depth index is also compiled as 0 and 1).
 P, I, I64, F = "*fp32", "i32", "*i64", "fp32"
 COMPILED = [
-    ("_topk_digit0_kernel", dict(logits="*bf16", V=I, hist="*i32", HB=I, part_max=P, part_sum=P), dict(CHUNK=4096)),
-    ("_topk_digit1_kernel", dict(logits="*bf16", V=I, K=I, hist="*i32", HB=I, chunk_hist="*i32"), dict(CHUNK=4096)),
-    ("_topk_collect_kernel", dict(logits="*fp16", V=I, K=I, hist="*i32", HB=I, chunk_hist="*i32", top="*fp16",
+    ("tree", "_topk_digit0_kernel", dict(logits="*bf16", V=I, hist="*i32", HB=I, part_max=P, part_sum=P), dict(CHUNK=4096)),
+    ("tree", "_topk_digit1_kernel", dict(logits="*bf16", V=I, K=I, hist="*i32", HB=I, chunk_hist="*i32"), dict(CHUNK=4096)),
+    ("tree", "_topk_collect_kernel", dict(logits="*fp16", V=I, K=I, hist="*i32", HB=I, chunk_hist="*i32", top="*fp16",
                                   ids=I64), dict(CHUNK=4096, CP=64)),
-    ("_order_top_kernel", dict(part_max=P, part_sum=P, C=I, top="*bf16", ids=I64, K=I, floor=F, out_lp=P,
+    ("tree", "_order_top_kernel", dict(part_max=P, part_sum=P, C=I, top="*bf16", ids=I64, K=I, floor=F, out_lp=P,
                                out_ids=I64), dict(CP=64, KP=256)),
-    ("_select_init_kernel", dict(top_lp=P, K=I, M=I, B=I, keys=I64, scores=P), dict(BLOCK=1024)),
-    *[("_depth_rank_kernel", dict(keys=I64, M=I, top_lp=P, K=I, first=I64, scores=P, picks="*i32", d=d, L=I, B=I),
+    ("tree", "_select_init_kernel", dict(top_lp=P, K=I, M=I, B=I, keys=I64, scores=P), dict(BLOCK=1024)),
+    *[("tree", "_depth_rank_kernel", dict(keys=I64, M=I, top_lp=P, K=I, first=I64, scores=P, picks="*i32", d=d, L=I, B=I),
        dict(BLOCK=8, TILE=1024, CHILDREN=128, **({} if d == I else {"d": int(d)}))) for d in (I, "0", "1")],
-    ("_final_rank_kernel", dict(scores=P, LB=I, B=I, n=I, chosen="*i32", node_of="*i32"), dict(BLOCK=8, TILE=1024)),
-    ("_tree_arrays_kernel", dict(chosen="*i32", picks="*i32", slot_of=I64, rank_of=I64, node_of="*i32", top_ids=I64,
+    ("tree", "_final_rank_kernel", dict(scores=P, LB=I, B=I, n=I, chosen="*i32", node_of="*i32"), dict(BLOCK=8, TILE=1024)),
+    ("tree", "_tree_arrays_kernel", dict(chosen="*i32", picks="*i32", slot_of=I64, rank_of=I64, node_of="*i32", top_ids=I64,
                                  K=I, B=I, n=I, root=I64, tokens=I64, parents=I64, depths=I64), dict(BLOCK=128)),
-    ("_ancestor_table_kernel", dict(parents=I64, N=I, W=I, table=I64), dict(BLOCK=128)),
-    ("_ancestor_matrix_kernel", dict(table=I64, N=I, W=I, vis="*i8"), dict(BLOCK=128)),
-    ("_argmax_partial_kernel", dict(logits="*bf16", V=I, chunk=I, best=P, where=I64), dict(BLOCK=4096)),
-    ("_argmax_final_kernel", dict(best=P, where=I64, CH=I, choices=I64), dict(CHP=64)),
-    ("_walk_kernel", dict(tokens=I64, parents=I64, depths=I64, ancestors=I64, W=I, N=I, L=I, choices=I64,
+    ("verify", "_ancestor_table_kernel", dict(parents=I64, N=I, W=I, table=I64), dict(BLOCK=128)),
+    ("verify", "_ancestor_matrix_kernel", dict(table=I64, N=I, W=I, vis="*i8"), dict(BLOCK=128)),
+    ("walk", "_argmax_partial_kernel", dict(logits="*bf16", V=I, chunk=I, best=P, where=I64), dict(BLOCK=4096)),
+    ("walk", "_argmax_final_kernel", dict(best=P, where=I64, CH=I, choices=I64), dict(CHP=64)),
+    ("walk", "_walk_kernel", dict(tokens=I64, parents=I64, depths=I64, ancestors=I64, W=I, N=I, L=I, choices=I64,
                           match_buf="*i8", path=I64, accepted_out=I64, bonus_out=I64, last_out=I64, record=I64),
      dict(NP=512, WP=16, LP=16, HEAD=3)),
-    ("_compact_path_kernel", dict(x="*bf16", R=I, C=I, past_ptr=I64, path=I64, LP1=I), dict(LP=16, BLOCK_C=128)),
-    ("_tree_attention_kernel", dict(q="*bf16", k="*bf16", v="*bf16", vis="*u8", past_ptr=I64, out="*bf16", lse=P,
+    ("walk", "_compact_path_kernel", dict(x="*bf16", R=I, C=I, past_ptr=I64, path=I64, LP1=I), dict(LP=16, BLOCK_C=128)),
+    ("target_forward", "_tree_attention_kernel", dict(q="*bf16", k="*bf16", v="*bf16", vis="*u8", past_ptr=I64, out="*bf16", lse=P,
                                     N=I, GN=I, stride_kh=I, stride_kt=I, kv_chunk=I, scale=F), dict(HD=128, BM=64, BN=64)),
 ]
 
@@ -233,15 +263,15 @@ def compile_for_sm90(kernel, signature: dict, constants: dict) -> None:
     triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
 
 
-@pytest.mark.parametrize("name,signature,constants", COMPILED, ids=[f"{c[0]}-{i}" for i, c in enumerate(COMPILED)])
-def test_kernel_compiles_for_an_sm90_gpu_without_one(name, signature, constants):
-    from eval import triton_kernels
+@pytest.mark.parametrize("module,name,signature,constants", COMPILED, ids=[f"{c[1]}-{i}" for i, c in enumerate(COMPILED)])
+def test_kernel_compiles_for_an_sm90_gpu_without_one(module, name, signature, constants):
+    import importlib
 
-    compile_for_sm90(getattr(triton_kernels, name), signature, constants)
+    compile_for_sm90(getattr(importlib.import_module(f"eval.engine.{module}_triton"), name), signature, constants)
 
 
 def test_a_failing_kernel_switches_every_kernel_off_with_a_warning(caplog):
-    from eval import triton_kernels
+    from eval.engine import triton_runtime
 
     def broken_kernel():
         raise RuntimeError("PTX assembly failed")  # what a Triton build error on an unsupported GPU raises
@@ -249,9 +279,9 @@ def test_a_failing_kernel_switches_every_kernel_off_with_a_warning(caplog):
     drafter_log = logging.getLogger("drafter")  # pipeline/log.py stops propagation to the root (caplog's) logger
     drafter_log.addHandler(caplog.handler)
     try:
-        assert triton_kernels.run(broken_kernel) is None
-        assert not triton_kernels.available("cuda")
+        assert triton_runtime.run(broken_kernel) is None
+        assert not triton_runtime.available("cuda")
         assert "broken_kernel" in caplog.text and "torch versions" in caplog.text
     finally:
         drafter_log.removeHandler(caplog.handler)
-        triton_kernels._FAILED.clear()
+        triton_runtime._FAILED.clear()

@@ -1,4 +1,4 @@
-"""eval/verify.py: positions = start + depth and the ancestor-only 4-D mask, against a hand-built example and
+"""eval/engine/verify.py: positions = start + depth and the ancestor-only 4-D mask, against a hand-built example and
 against plain forwards of each root->node path through a real HF target."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.caches import target_cache
-from eval.tree import Tree, build_tree
-from eval.verify import ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions
+from eval.engine.cache.factory import target_cache
+from eval.engine.tree import Tree, build_tree
+from eval.engine.verify import ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions
 from extract.layers import tap_features
 from pipeline.config import TargetConfig
 from pipeline.target import load_target, materialize_target

@@ -1,13 +1,13 @@
-"""eval/walk.py: the device walk equals the sequential child-map walk; compaction keeps exactly the path."""
+"""eval/engine/walk.py: the device walk equals the sequential child-map walk; compaction keeps exactly the path."""
 
 from __future__ import annotations
 
 import torch
 
-from eval.round_record import parse_record
-from eval.tree import Tree, build_tree
-from eval.verify import ancestor_table
-from eval.walk import compact_rows, target_choices, walk_tree, walk_tree_reference
+from eval.engine.round_record import parse_record
+from eval.engine.tree import Tree, build_tree
+from eval.engine.verify import ancestor_table
+from eval.engine.walk import compact_rows, target_choices, walk_tree, walk_tree_reference
 
 
 def random_tree(gen: torch.Generator, n: int, L: int, V: int) -> Tree:

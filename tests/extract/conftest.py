@@ -38,7 +38,7 @@ def write_tokenize_stage(cfg, lengths, *, seed: int = 0, shard_rows: int = 16, f
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.runner import StageDir
+    from pipeline.stage_dir import StageDir
     from pipeline.target import load_tokenizer, materialize_target, target_fingerprint, tokenizer_fingerprint
 
     loc = materialize_target(cfg.target, cfg.cache_dir)

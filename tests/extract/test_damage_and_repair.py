@@ -16,10 +16,12 @@ import sys
 import numpy as np
 import pytest
 
-from extract.stage import merge_ranks, repair_extract, run_extract
+from drafter.cli import merge_stage
+from extract.stage import repair_extract, run_extract
 from extract.store import FeatureReader, check_store
 from extract.verify import run_verify
-from pipeline.runner import StageError, sha256_file
+from pipeline.errors import StageError
+from pipeline.files import sha256_file
 from tests.conftest import CACHE, REPO, make_config
 from tests.extract.conftest import write_tokenize_stage
 
@@ -91,7 +93,7 @@ def test_train_refuses_damaged_features_naming_the_file_and_the_repair(clean, tm
         with pytest.raises(StageError, match=r"(?s)damaged.*--repair"):
             run_extract(cfg)
         with pytest.raises(StageError, match=r"(?s)damaged.*--repair"):
-            merge_ranks(cfg)  # not "already merged"
+            merge_stage("extract", cfg)  # not "already merged"
 
 
 @pytest.mark.slow

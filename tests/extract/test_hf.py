@@ -29,7 +29,7 @@ def test_a_long_sample_does_not_drag_short_ones_into_a_padded_batch():
 
 
 def test_interleaved_shards_are_each_written_and_hashed_in_order(tmp_path, random_target):
-    from pipeline.runner import sha256_file
+    from pipeline.files import sha256_file
 
     _, model = random_target("qwen3")
     cfg = extract_config(tmp_path, "extract.tokens_per_batch=128", "extract.storage_dtype=fp8")

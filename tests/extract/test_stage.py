@@ -15,10 +15,13 @@ import pytest
 import torch
 
 from extract.layers import forward_taps
-from extract.stage import check_disk_space, merge_ranks, run_extract
+from drafter.cli import merge_stage
+from extract.stage import check_disk_space, run_extract
 from extract.store import FeatureReader, bytes_per_token, check_store
 from extract.verify import run_verify
-from pipeline.runner import FingerprintMismatch, RankInfo, StageError, read_json
+from pipeline.errors import FingerprintMismatch, StageError
+from pipeline.files import read_json
+from pipeline.stage_dir import RankInfo
 from pipeline.target import load_target, materialize_target
 from tests.extract.conftest import DISTINCT_LAYERS, extract_config, write_tokenize_stage
 
@@ -118,6 +121,20 @@ def test_refuses_tokenize_output_made_with_another_tokenizer(tmp_path):
     assert not (cfg.run_dir / "extract" / "manifest.json").exists()
 
 
+def test_a_damaged_tokenize_manifest_is_refused_naming_it_not_a_type_error(tmp_path):
+    """The stage reads its input's manifest through the typed reader (pipeline/manifests.py): a fingerprint that is
+    not a JSON object is a StageError naming the file, the field and what to run, before any unit starts."""
+    cfg = extract_config(tmp_path)
+    stage = write_tokenize_stage(cfg, LENGTHS)
+    m = read_json(stage.manifest_path)
+    m["fingerprint"] = list(m["fingerprint"])
+    stage.manifest_path.write_text(json.dumps(m))
+    with pytest.raises(StageError, match=r"(?s)tokenize/manifest\.json: field 'fingerprint' is a list, not an "
+                                         r"object.*`drafter tokenize --force`"):
+        run_extract(cfg)
+    assert not (cfg.run_dir / "extract").exists()
+
+
 def test_a_finished_extraction_refuses_another_config_naming_the_changed_keys(tmp_path):
     cfg = extract_config(tmp_path)
     write_tokenize_stage(cfg, LENGTHS[:4])
@@ -154,16 +171,16 @@ def test_disjoint_rank_slices_cover_every_sample_exactly_once_after_merge(tmp_pa
     write_tokenize_stage(cfg, LENGTHS)
     summaries = [run_extract(cfg, ranks=RankInfo(0, 3)), run_extract(cfg, ranks=RankInfo(2, 3))]
     with pytest.raises(StageError, match="not done"):
-        merge_ranks(cfg)  # rank 1 has not run
+        merge_stage("extract", cfg)  # rank 1 has not run
     summaries.append(run_extract(cfg, ranks=RankInfo(1, 3)))
     units = [u for s in summaries for u in s["units"]]
     assert len(units) == len(set(units)) and len(units) > 3
-    manifest = merge_ranks(cfg)
+    manifest = merge_stage("extract", cfg)
     reader = FeatureReader(cfg.run_dir / "extract")
     assert sorted(reader.ids) == sorted(f"fake/{i}" for i in range(len(LENGTHS)))
     assert reader.ids == [f"fake/{i}" for i in range(len(LENGTHS))]  # index order = tokenize order
     assert manifest["counts"]["tokens"] == sum(LENGTHS) == int(reader.lengths.sum())
-    assert merge_ranks(cfg)["finished_at"] == manifest["finished_at"]  # idempotent
+    assert merge_stage("extract", cfg)["finished_at"] == manifest["finished_at"]  # idempotent
     assert run_extract(cfg)["finished_at"] == manifest["finished_at"]  # a finished stage is a no-op
 
 

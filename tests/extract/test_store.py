@@ -137,7 +137,7 @@ def test_corrupted_shard_is_detected_by_its_checksum(tmp_path):
 
 
 def test_reader_refuses_an_unfinished_extraction(tmp_path):
-    from pipeline.runner import StageError
+    from pipeline.errors import StageError
 
     with pytest.raises(StageError, match="not finished"):
         FeatureReader(tmp_path / "nothing")
@@ -145,7 +145,7 @@ def test_reader_refuses_an_unfinished_extraction(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
 def test_streamed_sha256_equals_the_file_hash(tmp_path, dtype):
-    from pipeline.runner import sha256_file
+    from pipeline.files import sha256_file
 
     samples = _samples(n=6, taps=3, D=12)  # D*n*2 bytes per row: exercises the alignment padding
     w = ShardWriter(tmp_path / "x.safetensors", [s["id"] for s in samples], [s["input_ids"].numpy() for s in samples],

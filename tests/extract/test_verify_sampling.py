@@ -17,7 +17,8 @@ from extract.layers import forward_taps
 from extract.stage import run_extract
 from extract.store import INDEX_FILE, Shard, encode_features, read_shard_header
 from extract.verify import draw_samples, run_verify
-from pipeline.runner import RankInfo, read_json, sha256_file
+from pipeline.files import read_json, sha256_file
+from pipeline.stage_dir import RankInfo
 from pipeline.target import load_target, materialize_target
 from tests.extract.conftest import DISTINCT_LAYERS, extract_config, write_tokenize_stage
 
@@ -109,9 +110,9 @@ def test_the_report_names_the_checked_samples_with_shard_and_rank_and_another_se
     write_tokenize_stage(cfg, LENGTHS)
     for r in range(3):
         run_extract(cfg, ranks=RankInfo(r, 3))
-    from extract.stage import merge_ranks
+    from drafter.cli import merge_stage
 
-    merge_ranks(cfg)
+    merge_stage("extract", cfg)
     summaries = {r: read_json(cfg.run_dir / "extract" / "ranks" / f"rank-{r:05d}.json")["units"] for r in range(3)}
     a = run_verify(cfg, against="stored", seed=0)
     printed = capsys.readouterr().out

@@ -10,7 +10,7 @@ import pytest
 
 from drafter.cli import main as drafter_main
 from pipeline.config import ConfigError, describe_fields, hashed_fields, load_config, section_hash
-from pipeline.runner import StageError
+from pipeline.errors import StageError
 from tests.conftest import REPO
 
 TINY = REPO / "configs/tiny.yaml"

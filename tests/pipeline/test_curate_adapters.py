@@ -16,7 +16,7 @@ from pipeline.curate.adapters import NotThisFormat, adapt, detect_format
 from pipeline.curate.schema import CONVERSATION_SCHEMA, ROLES
 from pipeline.curate.sources import dataset_records
 from pipeline.curate.stage import run_curate
-from pipeline.runner import StageError
+from pipeline.errors import StageError
 
 
 def curate_config(tmp_path, sources, **curate):

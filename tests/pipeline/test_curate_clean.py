@@ -14,7 +14,7 @@ from drafter.cli import main as cli_main
 from pipeline.config import ConfigError, load_config
 from pipeline.curate.clean import CLEAN_REASONS
 from pipeline.curate.stage import run_curate
-from pipeline.runner import StageError
+from pipeline.errors import StageError
 
 Q = "What is the capital of France? Answer in one sentence."
 A = "The capital of France is Paris."

@@ -12,7 +12,7 @@ import yaml
 from pipeline.config import load_config
 from pipeline.curate.mix import apportion
 from pipeline.curate.stage import run_curate
-from pipeline.runner import sha256_file
+from pipeline.files import sha256_file
 from tests.conftest import PROMPTS
 
 SOURCES = [

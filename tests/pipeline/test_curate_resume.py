@@ -18,7 +18,8 @@ import yaml
 from pipeline.config import load_config
 from pipeline.curate.stage import run_curate
 from pipeline.curate.synthetic import write_synthetic
-from pipeline.runner import StageError, read_json, sha256_file
+from pipeline.errors import StageError
+from pipeline.files import read_json, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 N = 30000

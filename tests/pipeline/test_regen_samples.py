@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.regen.stage import run_regen
-from pipeline.runner import StageDir
+from pipeline.stage_dir import StageDir
 from pipeline.tokenize import run_tokenize
 from tests.conftest import make_config
 from tests.pipeline.test_regen_stage import kill_regen_after_units, regen_rows, single_turn, write_curated
@@ -62,11 +62,13 @@ def test_samples_and_formats_are_validated(tmp_path):
 
 
 def test_changing_the_number_of_samples_changes_the_config_hash(tmp_path):
+    from pipeline.manifests import CuratedData
     from pipeline.regen.stage import regen_config_record
 
     one = make_config(tmp_path, overrides=["regen.temperature=1.0"])
     three = make_config(tmp_path, overrides=["regen.temperature=1.0", "regen.samples_per_prompt=3"])
-    curated = {"config_hash": "x"}
+    curated = CuratedData(tmp_path / "curate", config_hash="x", fingerprint={}, counts={}, files=[],
+                          train_conversations=None)
     assert regen_config_record(one, curated)[0] != regen_config_record(three, curated)[0]
 
 

@@ -18,7 +18,8 @@ from pipeline.regen.conversation import end_of_turn_ids, prompt_ids
 from pipeline.regen.generator import Sampling
 from pipeline.regen.hf import HFGenerator
 from pipeline.regen.stage import run_regen, write_conversations
-from pipeline.runner import RankInfo, StageDir, StageError
+from pipeline.errors import StageError
+from pipeline.stage_dir import RankInfo, StageDir
 from pipeline.target import load_target, load_tokenizer, materialize_target
 from tests.conftest import CACHE, REPO, make_config
 
@@ -146,12 +147,16 @@ def test_rank_slices_are_disjoint_complete_and_the_last_rank_writes_the_manifest
     assert sorted(ids) == sorted(f"test/{i}" for i in range(11)) and len(ids) == len(set(ids))
     assert not StageDir(cfg.run_dir, "tokenize").is_complete()  # split ranks: tokenize is run on its own
 
+    from drafter.cli import merge_stage
     from pipeline.tokenize import run_tokenize
 
-    for rank in (1, 0):
-        run_tokenize(cfg, ranks=RankInfo(rank, 2))
-    tm = StageDir(cfg.run_dir, "tokenize").manifest()
+    summary = run_tokenize(cfg, ranks=RankInfo(1, 2))
+    assert summary["complete"] is False and summary["units"] == ["00001", "00003", "00005"]
+    with pytest.raises(StageError, match=r"tokenize --merge: 3 of 6 units are not done"):
+        merge_stage("tokenize", cfg)
+    tm = run_tokenize(cfg, ranks=RankInfo(0, 2))
     assert tm["counts"]["input"] == 11 and tm["num_units"] == 6
+    assert merge_stage("tokenize", cfg) == tm == StageDir(cfg.run_dir, "tokenize").manifest()
 
 
 def kill_regen_after_units(tmp_path: Path, cfg, overrides: list[str], units: int) -> StageDir:
@@ -216,7 +221,7 @@ def test_a_request_the_model_cannot_run_fails_alone_with_its_reason(tmp_path):
 
 def test_merge_refuses_missing_rank_work_then_writes_the_manifest_and_drafter_regen_merge_tokenizes(tmp_path):
     from drafter.cli import main as drafter_main
-    from pipeline.regen.stage import merge_ranks
+    from drafter.cli import merge_stage
 
     overrides = ["regen.backend=none", "regen.shard_size=2", "regen.max_samples=null"]
     cfg = make_config(tmp_path, overrides=overrides)
@@ -225,11 +230,11 @@ def test_merge_refuses_missing_rank_work_then_writes_the_manifest_and_drafter_re
     write_curated(cfg.run_dir, convs)
     run_regen(cfg, ranks=RankInfo(0, 2))
     with pytest.raises(StageError, match=r"regen --merge: 1 of 3 units are not done"):
-        merge_ranks(cfg)
+        merge_stage("regen", cfg)
     run_regen(cfg, ranks=RankInfo(1, 2))
-    merge_ranks(cfg)
+    merge_stage("regen", cfg)
     assert StageDir(cfg.run_dir, "regen").is_complete()
-    assert not StageDir(cfg.run_dir, "tokenize").is_complete()  # run_regen / merge_ranks are the regen stage only
+    assert not StageDir(cfg.run_dir, "tokenize").is_complete()  # run_regen and the regen merge: the regen stage only
     assert drafter_main(["regen", "--merge", "--config", str(REPO / "configs/tiny.yaml"),
                          f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *overrides]) == 0
     assert StageDir(cfg.run_dir, "tokenize").manifest()["counts"]["input"] == 5

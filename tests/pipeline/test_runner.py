@@ -11,20 +11,9 @@ import time
 
 import pytest
 
-from pipeline.runner import (
-    AtomicFile,
-    FingerprintMismatch,
-    Journal,
-    RankInfo,
-    StageBusy,
-    StageDir,
-    StageError,
-    atomic_write_json,
-    check_fingerprint,
-    rank_from_env,
-    read_json,
-    units_for_rank,
-)
+from pipeline.errors import FingerprintMismatch, StageBusy, StageError
+from pipeline.files import AtomicFile, Journal, atomic_write_json, read_json
+from pipeline.stage_dir import RankInfo, StageDir, check_fingerprint, rank_from_env, units_for_rank
 from tests.conftest import REPO
 
 
@@ -33,7 +22,7 @@ def test_atomic_write_never_leaves_a_partial_file_when_the_writer_is_killed(tmp_
     target.write_bytes(b"old")
     code = (
         "import sys, time\n"
-        "from pipeline.runner import AtomicFile\n"
+        "from pipeline.files import AtomicFile\n"
         f"with AtomicFile(r'{target}') as tmp:\n"
         "    f = open(tmp, 'wb'); f.write(b'x' * 1000); f.flush()\n"
         "    print('writing', flush=True); time.sleep(60)\n"
@@ -53,7 +42,7 @@ def test_journal_keeps_every_appended_item_across_kill_9_and_cuts_a_torn_last_li
     path = tmp_path / "work" / "unit.jsonl"
     code = (
         "import time\n"
-        "from pipeline.runner import Journal\n"
+        "from pipeline.files import Journal\n"
         f"j = Journal(r'{path}')\n"
         "for i in range(3):\n"
         "    j.append({'key': i, 'payload': 'x' * 100})\n"
@@ -205,10 +194,10 @@ def test_begin_removes_only_temp_files_of_dead_writers(tmp_path):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from pipeline.runner import _HOST
+    from pipeline.files import HOST
 
-    live_tmp = stage.shards / f"a.bin.tmp-{_HOST}-{live.pid}"
-    dead_tmp = stage.shards / f"b.bin.tmp-{_HOST}-{dead.pid}"
+    live_tmp = stage.shards / f"a.bin.tmp-{HOST}-{live.pid}"
+    dead_tmp = stage.shards / f"b.bin.tmp-{HOST}-{dead.pid}"
     other_host_tmp = stage.shards / "c.bin.tmp-otherhost-1"
     for p in (live_tmp, dead_tmp, other_host_tmp):
         p.write_bytes(b"x")
@@ -231,7 +220,7 @@ def test_force_is_refused_for_a_rank_of_a_split_run(tmp_path):
 
 def _hold_stage(run_dir, stage: str, rank: int = 0, world_size: int = 1) -> subprocess.Popen:
     """Another process that begins `stage` (taking its lock) and then sleeps."""
-    code = (f"import time\nfrom pipeline.runner import RankInfo, StageDir\n"
+    code = (f"import time\nfrom pipeline.stage_dir import RankInfo, StageDir\n"
             f"StageDir(r'{run_dir}', '{stage}').begin('h', ranks=RankInfo({rank}, {world_size}))\n"
             "print('holding', flush=True); time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
@@ -256,7 +245,7 @@ def test_a_second_process_on_a_stage_is_refused_naming_the_holder_and_a_dead_hol
 
 
 def test_a_forked_child_of_a_killed_holder_does_not_keep_the_lock(tmp_path):
-    code = (f"import os, time\nfrom pipeline.runner import StageDir\n"
+    code = (f"import os, time\nfrom pipeline.stage_dir import StageDir\n"
             f"StageDir(r'{tmp_path}', 'train').begin('h')\n"
             "if os.fork() == 0:\n    print(os.getpid(), flush=True); time.sleep(120); os._exit(0)\n"  # forked: running
             "time.sleep(120)\n")

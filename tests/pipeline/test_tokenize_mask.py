@@ -13,7 +13,8 @@ import pytest
 
 from pipeline.regen.conversation import encode_chat
 from pipeline.regen.stage import run_regen, write_conversations
-from pipeline.runner import FingerprintMismatch, StageDir
+from pipeline.errors import FingerprintMismatch
+from pipeline.stage_dir import StageDir
 from pipeline.target import build_byte_tokenizer, load_tokenizer, materialize_target, render_chat
 from pipeline.tokenize import Dropped, assistant_loss_mask, assistant_samples, run_tokenize, shard_fingerprint
 from tests.conftest import make_config
@@ -137,9 +138,9 @@ def _curate_and_regen_dataset_answers(cfg, answers: list[str]) -> None:
     run_tokenize(cfg)
 
 
-def test_samples_under_two_blocks_of_loss_tokens_are_dropped_and_long_ones_truncated(tmp_path):
-    # byte tokenizer: an answer of n characters is n + 1 supervised tokens (with <|im_end|>); block_size 8 -> 16
-    cfg = make_config(tmp_path, overrides=["regen.backend=none", "drafter.block_size=8", "tokenize.max_len=64"])
+def test_samples_under_min_loss_tokens_are_dropped_and_long_ones_truncated(tmp_path):
+    # byte tokenizer: an answer of n characters is n + 1 supervised tokens (with <|im_end|>)
+    cfg = make_config(tmp_path, overrides=["regen.backend=none", "tokenize.min_loss_tokens=16", "tokenize.max_len=64"])
     _curate_and_regen_dataset_answers(cfg, ["a" * 14, "b" * 15, "c" * 200])
     m = StageDir(cfg.run_dir, "tokenize").manifest()
     c = m["counts"]
@@ -171,7 +172,7 @@ def test_tokenize_stage_splits_or_drops_conversations_of_an_unstable_template_an
     base = make_config(tmp_path)
     template = _qwen3_like_tokenizer(base, tmp_path)
     cfg = make_config(tmp_path, overrides=["regen.backend=none", f"target.tokenizer={template}",
-                                           "drafter.block_size=4", f"tokenize.unstable_template={mode}"])
+                                           "tokenize.min_loss_tokens=8", f"tokenize.unstable_template={mode}"])
     long = "a long enough answer to be kept"
     rows = [{"id": "t/0", "source": "t", "metadata": "{}", "messages": [
                 {"role": "user", "content": "q0"}, {"role": "assistant", "content": long},

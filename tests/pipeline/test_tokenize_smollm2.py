@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.regen.stage import run_regen, write_conversations
-from pipeline.runner import StageDir
+from pipeline.stage_dir import StageDir
 from pipeline.tokenize import run_tokenize
 from tests.conftest import REPO, make_config
 

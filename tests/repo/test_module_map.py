@@ -1,5 +1,7 @@
-"""The module map holds: imports follow the stage order pipeline -> extract -> train -> eval -> drafter (no module
-imports a later stage, nothing below the entry point imports it), and docs/design.md names every module."""
+"""The module map holds: imports follow the order pipeline -> extract -> dflash_model -> train -> eval -> drafter (no
+module imports a later package, nothing below the entry point imports it; train and eval share the drafter model
+through dflash_model, and eval imports nothing of train), the decoding engine (eval/engine/) imports nothing of the
+eval stage, and docs/design.md names every module."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-STAGE_ORDER = ["pipeline", "extract", "train", "eval", "drafter"]  # drafter/ = the entry point above every stage
+STAGE_ORDER = ["pipeline", "extract", "dflash_model", "train", "eval", "drafter"]  # drafter/ = the entry point
 
 
 def modules() -> list[Path]:
@@ -38,7 +40,7 @@ def test_no_module_imports_a_later_stage_or_the_entry_point():
     assert len(modules()) > 50
     bad = [f"{path.relative_to(REPO)}:{line} imports {name}" for path in modules()
            for line, name in backward_imports(path.read_text(), path.relative_to(REPO).parts[0])]
-    assert not bad, "imports against pipeline -> extract -> train -> eval -> drafter:\n" + "\n".join(bad)
+    assert not bad, "imports against " + " -> ".join(STAGE_ORDER) + ":\n" + "\n".join(bad)
 
 
 def test_the_check_sees_lazy_and_plain_backward_imports():
@@ -48,6 +50,42 @@ def test_the_check_sees_lazy_and_plain_backward_imports():
     assert backward_imports(source, "pipeline") == [(2, "extract"), (4, "eval.stage"), (5, "drafter.cli")]
     assert backward_imports(source, "eval") == [(5, "drafter.cli")]
     assert backward_imports(source, "drafter") == []
+
+
+def imports_across(source: str, forbidden) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in `source` that `forbidden(dotted module)` refuses."""
+    return [(line, name) for line, name in imported_packages(source) if forbidden(name)]
+
+
+def is_train(name: str) -> bool:
+    return name.split(".")[0] == "train"
+
+
+def is_eval_stage_side(name: str) -> bool:
+    """An eval module outside the engine (`from eval import x` names the stage side too)."""
+    return name == "eval" or (name.startswith("eval.") and not (name + ".").startswith("eval.engine."))
+
+
+def test_eval_imports_nothing_of_train():
+    """train and eval share the drafter model through dflash_model; the evaluator never reaches into the trainer."""
+    bad = [f"{path.relative_to(REPO)}:{line} imports {name}" for path in (REPO / "eval").rglob("*.py")
+           for line, name in imports_across(path.read_text(), is_train)]
+    assert not bad, "eval imports train (use dflash_model):\n" + "\n".join(bad)
+
+
+def test_the_engine_imports_nothing_of_the_eval_stage():
+    engine = sorted((REPO / "eval" / "engine").rglob("*.py"))
+    assert len(engine) > 10
+    bad = [f"{path.relative_to(REPO)}:{line} imports {name}" for path in engine
+           for line, name in imports_across(path.read_text(), is_eval_stage_side)]
+    assert not bad, "the engine (eval/engine/) imports the eval stage:\n" + "\n".join(bad)
+
+
+def test_the_boundary_checks_see_what_they_forbid():
+    source = ("from eval.engine.tree import Tree\nfrom eval import prompts\ndef f():\n    from eval.stage import run_eval\n"
+              "    import train.loss\n    from dflash_model.model import DFlashDrafter\nimport eval.engine\n")
+    assert imports_across(source, is_eval_stage_side) == [(2, "eval"), (4, "eval.stage")]
+    assert imports_across(source, is_train) == [(5, "train.loss")]
 
 
 def test_design_md_names_every_module_by_its_path():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.sample_ids import prompt_id
-from train.data import (MicroBatchDataset, collate, heldout_split, make_loader, plan_epoch, plan_eval,
+from train.data import (MicroBatchDataset, RunPlan, collate, heldout_split, make_loader, plan_epoch, plan_eval,
                         rank_micro_batches, total_steps)
 
 B, MASK = 4, 300
@@ -82,6 +82,24 @@ def test_total_steps_counts_whole_and_fractional_epochs_or_takes_max_steps():
     assert total_steps(sizes.__getitem__, 2.0, None) == 21
     assert total_steps(sizes.__getitem__, 2.5, None) == 27
     assert total_steps(sizes.__getitem__, 2.5, 5) == 5
+
+
+def test_the_plan_skips_samples_too_short_for_a_block_or_with_too_few_supervised_tokens_on_both_sides():
+    """Two drafter blocks of supervision is a training rule (RunConfig.min_loss_tokens): the plan skips the samples
+    below it, held out or not, and counts the training side's, as it does for samples no longer than a block."""
+    ids = [f"s/{i}" for i in range(60)]
+    lengths, loss = np.full(60, 64), np.full(60, 32)
+    lengths[:4] = 8  # no anchor fits a block of 8
+    loss[4:12] = 15  # one supervised token short of 2 x 8
+    plan = RunPlan.build(ids, lengths, loss, block_size=8, min_loss_tokens=16, budget=256, world_size=1,
+                         grad_accum=1, seed=0, epochs=1, max_steps=None, eval_fraction=0.2, eval_max_samples=None)
+    train, held = heldout_split(ids, 0.2)
+    assert len(held) and set(plan.train_idx) == {i for i in train if i >= 12}
+    assert set(plan.eval_idx) == {i for i in held if i >= 12}
+    assert (plan.too_short, plan.too_few_loss_tokens) == (sum(i < 4 for i in train), sum(4 <= i < 12 for i in train))
+    looser = RunPlan.build(ids, lengths, loss, block_size=8, min_loss_tokens=15, budget=256, world_size=1,
+                           grad_accum=1, seed=0, epochs=1, max_steps=None, eval_fraction=0.2, eval_max_samples=None)
+    assert looser.too_few_loss_tokens == 0 and set(looser.train_idx) == {i for i in train if i >= 4}
 
 
 def test_heldout_split_depends_only_on_the_sample_id():
@@ -165,7 +183,7 @@ def test_held_out_plan_covers_every_eval_sample_once_with_one_micro_batch_per_ra
 
 def test_tile_padding_aligns_row_and_query_lengths_without_changing_the_loss():
     from train.loss import dflash_loss
-    from train.model import DFlashDrafter, DrafterArgs
+    from dflash_model.model import DFlashDrafter, DrafterArgs
 
     args = DrafterArgs(hidden_size=3, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=4,
                        intermediate_size=8, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=320, block_size=B,

@@ -1,4 +1,4 @@
-"""The training process group's environment: rank and world size as `pipeline.runner.rank_from_env` reads them,
+"""The training process group's environment: rank and world size as `pipeline.stage_dir.rank_from_env` reads them,
 local rank and rendezvous from torchrun's or SLURM's variables, one local process when nothing is set, and no
 process group from a SLURM array."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.runner import StageError
+from pipeline.errors import StageError
 from train.distributed import first_slurm_host, resolve_dist_env
 
 

@@ -47,7 +47,7 @@ D, V, B, MASK = 32, 64, 8, 60
 
 
 def _drafter(seed: int = 0):
-    from train.model import DFlashDrafter, DrafterArgs
+    from dflash_model.model import DFlashDrafter, DrafterArgs
 
     args = DrafterArgs(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                        intermediate_size=64, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=V, block_size=B,

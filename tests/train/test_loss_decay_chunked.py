@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import ConfigError
-from train.blocks import build_block_batch
+from dflash_model.blocks import build_block_batch
 from train.loss import chunked_cross_entropy, decay_weights, default_gamma, dflash_loss, label_weights, tau_hat
 
 

@@ -81,7 +81,7 @@ def test_trainer_kl_on_a_tiny_target_equals_kl_to_the_targets_own_logits(tmp_pat
     drafter-side gradient equal the decay-weighted mean of (1 - a) CE + a KL computed from the target's logits."""
     from extract.layers import forward_taps
     from pipeline.target import load_target, open_target
-    from train.blocks import build_block_batch, sample_anchors
+    from dflash_model.blocks import build_block_batch, sample_anchors
     from train.inputs import frozen_pieces_of
 
     cfg = make_config(tmp_path)
@@ -129,7 +129,7 @@ def test_trainer_kl_on_a_tiny_target_equals_kl_to_the_targets_own_logits(tmp_pat
 
 def test_kl_training_refuses_features_without_the_last_hidden_state_naming_the_field(tmp_path):
     from pipeline.config import ConfigError
-    from pipeline.runner import FingerprintMismatch
+    from pipeline.errors import FingerprintMismatch
     from train.stage import run_train
 
     cfg = make_config(tmp_path, overrides=FAST + ["train.loss=kl", "extract.last_hidden=true"])

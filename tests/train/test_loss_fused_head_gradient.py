@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.blocks import build_block_batch
+from dflash_model.blocks import build_block_batch
 from train.loss import _chunk_loss, chunked_cross_entropy, dflash_loss
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])

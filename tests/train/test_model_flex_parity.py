@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.blocks import build_block_batch
+from dflash_model.blocks import build_block_batch
 from train.loss import dflash_loss
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 D, N_TAPS, V, B, MASK = 32, 2, 80, 4, 70
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.blocks import build_block_batch, sample_anchors
+from dflash_model.blocks import build_block_batch, sample_anchors
 from train.loss import dflash_loss
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 pytestmark = pytest.mark.slow  # trains a drafter until it drafts (tens of seconds on a CPU)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from train.blocks import build_block_batch, sample_anchors
+from dflash_model.blocks import build_block_batch, sample_anchors
 from train.loss import dflash_loss
-from train.model import DFlashDrafter, DrafterArgs
+from dflash_model.model import DFlashDrafter, DrafterArgs
 
 D, V, B, MASK = 32, 64, 4, 63
 

@@ -75,7 +75,7 @@ def write_tokenize_stage(cfg, samples: list[dict]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.runner import StageDir
+    from pipeline.stage_dir import StageDir
     from pipeline.target import load_tokenizer, materialize_target, target_fingerprint, tokenizer_fingerprint
 
     loc = materialize_target(cfg.target, cfg.cache_dir)
@@ -102,7 +102,7 @@ def rows(run_dir: Path, kind: str = "train") -> list[dict]:
 
 
 def test_train_refuses_features_extracted_from_other_layers(tmp_path):
-    from pipeline.runner import FingerprintMismatch
+    from pipeline.errors import FingerprintMismatch
     from train.stage import run_train
 
     cfg = make_config(tmp_path, overrides=FAST)
@@ -113,7 +113,7 @@ def test_train_refuses_features_extracted_from_other_layers(tmp_path):
 
 
 def test_train_refuses_features_stored_in_another_dtype_than_the_config_says(tmp_path):
-    from pipeline.runner import FingerprintMismatch
+    from pipeline.errors import FingerprintMismatch
     from train.stage import run_train
 
     write_extract_stage(make_config(tmp_path, overrides=FAST), n=4)  # bfloat16, as configs/tiny.yaml says
@@ -128,7 +128,7 @@ def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_bac
     from safetensors.torch import load_file
 
     from train.checkpoint import weights_digest
-    from train.export import load_zlab
+    from dflash_model.export import load_zlab
     from train.stage import run_train
 
     cfg = make_config(tmp_path, overrides=FAST)

@@ -18,7 +18,7 @@ def test_a_torch_engine_step_on_cuda_never_waits_for_the_device(kl):
     from train.data import collate
     from train.distributed import init_distributed
     from train.engine import TrainForward, build_engine
-    from train.model import DFlashDrafter, DrafterArgs
+    from dflash_model.model import DFlashDrafter, DrafterArgs
     from train.step import train_step
     from train.trainer import features_fn
 

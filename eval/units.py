@@ -1,0 +1,83 @@
+"""The eval stage's units of work and their files.
+
+    <benchmark>.ar              AR once per prompt: the speedup baseline, measured in the same run
+    <benchmark>.chain           DFlash: one drafted chain of B-1 tokens per round
+    <benchmark>.ddtree-b<N>     DDTree with node budget N, for every N in eval.budgets
+
+A unit decodes every prompt of its benchmark; each finished prompt is appended to the unit's journal
+(`pipeline.files.Journal`, fsync'd), and once every prompt is in, `write_unit` writes the unit's shard (one JSON line
+per response, `eval.metrics.ResponseRecord`, in prompt order) and its sidecar, and removes the journal.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from eval.metrics import ResponseRecord
+from eval.prompts import EvalPrompt
+from eval.report import cell_label
+from pipeline.config import RunConfig
+from pipeline.files import AtomicFile, Journal
+from pipeline.log import get_logger
+from pipeline.stage_dir import StageDir
+
+log = get_logger("eval")
+
+
+@dataclass(frozen=True)
+class Unit:
+    benchmark: str
+    method: str  # "ar" | "chain" | "ddtree"
+    budget: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.benchmark}.{self.method}" + (f"-b{self.budget}" if self.budget is not None else "")
+
+    @property
+    def label(self) -> str:
+        return cell_label(self.method, self.budget)
+
+
+def plan_units(cfg: RunConfig, tree_reason: str | None) -> tuple[list[Unit], list[dict]]:
+    """Every unit of this eval, and the (method, budget) pairs skipped with their reason."""
+    units, skipped = [], []
+    methods = list(dict.fromkeys(cfg.eval.methods))
+    budgets = list(dict.fromkeys(cfg.eval.budgets))
+    if "ddtree" in methods and tree_reason:
+        skipped = [{"method": "ddtree", "budget": b, "reason": tree_reason} for b in budgets]
+    for bench in cfg.eval.benchmarks:
+        for method in methods:
+            if method == "ddtree":
+                if not tree_reason:
+                    units += [Unit(bench.name, "ddtree", b) for b in budgets]
+            else:
+                units.append(Unit(bench.name, method))
+    return units, skipped
+
+
+def write_unit(stage: StageDir, unit: Unit, prompts: list[EvalPrompt], journal: Journal, **notes) -> None:
+    """The unit's shard from its journal (one entry per prompt, written as each prompt finished), in prompt order;
+    then its sidecar; then the journal goes."""
+    entries = {e["prompt_id"]: e for e in journal.items}
+    records = [ResponseRecord.from_dict(r) for p in prompts for r in entries[p.id]["responses"]]
+    skipped: dict[str, int] = {}
+    for e in entries.values():
+        for reason, n in e["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    path = stage.shard_path(unit.name, "jsonl")
+    with AtomicFile(path) as tmp:
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps(r.to_dict()) + "\n")
+    stage.finish_unit(unit.name, [path], responses=len(records), new_tokens=sum(r.num_new_tokens for r in records),
+                      skipped=skipped, verify_paths=sorted({v for e in entries.values() for v in e["verify_paths"]}),
+                      draft_paths=sorted({v for e in entries.values() for v in e["draft_paths"] if v}), **notes)
+    journal.remove()
+    log.info("%s: %d responses, %d new tokens", unit.name, len(records), sum(r.num_new_tokens for r in records))
+
+
+def read_unit(stage: StageDir, unit: Unit) -> list[ResponseRecord]:
+    path = stage.shard_path(unit.name, "jsonl")
+    return [ResponseRecord.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
