@@ -33,7 +33,7 @@ from eval.target_cache import tree_unsupported_reason
 from eval.lossless import classify, fp32_logits_at, fp32_replay, fp32_subset_summary, lossless_summary
 from eval.metrics import PHASES, ResponseRecord, speedup, summarize
 from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
-from eval.prompts import EvalPrompt, LoadedBenchmark, chat_prompt_ids, format_content, load_benchmark
+from eval.prompts import EvalPrompt, LoadedBenchmark, benchmarks_in_use, chat_prompt_ids, format_content
 from eval.report import (REPORT_FILES, cell_label, json_ready, plot_per_depth, plot_speedup, tau_table, verdict,
                          verdict_text, write_report)
 from extract.layers import validate_layer_ids
@@ -469,6 +469,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     started = time.time()
     if not cfg.eval.benchmarks:
         raise ConfigError("eval.benchmarks: at least one benchmark is required")
+    cfg, benchmarks, data = benchmarks_in_use(cfg)  # found (own file, mirror, cache, hub, held-out split) or why not
     target = open_target(cfg.target, cfg.cache_dir)
     location, tokenizer, target_config = target.location, target.tokenizer, target.config
     tok_fp = target.fingerprint["tokenizer"]
@@ -485,7 +486,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     d_sha = drafter_sha(dpath)
     fingerprint = {**target.fingerprint,
                    "drafter": {"path": str(dpath), "sha": d_sha}, "enable_thinking": cfg.target.enable_thinking}
-    config_hash, settings = config_record(eval=cfg.eval, target=cfg.target, fingerprint=fingerprint)
+    config_hash, settings = config_record(eval=cfg.eval, target=cfg.target, fingerprint=fingerprint, data=data)
 
     stage = StageDir(cfg.run_dir, "eval")
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
@@ -498,7 +499,6 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     units, skipped_methods = plan_units(cfg, tree_reason)
     for s in skipped_methods:
         log.warning("skipping %s: %s", cell_label(s["method"], s["budget"]), s["reason"])
-    benchmarks = {b.name: load_benchmark(b) for b in cfg.eval.benchmarks}
     for lb in benchmarks.values():
         if lb.skipped:
             log.warning("%s: skipped %s of %d records read from %s", lb.name, dict(lb.skipped), lb.read, lb.path)
@@ -531,6 +531,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
                      "world_size": ranks.world_size},
         "benchmarks": {n: {"path": b.path, "prompts": len(b.prompts), "read": b.read, "skipped": dict(b.skipped),
                            "examples": b.examples} for n, b in benchmarks.items()},
+        "data": data,
         "skipped_methods": skipped_methods,
     }
     header["overlap"] = check_overlap(cfg, benchmarks)
@@ -562,7 +563,8 @@ def merge_ranks(cfg: RunConfig) -> dict:
     (if the last rank has not): what a single-rank `run_eval` does when no unit is left to do."""
     stage = StageDir(cfg.run_dir, "eval")
     if not stage.is_complete():
-        units, _ = plan_units(cfg, tree_unsupported_reason(open_target(cfg.target, cfg.cache_dir).config))
+        in_use = benchmarks_in_use(cfg)[0]
+        units, _ = plan_units(in_use, tree_unsupported_reason(open_target(cfg.target, cfg.cache_dir).config))
         missing = [u.name for u in units if not stage.unit_done(u.name)]
         if missing:
             raise StageError(f"eval --merge: {len(missing)} of {len(units)} units are not done "
