@@ -61,7 +61,7 @@ MAIN=("${COMMON[@]}")
 [ -n "$TRAIN_STEPS" ] && MAIN+=("train.max_steps=$TRAIN_STEPS")
 QUICK_EVAL=()
 if [ -n "$QUICK" ]; then
-  QUICK_EVAL=("eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 4}]"
+  QUICK_EVAL=("eval.benchmarks=[{name: gsm8k, hub: openai/gsm8k, subset: main, split: test, file: gsm8k_test.jsonl, num_samples: 4}]"
               "eval.budgets=[16]" "eval.max_new_tokens=32")
 fi
 
@@ -136,7 +136,7 @@ for loss in "${ABLATIONS[@]}"; do
   timed "train[$loss]" "$OUT/train-$abl.log" "${DRAFTER[@]}" train --config "$CONFIG" "${ARGS[@]}" &&
   timed "eval[$loss]" "$OUT/eval-$abl.log" "${DRAFTER[@]}" eval --config "$CONFIG" "${ARGS[@]}" \
     "eval.methods=[chain, ddtree]" "eval.budgets=[64]" \
-    "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test.parquet, num_samples: 64}]" "${QUICK_EVAL[@]}" &&
+    "eval.benchmarks=[{name: gsm8k, hub: openai/gsm8k, subset: main, split: test, file: gsm8k_test.jsonl, num_samples: 64}]" "${QUICK_EVAL[@]}" &&
   cp "$RUNS/$abl/eval/report.json" "$OUT/report-$abl.json" || status=1
 done
 

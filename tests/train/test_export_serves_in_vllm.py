@@ -51,7 +51,7 @@ from extract.layers import forward_taps  # noqa: E402
 from extract.layers import configured_layer_ids  # noqa: E402
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
 from pipeline.target import load_target, load_tokenizer, materialize_target  # noqa: E402
-from tests.conftest import CACHE, REPO, make_config  # noqa: E402
+from tests.conftest import CACHE, REPO, make_config, synthetic_records  # noqa: E402
 from train.blocks import FULL, SLIDING, build_block_batch, sample_anchors  # noqa: E402
 from train.export import export_zlab, load_zlab  # noqa: E402
 from train.loss import dflash_loss  # noqa: E402
@@ -64,7 +64,7 @@ RUNNER = Path(__file__).with_name("vllm_dflash_run.py")
 TINY = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
         "intermediate_size": 256, "num_hidden_layers": 4, "initializer_range": 0.2}
 B, WINDOW, NEW_TOKENS = 8, 10, 64
-QUESTIONS = [json.loads(line)["question"] for line in (REPO / "data/prompts/gsm8k_test_100.jsonl").open()][:4]
+QUESTIONS = [r["question"] for r in synthetic_records("gsm8k", 4)]  # made-up word problems
 
 
 def run_vllm(mode: str, out: Path | None = None, **kw) -> subprocess.CompletedProcess:
