@@ -7,7 +7,8 @@ from a public source that the pipeline cannot fetch itself). A public set is loo
     1. mirror   <data_dir>/<file>: `data_dir` in the config, else $DRAFTER_DATA_DIR; `file` defaults to the entry's
                 name with .parquet, .jsonl or .json (a directory of such files also counts). A mirror copy wins.
     2. cache    <cache_dir>/datasets: `datasets`' own cache of a hub dataset, or the earlier download of a url
-    3. source   hub: `datasets.load_dataset(...)` into the cache; url: downloaded into the cache (atomic rename)
+    3. source   hub: `datasets.load_dataset(...)` into the cache; url: downloaded into the cache (atomic rename);
+                with HF_HUB_OFFLINE set, neither: a set not in the mirror or the cache is missing
 
 What was found is a `Located`: where it came from, its files ((kind, path) with kind jsonl | json | parquet, or one
 ("hub", id) whose rows `load_hub` returns) and a checksum (the sha256 of every file; a hub dataset's `datasets`
@@ -241,6 +242,8 @@ def download(url: str, cache: Path) -> Path:
     out = cache / "downloads" / hashlib.sha256(url.encode()).hexdigest()[:16] / name
     if out.is_file():
         return out
+    if offline():
+        raise DatasetMissing(f"url:{url} not in the cache {out.parent} and downloads are off (HF_HUB_OFFLINE)")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{name}.")
     try:
@@ -255,6 +258,11 @@ def download(url: str, cache: Path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE set (as `datasets` reads it): no hub requests, and no url downloads either."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _first_line(e: BaseException) -> str:

@@ -189,7 +189,7 @@ def synthesize(cfg: RunConfig, index: int, target: OpenedTarget, work: StageDir)
         log.warning("source %r: %d of %d prompts kept after %d attempts (synthesize.max_attempts); dropped: %s",
                     source.name, len(seen), s.count, counts["attempts"], {r: counts[r] for r in REASONS if counts[r]})
     stats = {"prefix": prefix.text, "end_of_turn": prefix.end_of_turn, "attempts": counts["attempts"],
-             "kept": counts["kept"], "wanted": s.count, "units": k,
+             "kept": counts["kept"], "not_needed": counts["not_needed"], "wanted": s.count, "units": k,
              "dropped": {r: counts[r] for r in REASONS if counts[r]}, "examples": examples,
              "seconds": round(time.time() - started, 3)}
     return files, stats

@@ -125,7 +125,8 @@ def test_a_missing_dataset_is_one_line_that_says_where_it_looked_and_how_to_get_
            "fetched by the pipeline: only a mirror holds it" in err
 
 
-def test_a_url_is_downloaded_once_into_the_cache_and_checked_against_its_sha256(tmp_path):
+def test_a_url_is_downloaded_once_into_the_cache_and_checked_against_its_sha256(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # the tests run offline; this one downloads from a local HTTP server
     served = tmp_path / "site"
     body = write_records(served / "qa.jsonl", synthetic_records("gsm8k", 9)).read_bytes()
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
@@ -152,6 +153,11 @@ def test_a_url_is_downloaded_once_into_the_cache_and_checked_against_its_sha256(
         locate(DatasetConfig(url=url.replace("qa.jsonl", "other.jsonl")), "o", "s", data_dir=None,
                cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache" / "datasets" / "downloads").rglob(".*"))  # no partial download left
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: the cached copy still, but nothing new is fetched
+    assert locate(entry, "qa", "s", data_dir=None, cache_dir=tmp_path / "cache").files == found.files
+    with pytest.raises(DatasetMissing, match=r"not in the cache .* and downloads are off \(HF_HUB_OFFLINE\)"):
+        locate(DatasetConfig(url=url.replace("qa.jsonl", "other.jsonl")), "o", "s", data_dir=None,
+               cache_dir=tmp_path / "cache")
 
 
 def test_absent_sets_are_left_out_and_reported_and_the_fallback_runs_only_when_nothing_else_does(tmp_path):
