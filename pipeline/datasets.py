@@ -6,7 +6,8 @@ from a public source that the pipeline cannot fetch itself). A public set is loo
 
     1. mirror   <data_dir>/<file>: `data_dir` in the config, else $DRAFTER_DATA_DIR; `file` defaults to the entry's
                 name with .parquet, .jsonl or .json (a directory of such files also counts). A mirror copy wins.
-    2. cache    <cache_dir>/datasets: `datasets`' own cache of a hub dataset, or the earlier download of a url
+    2. cache    <cache_dir>/datasets: `datasets`' own cache of a hub dataset (read as `load_dataset` reads it offline;
+                with a `revision`, only a copy cached at that revision), or the earlier download of a url
     3. source   hub: `datasets.load_dataset(...)` into the cache; url: downloaded into the cache (atomic rename);
                 with HF_HUB_OFFLINE set, neither: a set not in the mirror or the cache is missing
 
@@ -40,6 +41,7 @@ from pipeline.config import DATA_DIR_ENV, ConfigError, DatasetConfig
 from pipeline.runner import StageError
 
 SUFFIXES = (".parquet", ".jsonl", ".json")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _HUB_LIKE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as a path that does not exist
 URL_TIMEOUT_S = 60
 GET_IT = "docs/data.md"  # where the README of the data sources lives (how to fill a mirror)
@@ -208,31 +210,42 @@ def hub_checksum(ds) -> dict:
 @lru_cache(maxsize=8)
 def load_hub(hub: str, subset: str | None, split: str, revision: str | None, data_files: str | None,
              cache: str):
-    """The hub dataset (a memory-mapped `datasets.Dataset`, random access by row): from `datasets`' cache under
-    `cache`, else downloaded into it. After one failure to reach the hub, the cache only. Raises DatasetMissing."""
+    """The hub dataset (a memory-mapped `datasets.Dataset`, random access by row): `datasets`' cache under `cache`
+    first (what `load_dataset` reads offline: the newest cached copy of that config; with a `revision`, only a copy
+    cached at that revision), else from the hub, downloaded into the cache. After one failure to reach the hub, the
+    cache only. Raises DatasetMissing."""
     global _hub_unreachable
     import datasets
 
     kwargs: dict[str, Any] = {"data_files": data_files} if data_files else {}
     where = f"hub:{hub} (subset={subset}, split={split})"
-    if _hub_unreachable is None:
-        try:
-            return datasets.load_dataset(hub, subset, split=split, revision=revision, cache_dir=cache, **kwargs)
-        except ConnectionError as e:  # offline or unreachable, and not in the cache either
-            _hub_unreachable = _first_line(e)
-            raise DatasetMissing(f"{where} not in the cache {cache} and the hub is unreachable "
-                                 f"({_hub_unreachable})") from e
-        except Exception as e:  # noqa: BLE001 - no such dataset / split / config: one line, not a traceback
-            raise DatasetMissing(f"{where}: {type(e).__name__}: {_first_line(e)}") from e
-    try:  # what load_dataset does offline: the newest cached copy of that config
+    try:
         from datasets.packaged_modules.cache.cache import Cache
 
-        builder = Cache(cache_dir=cache, dataset_name=hub.split("/")[-1], repo_id=hub, config_name=subset,
-                        version="auto", hash="auto", **kwargs)
-        return builder.as_dataset(split=split)
-    except Exception as e:  # noqa: BLE001 - not cached (ValueError), or cached without that split
-        raise DatasetMissing(f"{where} not in the cache {cache} ({type(e).__name__}: {_first_line(e)}) and the hub "
-                             f"is unreachable ({_hub_unreachable})") from e
+        ds = Cache(cache_dir=cache, dataset_name=hub.split("/")[-1], repo_id=hub, config_name=subset, version="auto",
+                   hash="auto", **kwargs).as_dataset(split=split)
+        cached_at = hub_checksum(ds)["revision"]
+        if revision is None or cached_at == revision:
+            return ds
+        not_cached = f"cached at revision {cached_at}, not {revision}"
+    except Exception as e:  # noqa: BLE001 - not cached (ValueError), cached without that split, ...
+        not_cached = f"{type(e).__name__}: {_first_line(e)}"
+    if _hub_unreachable is not None:
+        raise DatasetMissing(f"{where} not in the cache {cache} ({not_cached}) and the hub is unreachable "
+                             f"({_hub_unreachable})")
+    try:
+        ds = datasets.load_dataset(hub, subset, split=split, revision=revision, cache_dir=cache, **kwargs)
+    except ConnectionError as e:  # offline or unreachable
+        _hub_unreachable = _first_line(e)
+        raise DatasetMissing(f"{where} not in the cache {cache} and the hub is unreachable "
+                             f"({_hub_unreachable})") from e
+    except Exception as e:  # noqa: BLE001 - no such dataset / split / config: one line, not a traceback
+        raise DatasetMissing(f"{where}: {type(e).__name__}: {_first_line(e)}") from e
+    got = hub_checksum(ds)["revision"]
+    if revision and _COMMIT.fullmatch(revision) and got != revision:  # offline, load_dataset takes any cached copy
+        raise DatasetMissing(f"{where} not in the cache {cache} (cached at revision {got}, not {revision}) and not "
+                             "downloaded")
+    return ds
 
 
 def download(url: str, cache: Path) -> Path:

@@ -93,6 +93,15 @@ def test_the_hub_path_reads_datasets_own_cache_offline_when_no_mirror_has_it(tmp
     assert data["checksum"]["revision"] == revision_dir.name and data["checksum"]["fingerprint"]
 
 
+def test_a_pinned_revision_is_read_from_the_cache_only_when_cached_at_that_revision(tmp_path):
+    cached = prefill_hub_cache(tmp_path / "cache" / "datasets", HUB, synthetic_records("gsm8k", 5), subset="main")
+    pinned = SourceConfig(**hub_source(revision=cached.name))
+    assert locate(pinned, "w", "s", data_dir=None, cache_dir=tmp_path / "cache").checksum["revision"] == cached.name
+    other = SourceConfig(**hub_source(revision="f" * 40))
+    with pytest.raises(DatasetMissing, match=rf"not in the cache .* \(cached at revision {cached.name}, not {'f' * 40}\)"):
+        locate(other, "w", "s", data_dir=None, cache_dir=tmp_path / "cache")
+
+
 def test_after_the_hub_proved_unreachable_cached_datasets_still_load_without_another_attempt(tmp_path, monkeypatch):
     prefill_hub_cache(tmp_path / "cache" / "datasets", HUB, synthetic_records("gsm8k", 12), subset="main")
     monkeypatch.setattr(ds_mod, "_hub_unreachable", "Couldn't reach the hub")
