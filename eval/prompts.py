@@ -10,7 +10,8 @@ The formats are those of `z-lab/dflash: dflash/benchmark.py` (also used by `lira
                first answer, see `eval.conversation.run_conversation`)
     alpaca     "{instruction}" or "{instruction}\\n\\n{input}" (Stanford-Alpaca seed tasks: the first instance's input)
 
-Prompts are the first `num_samples` valid records of the file, in file order (deterministic, no shuffle).
+Prompts are the first `num_samples` valid records of the file, in file order (deterministic, no shuffle); their ids
+are unique (resume and the AR comparison go by prompt id: a file that repeats one is refused, naming both records).
 A record that lacks what its format needs, or that does not parse at all (any size, any parser error), is
 skipped and counted under a reason with its location; it never crashes the stage.
 Rendering goes through `pipeline.target.render_chat` (the one chat-template call, thinking flag included).
@@ -179,6 +180,7 @@ def load_benchmark(bench: BenchmarkConfig) -> LoadedBenchmark:
         raise FileNotFoundError(f"eval benchmark {bench.name!r}: prompt file {path} does not exist")
     fmt = FORMATS[bench.name]
     out = LoadedBenchmark(name=bench.name, path=str(path), prompts=[])
+    seen: dict[str, str] = {}  # prompt id -> where it was read
     for index, (location, record) in enumerate(_read_records(path)):
         if len(out.prompts) >= bench.num_samples:
             break
@@ -200,6 +202,11 @@ def load_benchmark(bench: BenchmarkConfig) -> LoadedBenchmark:
             out.skipped["bad_record"] += 1
             out.examples.setdefault("bad_record", f"{location}: {type(e).__name__}: {str(e)[:200]}")
             continue
+        if rid in seen:
+            raise ConfigError(f"eval benchmark {bench.name!r}: prompt id {rid!r} appears twice ({seen[rid]} and "
+                              f"{location}); eval resumes and compares methods by prompt id: give every record its "
+                              "own id (task_id / question_id / id) or remove the repeat")
+        seen[rid] = location
         out.prompts.append(EvalPrompt(id=rid, benchmark=bench.name, turns=turns))
     return out
 
