@@ -673,8 +673,9 @@ def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
 def parse_yaml(text: str, where: str) -> Any:
     """`text` as YAML (safe tags only), refused as a ConfigError naming `where` and the line when it is not valid
     YAML, nests deeper than MAX_YAML_DEPTH, expands to more than MAX_YAML_VALUES values or repeats a key."""
-    loader = _ConfigLoader(text)
+    loader = None
     try:
+        loader = _ConfigLoader(text)  # the reader refuses control characters right here
         node = loader.get_single_node()
         if node is None:
             return None
@@ -693,7 +694,8 @@ def parse_yaml(text: str, where: str) -> Any:
     except (yaml.YAMLError, RecursionError) as e:
         raise ConfigError(f"{where}: not valid YAML: {' '.join(str(e).split())[:200]}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def read_config_text(path: str | Path) -> str:
