@@ -88,10 +88,11 @@ def damaged_json_bytes(draw, original: Any) -> bytes:
 
 def digest(*roots: Path) -> dict[str, str]:
     """sha256 of every file under `roots` (files or directories): compared before and after to prove no input
-    was modified."""
+    was modified. A stage's lock files are left out: they hold the note of the process that ran last, not data."""
     out = {}
     for root in roots:
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*")
+                                                     if p.is_file() and not p.name.startswith("lock"))
         for p in files:
             out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
