@@ -303,9 +303,11 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         shape, offsets = spec["shape"], spec["data_offsets"]
         if spec["dtype"] not in SAFETENSORS_DTYPES:
             raise refuse(f"tensor {name!r}: dtype {spec['dtype']!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
-        if any(d < 0 for d in shape) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1] <= data_size:
-            raise refuse(f"tensor {name!r}: shape {shape} / data_offsets {offsets} outside the file's "
-                         f"{data_size:,} data bytes")
+        if any(d < 0 for d in shape) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
+            raise refuse(f"tensor {name!r}: shape {shape} / data_offsets {offsets} are not a byte range of a tensor")
+        if offsets[1] > data_size:
+            raise refuse(f"tensor {name!r}: data_offsets {offsets} end outside the file's {data_size:,} data bytes "
+                         "(the file is truncated or extended, or its header lies)")
         if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[spec["dtype"]]:
             raise refuse(f"tensor {name!r}: data_offsets {offsets} hold {offsets[1] - offsets[0]:,} bytes, its shape "
                          f"{shape} {spec['dtype']} needs {math.prod(shape) * SAFETENSORS_DTYPES[spec['dtype']]:,}")
