@@ -20,8 +20,8 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-# Deterministic (derandomize: the same examples on every run, so a figure in docs/reliability.md is reproducible),
-# nothing written to the repo (no example database), a deadline per example; max_examples is set per test.
+# Derandomized (seeded from the test, not the clock: no run meets examples another run never saw), nothing written
+# to the repo (no example database), a deadline per example; max_examples is set per test.
 FUZZ = settings(derandomize=True, database=None, deadline=timedelta(seconds=10), print_blob=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.data_too_large, HealthCheck.filter_too_much])

@@ -82,6 +82,7 @@ def test_a_damaged_config_file_is_one_error_line_or_a_valid_config(tmp_path_fact
     started = time.monotonic()
     rc, stderr = run_cli(["tokenize", "--merge", "--config", str(path), f"runs_dir={root / 'runs'}"])
     line = assert_one_error_line("tokenize", rc, stderr)
+    event("accepted (then: no stage input)" if NO_STAGE_INPUT in line else "refused")
     assert time.monotonic() - started < 10, line
     assert digest(path) == before and not (root / "runs").exists()
 
@@ -211,7 +212,8 @@ def test_any_override_is_one_error_line_or_a_valid_config(tmp_path_factory, over
     root = tmp_path_factory.mktemp("ov")
     rc, stderr = run_cli(["tokenize", "--merge", "--config", str(REPO / "configs/tiny.yaml"),
                           f"runs_dir={root / 'runs'}", f"{key}={value}"])
-    assert_one_error_line("tokenize", rc, stderr)
+    event("accepted (then: no stage input)" if NO_STAGE_INPUT in assert_one_error_line("tokenize", rc, stderr)
+          else "refused")
     assert not (root / "runs").exists()
 
 
@@ -239,6 +241,7 @@ def test_launcher_variables_and_rank_flags_are_integers_of_a_valid_rank_or_one_e
         rc, stderr = run_cli(["tokenize", "--merge", "--config", str(REPO / "configs/tiny.yaml"),
                               f"runs_dir={root / 'runs'}", *argv])
         line = assert_one_error_line("tokenize", rc, stderr)
+        event("accepted (then: no stage input)" if NO_STAGE_INPUT in line else "refused")
         if NO_STAGE_INPUT in line:  # accepted: the rank it runs as is a valid one
             flag = dict(zip(flags, numbers))
             info = rank_from_env(flag.get("--rank"), flag.get("--world-size"))
