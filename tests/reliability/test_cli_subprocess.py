@@ -20,7 +20,7 @@ from eval.report import write_report
 from tests.conftest import CACHE, REPO
 from tests.eval.test_report_files import make_report
 from tests.reliability.fuzz import assert_one_error_line, digest
-from tests.reliability.test_one_error_line import bomb, export_dir
+from tests.reliability.test_one_error_line import bomb, export_dir, gsm8k_benchmark
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 BOUND = 30  # seconds: a process start that imports torch on a loaded 2-core machine, plus the refusal
@@ -76,7 +76,7 @@ def test_eval_of_a_damaged_export_and_a_report_over_its_input_are_one_line_from_
     (out / "config.json").write_text(json.dumps({**config, "block_size": 10 ** 9}))  # would allocate ~TB
     before = digest(out)
     rc, stderr, _ = drafter(["eval", "--config", TINY, f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}",
-                             f"eval.drafter={out}", "train.wandb.mode=disabled"])
+                             f"eval.drafter={out}", "train.wandb.mode=disabled", gsm8k_benchmark(tmp_path)])
     assert "block_size 1000000000 is out of range" in assert_one_error_line("eval", rc, stderr)
     assert digest(out) == before and not (tmp_path / "runs" / "tiny" / "eval").exists()
 

@@ -17,7 +17,7 @@ import torch
 from drafter.cli import REPORT_A_BUG, run_command
 from eval.report import write_report
 from pipeline.config import BenchmarkConfig, ConfigError
-from tests.conftest import CACHE, REPO
+from tests.conftest import CACHE, REPO, synthetic_records, write_records
 from tests.eval.test_report_files import make_report
 from tests.reliability.fuzz import assert_one_error_line, digest, run_cli
 
@@ -97,8 +97,8 @@ def test_a_meaningless_value_is_one_line_naming_the_key(tmp_path, override):
 
 def test_a_typo_in_a_dict_option_names_the_closest_key(tmp_path):
     line = assert_one_error_line("tokenize", *run_cli(merge_argv(TINY, tmp_path,
-                                                                 "regen.prompt_formats={gsm8kk: ['{prompt}']}")))
-    assert line.endswith("did you mean 'gsm8k'?"), line
+                                                                 "regen.prompt_formats={wrods: ['{prompt}']}")))
+    assert line.endswith("did you mean 'words'?"), line  # tiny.yaml's one curate source is 'words'
     line = assert_one_error_line("plan", *run_cli(["plan", "--config", TINY, f"cache_dir={CACHE}",
                                                    "target.random_init={hidden_sizee: 64}"]))
     assert "target.random_init.hidden_sizee: not a field of the qwen3 config; did you mean " \
@@ -131,10 +131,10 @@ def test_launcher_variables_and_flags_that_are_no_rank_are_one_line(tmp_path, mo
 def test_duplicate_prompt_ids_in_a_benchmark_are_refused_naming_both_records(tmp_path):
     from eval.prompts import load_benchmark
 
-    rows = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n    pass\n"} for i in (0, 1, 0)]  # made up
-    path = tmp_path / "dup.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ConfigError, match=rf"prompt id 'humaneval/HumanEval/0' appears twice \({path}:1 and "
+    rows = synthetic_records("humaneval", 3)
+    rows[2]["task_id"] = rows[0]["task_id"]
+    path = write_records(tmp_path / "dup.jsonl", rows)
+    with pytest.raises(ConfigError, match=rf"prompt id 'humaneval/{rows[0]['task_id']}' appears twice \({path}:1 and "
                                           rf"{path}:3\)"):
         load_benchmark(BenchmarkConfig(name="humaneval", path=str(path), num_samples=3))
 
@@ -212,14 +212,34 @@ def test_a_damaged_export_is_refused_naming_the_file_before_any_allocation(tmp_p
     assert digest(out) == before
 
 
+def gsm8k_benchmark(tmp_path, records: list[dict] | None = None) -> str:
+    """The eval.benchmarks override of one made-up GSM8K-layout file under tmp_path (tiny.yaml's own benchmark is
+    the held-out split, which needs a curated run)."""
+    path = write_records(tmp_path / "prompts" / "gsm8k.jsonl", records or synthetic_records("gsm8k", 3))
+    return f"eval.benchmarks=[{{name: gsm8k, path: {path}, num_samples: 3}}]"
+
+
 def test_drafter_eval_refuses_a_damaged_export_in_one_line_before_its_stage_begins(tmp_path):
     out = export_dir(tmp_path)
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "block_size": 10 ** 9}))
     runs = tmp_path / "runs"
     line = assert_one_error_line("eval", *run_cli(["eval", "--config", TINY, f"runs_dir={runs}", f"cache_dir={CACHE}",
-                                                   f"eval.drafter={out}", "train.wandb.mode=disabled"]))
+                                                   f"eval.drafter={out}", "train.wandb.mode=disabled",
+                                                   gsm8k_benchmark(tmp_path)]))
     assert f"{out / 'config.json'}: block_size 1000000000 is out of range" in line, line
+    assert not (runs / "tiny" / "eval").exists()
+
+
+def test_drafter_eval_refuses_duplicate_prompt_ids_in_one_line_before_any_model_is_loaded(tmp_path):
+    records = synthetic_records("humaneval", 3)
+    records[2]["task_id"] = records[0]["task_id"]
+    path = write_records(tmp_path / "prompts" / "dup.jsonl", records)
+    runs = tmp_path / "runs"
+    line = assert_one_error_line("eval", *run_cli(["eval", "--config", TINY, f"runs_dir={runs}", f"cache_dir={CACHE}",
+                                                   f"eval.benchmarks=[{{name: humaneval, path: {path}}}]",
+                                                   f"eval.drafter={tmp_path / 'no-drafter'}"]))
+    assert f"prompt id 'humaneval/{records[0]['task_id']}' appears twice ({path}:1 and {path}:3)" in line, line
     assert not (runs / "tiny" / "eval").exists()
 
 
