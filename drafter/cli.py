@@ -22,9 +22,10 @@ import errno
 import os
 import re
 import sys
+import traceback
 
-from pipeline.config import ConfigError, RunConfig, load_config
-from pipeline.errors import StageError
+from pipeline.config import RunConfig, load_config
+from pipeline.errors import UserError
 from pipeline.stage_dir import RankInfo, StageDir, merge_ranks, rank_from_env
 
 STAGES = ("curate", "regen", "tokenize", "extract", "train", "eval")
@@ -185,14 +186,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return run_command(args.command, lambda: _dispatch(args))
+
+
+REPORT_A_BUG = ("this is a bug in drafter, not in your input: please report it with the traceback above, the command "
+                "line and `drafter --version`")
+
+
+def run_command(command: str, fn) -> int:
+    """The one error boundary: run `fn()` (a command) and turn what escapes it into an exit status.
+
+    A `UserError` (a ConfigError, a StageError: a damaged file, a mismatched input, a busy stage, ...) or an OSError
+    (no space, read-only, permission) is one line, `drafter <command>: error: <what is wrong and what to do>`, exit 2
+    (a Preempted run: 75, run it again); a refusal that lists several fields puts them on indented lines below it.
+    Ctrl-C is one line too (exit 130). Anything else is a bug: its traceback, then one line asking for a report
+    (exit 70, EX_SOFTWARE) — a bug is never hidden and a user error is never a traceback.
+    """
     try:
-        return _dispatch(args)
-    except (ConfigError, StageError) as e:
-        print(f"drafter {args.command}: error: {error_message(e)}", file=sys.stderr)
-        return getattr(e, "exit_status", 2)  # train's Preempted: 75, "run it again"
+        return fn()
+    except UserError as e:
+        print(f"drafter {command}: error: {error_message(e)}", file=sys.stderr)
+        return e.exit_status
     except OSError as e:
-        print(f"drafter {args.command}: error: {os_error_message(e)}", file=sys.stderr)
+        print(f"drafter {command}: error: {os_error_message(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"drafter {command}: interrupted (finished units are kept: run the same command again to resume)",
+              file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - the boundary: every other exception is a bug, shown in full
+        traceback.print_exc()
+        print(f"drafter {command}: internal error: {REPORT_A_BUG}", file=sys.stderr)
+        return 70
 
 
 # what to do about the errors a full, read-only or foreign disk raises
@@ -219,13 +244,15 @@ def os_error_message(e: OSError) -> str:
 
 def error_message(e: BaseException) -> str:
     """The message of a stage error; one raised in a DataLoader worker arrives wrapped in the worker's traceback,
-    of which only the original message is kept."""
+    of which only the original message is kept. Lines after the first (the fields a refusal lists) are indented
+    under the error line."""
     text = str(e)
     if "Original Traceback" in text:
         last = re.search(rf"\n(?:[\w.]+\.)?{type(e).__name__}: (.*)\Z", text, re.S)
         if last:
             text = last.group(1).strip()
-    return text
+    first, *rest = text.strip().split("\n") or [""]
+    return "\n".join([first, *(f"  {line.strip()}" for line in rest if line.strip())])
 
 
 def _dispatch(args) -> int:

@@ -18,7 +18,7 @@ Every function here is pure: lists of records in, numbers out.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable, Sequence
 
 PHASES = ("draft", "tree_build", "verify", "walk_commit")
@@ -45,7 +45,8 @@ class ResponseRecord:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ResponseRecord":
-        return cls(**d)
+        """The record of `d` (its own keys; others, of a newer writer, are left out)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -13,7 +13,8 @@ The formats are those of `z-lab/dflash: dflash/benchmark.py` (also used by `lira
 
 A benchmark's dataset is found by `pipeline.datasets` (own `path`, mirror copy, cache or hub; `load_benchmarks`
 applies the `use` rule: an absent 'if_present' benchmark is left out, a 'fallback' one runs only when no other does).
-Prompts are the first `num_samples` valid records, in file (or split) order (deterministic, no shuffle).
+Prompts are the first `num_samples` valid records, in file (or split) order (deterministic, no shuffle); their ids
+are unique (resume and the AR comparison go by prompt id: a dataset that repeats one is refused, naming both records).
 A record that lacks what its format needs, or that does not parse at all (any size, any parser error), is
 skipped and counted under a reason with its location; it never crashes the stage.
 Rendering goes through `pipeline.target.render_chat` (the one chat-template call, thinking flag included).
@@ -226,6 +227,7 @@ def load_benchmark(bench: BenchmarkConfig, located: Located | None = None) -> Lo
         located = Located(bench.name, "path", (("file", str(path)),), str(path))
     fmt = FORMATS[bench.name]
     out = LoadedBenchmark(name=bench.name, path=located.identity, prompts=[])
+    seen: dict[str, str] = {}  # prompt id -> where it was read
     for index, (location, record) in enumerate(_located_records(bench, located)):
         if len(out.prompts) >= bench.num_samples:
             break
@@ -247,6 +249,11 @@ def load_benchmark(bench: BenchmarkConfig, located: Located | None = None) -> Lo
             out.skipped["bad_record"] += 1
             out.examples.setdefault("bad_record", f"{location}: {type(e).__name__}: {str(e)[:200]}")
             continue
+        if rid in seen:
+            raise ConfigError(f"eval benchmark {bench.name!r}: prompt id {rid!r} appears twice ({seen[rid]} and "
+                              f"{location}); eval resumes and compares methods by prompt id: give every record its "
+                              "own id (task_id / question_id / id) or remove the repeat")
+        seen[rid] = location
         out.prompts.append(EvalPrompt(id=rid, benchmark=bench.name, turns=turns))
     return out
 

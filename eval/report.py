@@ -28,7 +28,9 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipeline.files import atomic_write_json, atomic_write_text, read_json
+from pipeline.config import ConfigError
+from pipeline.files import atomic_write_json, atomic_write_text
+from pipeline.records import NUMBER, OBJECT, STR, Optional, read_record
 
 DASH = "—"
 REPORT_FILES = ("report.json", "report.md", "report.html")  # what write_report writes
@@ -573,12 +575,49 @@ def write_report(report: dict, out_dir: Path) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _load_eval_report(eval_dir: str | Path) -> dict:
+# What a reader of report.json reads (pipeline/records.py shape): the cells' keys and numbers, the run's headers.
+REPORT_FIELDS = {"cells": [{"benchmark": STR, "label": STR, "tau_mean": Optional(NUMBER), "speedup": Optional(NUMBER)}],
+                 "target": Optional(OBJECT), "drafter": Optional(OBJECT), "settings": Optional(OBJECT)}
+
+
+def read_report(path: str | Path) -> dict:
+    """An eval run's report.json, checked (a damaged one is a DamagedFile naming it and what to run)."""
+    path = Path(path)
+    return read_record(path, REPORT_FIELDS, repair=f"Delete {path.parent / 'manifest.json'} and run `drafter eval` "
+                                                   "again for that run: its decoded units are kept and the report is "
+                                                   "written anew")
+
+
+def _report_path(eval_dir: str | Path) -> Path:
     path = Path(eval_dir)
     path = path if path.name == "report.json" else path / "report.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: run `drafter eval` for that run first")
-    return read_json(path)
+        raise ConfigError(f"drafter report: {path} does not exist: give runs/<name>/eval directories of finished "
+                          "eval runs (run `drafter eval` for that run first)")
+    return path
+
+
+def _check_report_args(eval_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
+    """The report.json of every input; refused before anything is read: fewer than two inputs, an input given
+    twice, an output directory that is an input's directory (its report.json would be overwritten) or a file."""
+    if len(eval_dirs) < 2:
+        raise ConfigError(f"drafter report: {len(eval_dirs)} eval directory given; it compares two or more "
+                          "(drafter report runs/a/eval runs/b/eval --out runs/compare)")
+    paths = [_report_path(d) for d in eval_dirs]
+    seen: dict[Path, str] = {}
+    for d, p in zip(eval_dirs, paths):
+        key = p.resolve()
+        if key in seen:
+            raise ConfigError(f"drafter report: {d} and {seen[key]} are the same eval run; give each run once")
+        seen[key] = str(d)
+    target = Path(out).resolve()
+    for d, p in zip(eval_dirs, paths):
+        if target == p.parent.resolve():
+            raise ConfigError(f"drafter report: --out {out} is the input {d}: the comparison would overwrite that "
+                              "run's report.json; give another directory (e.g. runs/compare)")
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"drafter report: --out {out} is a file, not a directory")
+    return paths
 
 
 def _run_names(reports: list[dict], dirs: Sequence[str | Path]) -> list[str]:
@@ -590,9 +629,7 @@ def _run_names(reports: list[dict], dirs: Sequence[str | Path]) -> list[str]:
 
 def compare_runs(eval_dirs: Sequence[str | Path], out: str | Path) -> str:
     """Side-by-side τ and speedup of two or more eval runs -> <out>/report.md + report.html; returns the table."""
-    if len(eval_dirs) < 2:
-        raise ValueError("drafter report: give at least two eval directories to compare")
-    reports = [_load_eval_report(d) for d in eval_dirs]
+    reports = [read_report(p) for p in _check_report_args(eval_dirs, out)]
     names = _run_names(reports, eval_dirs)
     keys: list[tuple[str, str]] = []
     for r in reports:

@@ -27,14 +27,15 @@ from eval.lossless import check_lossless
 from eval.metrics import ResponseRecord, speedup, summarize
 from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
 from eval.prompts import LoadedBenchmark, benchmarks_in_use, chat_prompt_ids, format_content
-from eval.report import REPORT_FILES, cell_label, tau_table, write_report
-from eval.units import Unit, plan_units, read_unit, write_unit
+from eval.report import REPORT_FILES, cell_label, read_report, tau_table, write_report
+from eval.units import Unit, open_journal, plan_units, read_unit, write_unit
 from eval.wandb_log import log_eval_run
+from dflash_model.export import read_export
 from pipeline.config import ConfigError, RunConfig, config_record
 from pipeline.errors import StageError
-from pipeline.files import read_json
 from pipeline.log import get_logger, progress, summary
 from pipeline.manifests import curate_outputs
+from pipeline.records import COUNTS, INT, STR, Optional
 from pipeline.stage_dir import RankInfo, StageDir, units_for_rank
 from pipeline.target import load_target, open_target, text_config
 
@@ -48,11 +49,16 @@ def unit_names(cfg: RunConfig) -> list[str]:
     return [u.name for u in units]
 
 
+# an eval unit's sidecar (pipeline/records.py shape), beside the files of every sidecar
+SIDECAR = {"responses": INT, "skipped": Optional(COUNTS), "verify_paths": Optional([STR]),
+           "draft_paths": Optional([STR]), "graphs_captured_while_timed": Optional(INT)}
+
+
 def build_report(cfg: RunConfig, stage: StageDir, by_unit: dict[Unit, list[ResponseRecord]], *, block_size: int,
                  header: dict, lossless: dict[str, dict] | None = None) -> dict:
     """Aggregate the units' responses (`read_unit` of every unit) into report.json's dict (every cell's numbers,
     see eval.report). lossless: unit name -> `eval.lossless.lossless_summary` (from `check_lossless`)."""
-    sidecars = stage.done_units()
+    sidecars = stage.done_units(SIDECAR)
     cells = []
     for u, recs in by_unit.items():
         ar = by_unit.get(Unit(u.benchmark, "ar"))
@@ -103,7 +109,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     location, tokenizer, target_config = target.location, target.tokenizer, target.config
     tok_fp = target.fingerprint["tokenizer"]
     dpath = drafter_dir(cfg)
-    drafter_cfg = read_json(dpath / "config.json")
+    drafter_cfg = read_export(dpath).config  # config, weights and shapes checked before anything is allocated
     trained = trained_drafter(dpath)
     taps = check_drafter_fits_target(drafter_cfg, target_config, trained.layer_ids if trained else None)
     check_drafter_tokenizer(tok_fp, trained, dpath)
@@ -115,7 +121,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     stage = StageDir(cfg.run_dir, "eval")
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
         log.info("eval already complete for this config: %s", stage.path)
-        report = read_json(stage.path / "report.json")
+        report = read_report(stage.path / "report.json")
         summary("eval", "\n" + tau_table(report).markdown())
         return stage.manifest()
 
@@ -130,13 +136,15 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
             raise StageError(f"eval benchmark {lb.name!r}: no usable prompt in {lb.path} ({dict(lb.skipped)})")
 
     mine = units_for_rank(units, ranks)
-    todo = [u for u in mine if not stage.unit_done(u.name)]
+    todo = [u for u in mine if not stage.unit_done(u.name, fields=SIDECAR)]
     block_size = int(drafter_cfg.get("block_size") or cfg.drafter.block_size)
+    for unit in todo:  # the journals of a killed run are read back before any model is loaded
+        open_journal(stage, unit)
     if todo:
         _run_units(cfg, stage, todo, benchmarks, location, tokenizer, target_config, dpath, block_size)
     rank_summary = stage.rank_summary(ranks, [u.name for u in mine], started) if ranks.is_split else None
 
-    done = stage.done_units()
+    done = stage.done_units(SIDECAR)
     missing = [u.name for u in units if u.name not in done]
     if missing:
         log.info("rank %d/%d finished its units; %d of %d units still running elsewhere (%s); "
@@ -204,7 +212,7 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
     bar = progress(total=sum(len(benchmarks[u.benchmark].prompts) for u in units), desc="eval", unit="prompt")
     for unit in units:
         prompts = benchmarks[unit.benchmark].prompts
-        journal = stage.journal(unit.name)
+        journal = open_journal(stage, unit)
         done = {entry["prompt_id"] for entry in journal.items}
         todo = [p for p in prompts if p.id not in done]
         bar.update(len(prompts) - len(todo))

@@ -18,11 +18,27 @@ from eval.metrics import ResponseRecord
 from eval.prompts import EvalPrompt
 from eval.report import cell_label
 from pipeline.config import RunConfig
-from pipeline.files import AtomicFile, Journal
+from pipeline.errors import DamagedFile
+from pipeline.files import REDO_UNIT, AtomicFile, Journal
+from pipeline.records import COUNTS, INT, NUMBER, OBJECT, STR, Optional, check
 from pipeline.log import get_logger
 from pipeline.stage_dir import StageDir
 
 log = get_logger("eval")
+
+
+# One response as a unit's journal and shard hold it (eval.metrics.ResponseRecord; pipeline/records.py shape), and
+# one journal entry: a finished prompt's responses and notes.
+RESPONSE_FIELDS = {"prompt_id": STR, "turn": INT, "prompt_tokens": INT, "num_new_tokens": INT, "num_rounds": INT,
+                   "accept_lengths": [INT], "draft_depths": [INT], "decode_seconds": NUMBER, "prefill_seconds": NUMBER,
+                   "phase_seconds": Optional(OBJECT), "output_ids": Optional([INT])}
+JOURNAL_ENTRY = {"prompt_id": STR, "responses": [RESPONSE_FIELDS], "skipped": COUNTS, "verify_paths": [STR],
+                 "draft_paths": [Optional(STR)]}
+
+
+def open_journal(stage: StageDir, unit: "Unit") -> Journal:
+    """The unit's journal (the prompts finished before a kill), every entry checked."""
+    return stage.journal(unit.name, JOURNAL_ENTRY)
 
 
 @dataclass(frozen=True)
@@ -79,5 +95,15 @@ def write_unit(stage: StageDir, unit: Unit, prompts: list[EvalPrompt], journal: 
 
 
 def read_unit(stage: StageDir, unit: Unit) -> list[ResponseRecord]:
+    """The responses of a finished unit's shard, each checked (a damaged line is a DamagedFile naming it)."""
     path = stage.shard_path(unit.name, "jsonl")
-    return [ResponseRecord.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(ResponseRecord.from_dict(check(json.loads(line), RESPONSE_FIELDS)))
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, a FieldProblem
+            raise DamagedFile(path, f"line {number}: {str(e)[:200]}", REDO_UNIT.replace(
+                "Delete it", f"Delete it and {stage.sidecar_path(unit.name).name}")) from None
+    return records

@@ -34,8 +34,9 @@ from extract.store import SHARD_EXT, ShardWriter, bytes_per_token, check_store, 
 from pipeline.config import RunConfig, config_record
 from pipeline.log import get_logger, progress, summary
 from pipeline.errors import StageError
-from pipeline.files import AtomicFile, human_bytes, read_json
+from pipeline.files import AtomicFile, human_bytes
 from pipeline.manifests import tokenize_outputs
+from pipeline.records import COUNTS, INT, OBJECT, Optional
 from pipeline.stage_dir import RankInfo, StageDir, acquire_lock, check_fingerprint, release_locks, units_for_rank
 
 log = get_logger("extract")
@@ -271,7 +272,7 @@ def run_extract(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankIn
     keep, _, _ = screen_index(index)
     units = plan_units(index.lengths, keep, cfg.extract.shard_tokens)
     mine = units_for_rank(units, ranks)
-    todo = [u for u in mine if stage.unit_done(u.name) is None]
+    todo = [u for u in mine if stage.unit_done(u.name, fields=SIDECAR) is None]
     remaining = sum(u.tokens for u in todo)
     need = check_disk_space(stage.path, remaining,
                             bytes_per_token(len(ctx.tap_ids), ctx.hidden_size, cfg.extract.storage_dtype))
@@ -349,6 +350,11 @@ def _discard(backend, job: _UnitInFlight) -> None:
     job.tmp.unlink(missing_ok=True)
 
 
+# an extract unit's sidecar (pipeline/records.py shape), beside the files of every sidecar
+SIDECAR = {"samples": INT, "tokens": INT, "loss_tokens": INT, "failed": Optional(COUNTS),
+           "failure_examples": Optional(OBJECT)}
+
+
 def finish_unit(stage: StageDir, backend, job: _UnitInFlight) -> dict:
     """Wait for the unit's bytes, fsync, rename into place, write the sidecar (last: it marks the unit done)."""
     if job.writer is None:
@@ -409,7 +415,7 @@ def _finalize(cfg: RunConfig, ctx: ExtractContext, stage: StageDir, index: Token
         raise StageError(f"extract: {len(missing)} of {len(units)} units are not done yet "
                          f"(first: {missing[:5]}); run the missing ranks again, then --merge")
     _, screened, screen_examples = screen_index(index)
-    done = {u.name: stage.unit_done(u.name) for u in units}
+    done = {u.name: stage.unit_done(u.name, fields=SIDECAR) for u in units}
     counts: dict[str, int] = {"input": len(index.ids), "written": 0, "tokens": 0, "loss_tokens": 0}
     examples: dict[str, list] = {k: list(v) for k, v in screen_examples.items()}
     for reason, n in screened.items():
@@ -457,10 +463,10 @@ def repair_extract(cfg: RunConfig) -> dict:
     started = time.time()
     ctx = extract_context(cfg)
     stage = StageDir(cfg.run_dir, "extract")
-    state = stage.path / "state.json"
-    if not state.exists():
+    state = stage.read_state()
+    if state is None:
         raise StageError(f"nothing to repair at {stage.path}: run `drafter extract` first")
-    if read_json(state).get("config_hash") != ctx.config_hash:
+    if state["config_hash"] != ctx.config_hash:
         raise StageError(f"{stage.path} was extracted with another config: repair with the config it was made with, "
                          "or redo it with --force")
     acquire_lock(stage.path / "lock", f"stage 'extract' at {stage.path}")

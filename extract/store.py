@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from pipeline.errors import StageError
-from pipeline.files import read_json, sha256_file, with_path
-from pipeline.stage_dir import MANIFEST
+from pipeline.files import sha256_file, with_path
+from pipeline.records import BOOL, INT, STR, Optional, read_record
+from pipeline.stage_dir import FILE_ENTRY, MANIFEST, StageDir
 
 FORMAT_VERSION = "dflash-features/1"
 INDEX_FILE = "index.parquet"
@@ -59,6 +60,19 @@ _ST_DTYPES = {"I64": (torch.int64, 8), "F32": (torch.float32, 4), "I32": (torch.
 def _check_storage_dtype(storage_dtype: str) -> None:
     if storage_dtype not in STORAGE_DTYPES:
         raise ValueError(f"storage_dtype {storage_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
+
+
+# What readers of a finished extraction read from its manifest (pipeline/records.py shape)
+STORE_MANIFEST = {"fingerprint": {"layer_ids": [INT], "last_hidden": Optional(BOOL), "hidden_size": INT,
+                                  "storage_dtype": STR},
+                  "storage": {"shards": [STR], "index": Optional(FILE_ENTRY)}, "files": [FILE_ENTRY]}
+
+
+def read_store_manifest(path: Path) -> dict:
+    """The manifest of the finished extraction at `path`, checked (a damaged one names the file and what to run)."""
+    stage = StageDir(Path(path).parent, Path(path).name)
+    return read_record(Path(path) / MANIFEST, STORE_MANIFEST, repair=stage.repair_manifest
+                       + " (or `drafter extract --repair`)")
 
 
 def stored_taps(fingerprint: dict) -> int:
@@ -492,7 +506,7 @@ class FeatureReader:
         if not manifest_path.exists():
             raise StageError(f"{self.path} has no {MANIFEST}: the extraction is not finished (run `drafter extract`, "
                              "or `drafter extract --merge` after a split run)")
-        self.manifest = read_json(manifest_path)
+        self.manifest = read_store_manifest(self.path)
         self.fingerprint: dict = self.manifest["fingerprint"]
         self.fp8_dtype = fp8_dtype
         self.shard_names: list[str] = list(self.manifest["storage"]["shards"])
@@ -674,12 +688,12 @@ def check_store(path: str | Path, *, full: bool = True) -> dict[Path, str]:
     the end of the file and its tap layout is the manifest's; with ``full`` also the sha256 (reads every byte).
     """
     path = Path(path)
-    manifest = read_json(path / MANIFEST)
+    manifest = read_store_manifest(path)
     problems: dict[Path, str] = {}
     fp = manifest["fingerprint"]
     layout = (stored_taps(fp), int(fp["hidden_size"]), fp["storage_dtype"])
-    entries = [(path / "shards" / f["name"], f) for f in manifest.get("files", []) if not f["name"].endswith(".json")]
-    if "index" in manifest.get("storage", {}):
+    entries = [(path / "shards" / f["name"], f) for f in manifest["files"] if not f["name"].endswith(".json")]
+    if manifest["storage"].get("index") is not None:
         entries.append((path / INDEX_FILE, manifest["storage"]["index"]))
     for p, f in entries:
         if not p.exists():

@@ -102,9 +102,8 @@ def format_table(rows: list[dict], min_mean: float, min_token: float) -> str:
 def _shard_ranks(stage: StageDir) -> dict[str, int]:
     """Shard name -> the rank that wrote it, from the rank summaries (a single run: every shard is rank 0's)."""
     out = {}
-    for p in sorted((stage.path / "ranks").glob("rank-*.json")):
-        info = read_json(p)
-        out.update({f"{u}.{SHARD_EXT}": info["rank"] for u in info.get("units", [])})
+    for info in stage.read_rank_summaries():
+        out.update({f"{u}.{SHARD_EXT}": info["rank"] for u in info["units"]})
     return out
 
 
@@ -201,7 +200,7 @@ def check_engine_taps(cfg: RunConfig, ctx: ExtractContext, stage_path: Path, mak
         return None
     record = stage_path / "tap-check.json"
     if record.exists():
-        old = read_json(record)
+        old = read_json(record, repair="Delete it and run the same command again: the tap check runs again")
         if isinstance(old, dict) and old.get("config_hash") == ctx.config_hash and old.get("passed") is True:
             return old
     index = read_tokenized_index(ctx.tok_stage, cfg.extract.max_samples)

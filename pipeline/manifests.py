@@ -9,9 +9,9 @@ read by the stages after it through these readers, never by indexing the dict:
     extract_outputs(run_dir)   -> ExtractedFeatures  offline training (the feature fingerprint: taps, last_hidden)
     train_outputs(train_dir)   -> TrainedDrafter     eval (the drafter's tokenizer and taps, beside its export)
 
-Each reader checks every field it returns (present, of its JSON type). A damaged manifest (not JSON, not an object,
-a key missing, a value of another type) is a StageError naming the file, the field and the command that writes it
-anew, never a KeyError or TypeError inside the stage that reads it. A stage that has not finished is the StageError
+Each reader checks every field it returns (present, of its JSON type; pipeline/records.py). A damaged manifest (not
+JSON, not an object, a key missing, a value of another type) is a DamagedFile (a StageError) naming the file, the
+field and the command that writes it anew, never a KeyError or TypeError inside the stage that reads it. A stage that has not finished is the StageError
 of `StageDir.manifest` ("run `drafter <stage>` first").
 """
 
@@ -21,50 +21,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import StageError
+from pipeline.errors import DamagedFile
+from pipeline.records import BOOL, INT, LIST, OBJECT, STR, FieldProblem, get
 from pipeline.stage_dir import StageDir
 
-_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "true/false"}
+_KINDS = {dict: OBJECT, list: LIST, str: STR, int: INT, bool: BOOL}
 
 
-def damaged(stage: StageDir, problem: str) -> StageError:
+def damaged(stage: StageDir, problem: str) -> DamagedFile:
     """The error for a manifest whose fields are not what the stage contract says."""
-    return StageError(
-        f"{stage.manifest_path}: {problem}: the manifest is damaged. Delete it and run `drafter {stage.stage}` again "
-        f"with the same config (the finished units are kept and the manifest is written anew), or redo the stage "
-        f"with `drafter {stage.stage} --force`")
+    return DamagedFile(stage.manifest_path, problem, stage.repair_manifest)
 
 
 def field(stage: StageDir, manifest: Any, dotted: str, kind: type, *, optional: bool = False) -> Any:
-    """manifest[a][b]... for dotted = 'a.b...', checked to be of JSON type `kind` (a StageError naming the file
+    """manifest[a][b]... for dotted = 'a.b...', checked to be of JSON type `kind` (a DamagedFile naming the file
     and the field otherwise). optional: a missing key (or null) reads as None."""
-    value = manifest
-    for depth, key in enumerate(dotted.split(".")):
-        if not isinstance(value, dict):
-            where = ".".join(dotted.split(".")[:depth]) or "the manifest"
-            raise damaged(stage, f"{where} is {_kind(value)}, not an object")
-        if value.get(key) is None:
-            if optional:
-                return None
-            raise damaged(stage, f"field '{dotted}' is missing")
-        value = value[key]
-    bad_int = kind is int and isinstance(value, bool)  # JSON true is not a count
-    if not isinstance(value, kind) or bad_int:
-        raise damaged(stage, f"field '{dotted}' is {_kind(value)}, not {_JSON_TYPES[kind]}")
-    return value
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return next((name for t, name in reversed(_JSON_TYPES.items()) if isinstance(value, t)), type(value).__name__)
+    try:
+        return get(manifest, dotted, _KINDS[kind], optional=optional)
+    except FieldProblem as e:
+        raise damaged(stage, str(e)) from None
 
 
 def _int_list(stage: StageDir, manifest: dict, dotted: str) -> list[int]:
-    values = field(stage, manifest, dotted, list)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise damaged(stage, f"field '{dotted}' holds a value that is not an integer: {values}")
-    return [int(v) for v in values]
+    try:
+        return list(get(manifest, dotted, [INT]))
+    except FieldProblem as e:
+        raise damaged(stage, str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -85,11 +67,10 @@ class StageOutputs:
 def stage_outputs(stage: StageDir) -> tuple[StageOutputs, dict]:
     """The common fields of a finished stage's manifest, and the manifest (for the stage-specific readers)."""
     m = stage.manifest()
-    if not isinstance(m, dict):
-        raise damaged(stage, f"it holds {_kind(m)}, not an object")
-    files = field(stage, m, "files", list)
-    if not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in files):
-        raise damaged(stage, "field 'files' holds an entry without a file name")
+    try:
+        files = get(m, "files", [{"name": STR}])
+    except FieldProblem as e:
+        raise damaged(stage, str(e)) from None
     return StageOutputs(stage.path, field(stage, m, "config_hash", str), field(stage, m, "fingerprint", dict),
                         field(stage, m, "counts", dict), files), m
 

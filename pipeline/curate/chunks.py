@@ -29,6 +29,7 @@ from pipeline.curate.schema import work_schema
 from pipeline.curate.sources import Chunk, read_chunk
 from pipeline.log import progress
 from pipeline.files import AtomicFile
+from pipeline.records import COUNTS, OBJECT
 from pipeline.stage_dir import StageDir
 
 MIN_RECORDS_PER_WORKER = 10000  # below this, starting worker processes costs more than it saves
@@ -143,13 +144,17 @@ def _die_with_parent() -> None:
         pass
 
 
+# a reading chunk's sidecar (pipeline/records.py shape), beside the files of every sidecar
+SIDECAR = {"counts": COUNTS, "examples": OBJECT}
+
+
 def _process_chunk_star(args) -> dict:
     return process_chunk(*args)
 
 
 def read_chunks(chunks: list[Chunk], cfg: CurateConfig, work: StageDir, num_workers: int) -> dict[str, dict]:
     """Process every chunk without a valid sidecar; returns {unit: sidecar} for all chunks, in plan order."""
-    done = {c.unit: info for c in chunks if (info := work.unit_done(c.unit))}
+    done = {c.unit: info for c in chunks if (info := work.unit_done(c.unit, fields=SIDECAR))}
     todo = [c for c in chunks if c.unit not in done]
     planned = {c.unit: c.count for c in chunks}  # records (jsonl: lines) per chunk
     bar = progress(total=sum(planned.values()), desc="curate read", unit="rec")

@@ -46,6 +46,7 @@ from pipeline.regen.generator import Generator, Sampling
 from pipeline.errors import StageError
 from pipeline.files import AtomicFile
 from pipeline.manifests import CuratedData, curate_outputs
+from pipeline.records import COUNTS, INT, LIST, NUMBER
 from pipeline.stage_dir import RankInfo, StageDir, units_for_rank
 from pipeline.sample_ids import response_id
 from pipeline.target import OpenedTarget, open_target
@@ -310,6 +311,11 @@ def samples_per_conversation(cfg: RunConfig) -> int:
     return 1 if cfg.regen.backend == "none" else cfg.regen.samples_per_prompt
 
 
+# a regen unit's sidecar (pipeline/records.py shape), beside the files of every sidecar
+SIDECAR = {"written": INT, "failed": COUNTS, "failures": LIST, "turns": INT, "truncated_turns": INT,
+           "generated_tokens": INT, "seconds": NUMBER}
+
+
 def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dict:
     """Counts in samples: `total` curated train conversations with `n` samples each."""
     counts = Counter({"input": total * n, "skipped.max_samples": (total - sum(u.rows for u in units)) * n, "written": 0,
@@ -330,7 +336,7 @@ def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dic
 def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total: int, config_hash: str,
                    fingerprint: dict, curated: CuratedData, started: float) -> dict | None:
     """Write the manifest iff every unit (of every rank) is done; None otherwise."""
-    done = stage.done_units()
+    done = stage.done_units(SIDECAR)
     missing = [u.name for u in units if u.name not in done]
     if missing:
         log.info("regen: %d of %d units still missing (e.g. %s): manifest not written yet",
@@ -389,7 +395,7 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
         return stage.manifest()
     units, total = plan_units(curate_train_files(curate), cfg.regen.shard_size, cfg.regen.max_samples)
     mine = units_for_rank(units, ranks)
-    todo = [u for u in mine if not stage.unit_done(u.name)]
+    todo = [u for u in mine if not stage.unit_done(u.name, fields=SIDECAR)]
     log.info("regen: %d units in all, %d for rank %d/%d, %d to do (backend %s)",
              len(units), len(mine), ranks.rank, ranks.world_size, len(todo), cfg.regen.backend)
     generator = None

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_model.export import args_from_zlab_config, export_zlab, load_zlab
+from dflash_model.export import args_from_zlab_config, export_zlab, load_zlab, zlab_shapes
 from dflash_model.model import DFlashDrafter, DrafterArgs
+from pipeline.errors import StageError
 
 D, V, B = 32, 96, 8
 
@@ -105,9 +106,9 @@ def test_a_published_style_config_parses_including_hf_rope_parameters():
     assert args.rope_theta == 1e6 and args.mask_token_id == 151669 and args.target_layer_ids == [1, 9, 17, 25, 33]
     no_ids = {**cfg, "dflash_config": {"mask_token_id": 151669}}
     assert args_from_zlab_config(no_ids).target_layer_ids == [1, 9, 17, 25, 33], "z-lab default spread when absent"
-    with pytest.raises(ValueError, match="mask_token_id"):
+    with pytest.raises(StageError, match="mask_token_id"):
         args_from_zlab_config({**cfg, "dflash_config": {"target_layer_ids": [1]}})
-    with pytest.raises(ValueError, match="DFlashDraftModel"):
+    with pytest.raises(StageError, match="DFlashDraftModel"):
         args_from_zlab_config({**cfg, "architectures": ["Qwen3ForCausalLM"]})
 
 
@@ -117,7 +118,7 @@ def test_loading_refuses_weights_that_do_not_match_the_config(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     cfg["num_hidden_layers"], cfg["layer_types"] = 2, cfg["layer_types"][:2]
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unexpected"):
+    with pytest.raises(StageError, match="unexpected"):
         load_zlab(out)
     with pytest.raises(FileNotFoundError):
         load_zlab(tmp_path / "missing" / "dir")
@@ -133,3 +134,14 @@ def test_export_readme_says_how_each_engine_counts_the_block_and_the_mixed_layou
     full = make_args(layer_types=None, sliding_window=None)
     text = (export_zlab(trained_like(full), full, tmp_path / "full") / "README.md").read_text()
     assert "This drafter does not." in text and '"num_speculative_tokens": 7' in text
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_hidden_layers": 1, "layer_types": ["full_attention"], "head_dim": 16,
+                                      "num_key_value_heads": 4, "target_layer_ids": [2]}])
+def test_the_shapes_the_export_validator_expects_are_the_models_own(kw):
+    """`read_export` checks a file's tensors against `zlab_shapes` before building anything: it must list exactly
+    the drafter's parameters, each of its shape."""
+    args = make_args(**kw)
+    with torch.device("meta"):
+        model = DFlashDrafter(args)
+    assert zlab_shapes(args) == {k: tuple(v.shape) for k, v in model.state_dict().items()}

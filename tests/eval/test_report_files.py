@@ -12,6 +12,7 @@ import pytest
 from eval.metrics import ResponseRecord, speedup, summarize
 from eval.report import compare_runs, write_report
 from drafter.cli import main as drafter_main
+from pipeline.config import ConfigError
 
 B = 8
 
@@ -116,5 +117,5 @@ def test_compare_runs_puts_two_eval_dirs_side_by_side(tmp_path, capsys):
 
 def test_compare_runs_refuses_a_missing_eval_dir(tmp_path):
     write_report(make_report("a", [[2]], [[3]]), tmp_path / "a")
-    with pytest.raises(FileNotFoundError, match="run `drafter eval`"):
+    with pytest.raises(ConfigError, match="run `drafter eval`"):
         compare_runs([tmp_path / "a", tmp_path / "missing"], tmp_path / "out")

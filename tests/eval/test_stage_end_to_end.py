@@ -166,12 +166,13 @@ def test_a_drafter_trained_with_another_tokenizer_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written(tmp_path):
+def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written_and_equals_an_uninterrupted_run(tmp_path):
     """A real `drafter eval` subprocess is killed (SIGKILL) while a unit is half done: the rerun decodes neither a
-    finished unit nor a prompt already in a unit's journal (their records, timings included, come back unchanged)
-    and every response appears exactly once."""
-    overrides = [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, "eval.max_new_tokens=48",
-                 benchmarks(tmp_path, gsm8k=5, mt_bench=1)]
+    finished unit nor a prompt already in a unit's journal (their records, timings included, come back unchanged),
+    every response appears exactly once, and every unit's responses (tokens, rounds, acceptance: all but the
+    timings) and every cell's τ equal those of the same eval never interrupted."""
+    bench = benchmarks(tmp_path, gsm8k=5, mt_bench=1)
+    overrides = [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, "eval.max_new_tokens=48", bench]
     cfg = load_config(REPO / "configs/tiny.yaml", overrides)
     export_random_drafter(cfg, cfg.run_dir / "train")
     shards, work = cfg.run_dir / "eval" / "shards", cfg.run_dir / "eval" / "work"
@@ -210,6 +211,21 @@ def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written(tmp_path):
     assert sum(c["responses"] for c in report["cells"]) == 4 * (5 + 2)
     assert all(c["ar_match"] == 1.0 for c in report["cells"])
     assert re.search(r"\| gsm8k \| [\d.]+ \(", res.stdout)
+
+    clean = make_config(tmp_path / "clean", ["eval.max_new_tokens=48", bench])  # the same prompts, never interrupted
+    export_random_drafter(clean, clean.run_dir / "train")  # the same seed: the same drafter
+    run_eval(clean)
+    assert decoded(clean.run_dir) == decoded(cfg.run_dir)
+    clean_report = json.loads((clean.run_dir / "eval" / "report.json").read_text())
+    assert [(c["label"], c["benchmark"], c["tau_mean"], c["responses"]) for c in clean_report["cells"]] == \
+           [(c["label"], c["benchmark"], c["tau_mean"], c["responses"]) for c in report["cells"]]
+
+
+def decoded(run_dir: Path) -> dict[str, list[dict]]:
+    """Unit name -> its shard's responses in file order, without the wall-clock fields (all that is deterministic)."""
+    return {p.name: [{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+                     for line in p.read_text().splitlines()]
+            for p in sorted((run_dir / "eval" / "shards").glob("*.jsonl"))}
 
 
 @pytest.mark.slow

@@ -110,6 +110,6 @@ def test_the_train_manifest_beside_an_export_is_read_typed_and_a_damaged_one_is_
     assert trained_drafter(train / "export") is None  # another stage's manifest is not the drafter's
     manifest["fingerprint"]["features"] = "layers 1, 4, 6"
     (train / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(StageError, match=r"(?s)train/manifest\.json: fingerprint\.features is a string, not an "
+    with pytest.raises(StageError, match=r"(?s)train/manifest\.json: field 'fingerprint\.features' is a string, not an "
                                          r"object.*`drafter train --force`"):
         trained_drafter(train / "export")

@@ -142,7 +142,7 @@ def test_a_manifest_that_is_not_json_is_named_and_repair_rewrites_it(clean, tmp_
     before = shard_state(cfg.run_dir)
     manifest = cfg.run_dir / "extract" / "manifest.json"
     manifest.write_text(manifest.read_text()[:200])
-    with pytest.raises(StageError, match=rf"{manifest} is not valid JSON"):
+    with pytest.raises(StageError, match=rf"{manifest}: not valid JSON"):
         FeatureReader(cfg.run_dir / "extract")
     repair_extract(cfg)
     assert shard_state(cfg.run_dir) == before

@@ -20,6 +20,8 @@ from pipeline.curate.stage import run_curate
 from pipeline.curate.synthetic import write_synthetic
 from pipeline.errors import StageError
 from pipeline.files import read_json, sha256_file
+from tests.reliability.kill9 import kill_when
+from tests.reliability.kill9 import start_cli as start_drafter
 
 REPO = Path(__file__).resolve().parents[2]
 N = 30000
@@ -41,24 +43,7 @@ def write_config(root: Path, name: str, sources: list, **curate) -> Path:
 
 
 def start_cli(config: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, DRAFTER_NO_PROGRESS="1")
-    return subprocess.Popen([sys.executable, "-m", "drafter.cli", "curate", "--config", str(config), *extra],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-
-
-def kill_when(proc: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
-    """SIGKILL the CLI and its worker processes as soon as `ready()` holds."""
-    deadline = time.time() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"curate finished before {what}: {proc.stderr.read().decode()[-2000:]}")
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    return start_drafter(["curate", "--config", str(config), *extra])
 
 
 def output(run_dir: Path) -> dict[str, str]:

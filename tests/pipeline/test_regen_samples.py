@@ -40,7 +40,8 @@ def test_each_conversation_gets_n_distinct_samples_with_their_own_ids(tmp_path):
 
 def test_prompt_formats_rewrite_the_first_user_turn_of_sample_k(tmp_path):
     formats = json.dumps({"test": ["{prompt}", "Answer briefly. {prompt}"]})
-    cfg = make_config(tmp_path, overrides=[*SAMPLED, f"regen.prompt_formats={formats}"])
+    cfg = make_config(tmp_path, overrides=[*SAMPLED, f"regen.prompt_formats={formats}",  # keyed by a source name
+                                           "curate.sources=[{name: test, path: data/prompts/gsm8k_train_1k.jsonl}]"])
     write_curated(cfg.run_dir, single_turn(2))
     run_regen(cfg)
     rows = {r["id"]: r["messages"][0]["content"] for r in regen_rows(cfg.run_dir)}

@@ -276,6 +276,6 @@ def test_a_damaged_manifest_is_an_error_naming_the_file_and_the_fix(tmp_path):
     stage.begin("h")
     stage.write_manifest(config_hash="h", fingerprint={}, started=time.time())
     stage.manifest_path.write_text('{"stage": "extract", "config_')
-    with pytest.raises(StageError, match=rf"{stage.manifest_path} is not valid JSON .*delete it and run "
+    with pytest.raises(StageError, match=rf"{stage.manifest_path}: not valid JSON .*Delete it and run "
                                          r"`drafter extract` again"):
         stage.manifest()
