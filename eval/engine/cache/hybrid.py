@@ -52,6 +52,7 @@ from eval.engine.verify import (ancestor_matrix, causal_attention_mask, tree_att
                          visibility_attention_mask)
 from eval.engine.walk import compact_rows
 from pipeline.cuda_graphs import CudaGraphFn
+from pipeline.recurrent_cache import stack_linear_states
 from extract.layers import decoder_layers
 from pipeline.target import gated_delta_kernels, text_config
 
@@ -173,23 +174,16 @@ class HybridTargetCache(TargetCache):
 
     def _stack_states(self) -> None:
         """Move every Gated-DeltaNet layer's conv window and state (HF's [1, ...] tensors, made by the prefill) into
-        one stacked buffer each and point HF's cache at views of them. The static cache keeps its buffers (their
-        addresses are in the CUDA graphs) and copies into them."""
-        layers = [self.cache.layers[i] for i, _ in self.linear]
-        conv = torch.cat([layer.conv_states[0] for layer in layers])
-        state = torch.cat([layer.recurrent_states[0] for layer in layers])
-        if self.static and self.conv_states is not None and self.conv_states.shape == conv.shape \
-                and self.recurrent_states.shape == state.shape:
-            self.conv_states.copy_(conv)
-            self.recurrent_states.copy_(state)
-        else:
-            if self.static and self.conv_states is not None:  # new shapes: the graphs hold the old buffers
-                self._verify_fns.clear()
-                self.generation += 1
-            self.conv_states, self.recurrent_states = conv, state
-        for j, layer in enumerate(layers):
-            layer.conv_states[0] = self.conv_states[j: j + 1]
-            layer.recurrent_states[0] = self.recurrent_states[j: j + 1]
+        one stacked buffer each and point HF's cache at views of them (pipeline/recurrent_cache.py; batch 1: the
+        buffers [NL, 1, ...] are kept as [NL, ...]). The static cache keeps its buffers (their addresses are in the
+        CUDA graphs) and copies into them."""
+        keep = self.static and self.conv_states is not None
+        old = (self.conv_states.unsqueeze(1), self.recurrent_states.unsqueeze(1)) if keep else (None, None)
+        conv, state = stack_linear_states(self.cache, [i for i, _ in self.linear], *old)
+        if keep and conv.data_ptr() != old[0].data_ptr():  # new shapes: the graphs hold the old buffers
+            self._verify_fns.clear()
+            self.generation += 1
+        self.conv_states, self.recurrent_states = conv[:, 0], state[:, 0]
 
     def verify_inputs(self, tree: Tree, ancestors: Tensor | None = None) -> VerifyInputs:
         """Positions start + depth. Dynamic cache: a tree gets its ancestor mask for the attention layers (the
