@@ -215,3 +215,30 @@ def test_hybrid_static_decode_on_cuda_replays_its_checked_graphs_and_equals_gene
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert gen.static.on_graphs(), "the hybrid decode step fell back to eager (capture or self-check failed)"
     assert len(gen.static._state.steps) >= 2  # several key buckets captured
+
+
+@pytest.mark.slow
+def test_bench_regen_times_a_hybrid_shape_beside_generate_and_its_rooflines(tmp_path):
+    """`benchmarks/bench_regen.py --shape tiny` (the command the GPU runs at the Qwen3.6-27B shape) builds the random
+    hybrid, times `generate` and the static loop at two batch sizes on the repository's prompts, gives identical greedy
+    output, and records every row's compute / memory roofline and the summary keys of the hybrid results."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "benchmarks/bench_regen.py", "--shape", "tiny", "--num-prompts", "8", "--max-new-tokens",
+           "12", "--batch-size", "4,8", "--modes", "generate,static-nograph", "--threads", "1", "--json", str(out)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("generate", 4), ("generate", 8), ("static-nograph", 4),
+                                                        ("static-nograph", 8)]
+    assert all(r["gen_tokens"] == 8 * 12 and r["stopped"] == 0 for r in rows)  # every row runs to its limit
+    assert [r["same_as_ref"] for r in rows[1:]] == ["8/8"] * 3
+    assert all(r["compute_roofline_tok_s"] > 0 and r["memory_roofline_tok_s"] > 0 for r in rows)
+    assert rows[1]["memory_roofline_tok_s"] > rows[0]["memory_roofline_tok_s"]  # weights shared by more rows
+    assert set(result["summary"]["regen_tok_s"]) == {"generate", "static-nograph"}
+    assert result["env"]["shape"] == "tiny" and result["env"]["gated_delta_kernels"] == "torch"
