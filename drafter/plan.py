@@ -117,7 +117,11 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
     B = cfg.drafter.block_size
     queries = samples * min(cfg.train.num_anchors, mean_tokens) * B * cfg.train.epochs
     train_flops = queries * (6 * drafter_params(cfg, shape) + 4 * shape.vocab_size * shape.hidden_size)
-    hours = lambda flops, stage: flops / (H200_BF16_FLOPS * MFU[stage]) / 3600  # noqa: E731
+    regen_tokens = samples * mean_response_tokens if cfg.regen.backend != "none" else 0.0
+    hours, sources = {}, {}
+    for stage, flops, tokens in (("regen", regen_flops, regen_tokens), ("extract", extract_flops, total_tokens),
+                                 ("train", train_flops, total_tokens * cfg.train.epochs)):
+        hours[stage], sources[stage] = stage_hours(cfg, shape, stage, flops, tokens)
     return {
         "samples": int(samples),
         "samples_from": samples_from if not measured else "the finished tokenize stage",
@@ -128,11 +132,8 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         "feature_bytes_per_token": bpt,
         "storage_bytes": storage,
         "drafter_params": drafter_params(cfg, shape),
-        "gpu_hours": {
-            "regen": hours(regen_flops, "regen"),
-            "extract": hours(extract_flops, "extract"),
-            "train": hours(train_flops, "train"),
-        },
+        "gpu_hours": hours,
+        "rate_sources": sources,  # per stage: "measured: ..." (drafter/calibration.py) or "assumed MFU ..."
     }
 
 
@@ -174,9 +175,40 @@ def format_plan(cfg: RunConfig, est: dict) -> str:
         f" = {est['feature_bytes_per_token']:,} bytes",
         f"  feature storage         {human_bytes(est['storage_bytes'])} ({est['storage_bytes'] / 1e12:.2f} TB)",
         f"  drafter parameters      {est['drafter_params'] / 1e9:.3f} B trainable",
-        f"  GPU-hours (H200-equiv.) regen {g['regen']:.1f} | extract {g['extract']:.1f} | train {g['train']:.1f}"
+        f"  GPU-hours (one GPU)     regen {g['regen']:.1f} | extract {g['extract']:.1f} | train {g['train']:.1f}"
         f" | total {sum(g.values()):.1f}",
     ]
+    lines += [f"    {stage:<8} {source}" for stage, source in est["rate_sources"].items()]
     if est["storage_bytes"] > 5e12:
         lines.append("  note: features this large are better trained online (train.online=true) or with extract.storage_dtype=fp8")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage rates: measured (drafter/calibration.py) where a calibration row matches, else an assumed MFU
+# ----------------------------------------------------------------------------------------------
+
+
+def run_conditions(cfg: RunConfig, stage: str) -> dict:
+    """The run's settings a measured rate depends on, named as the calibration table's conditions."""
+    if stage == "regen":
+        return {"backend": cfg.regen.backend}
+    if stage == "extract":
+        return {"backend": cfg.extract.backend, "features": cfg.extract.storage_dtype}
+    return {"mode": "online" if cfg.train.online else "offline"}
+
+
+def stage_hours(cfg: RunConfig, shape: TargetShape, stage: str, flops: float, tokens: float) -> tuple[float, str]:
+    """(GPU-hours on one GPU, where the rate comes from) of `stage`: `tokens` (regen: generated, extract: sample
+    tokens, train: tokens x epochs) at the calibration table's measured tokens/s when a row matches the target's
+    shape and stage ("measured: ..."), else `flops` at the assumed MFU of the H200's bf16 peak ("assumed MFU x")."""
+    from drafter.calibration import measured
+
+    if stage == "regen" and cfg.regen.backend == "none":
+        return 0.0, "no regeneration (regen.backend none)"
+    conditions = run_conditions(cfg, stage)
+    row = measured(stage, shape, **conditions)
+    if row is not None:
+        return tokens / row.tok_s / 3600, row.describe(conditions)
+    return flops / (H200_BF16_FLOPS * MFU[stage]) / 3600, \
+        f"assumed MFU {MFU[stage]} of the H200's {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s bf16 peak (no calibration row)"
