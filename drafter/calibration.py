@@ -3,12 +3,14 @@ on one GPU at one target shape, with the GPU, the date, the command and where th
 
     row = measured("extract", shape, backend="vllm", features="bfloat16")   # a Measurement, or None
     row.tok_s, row.describe(run_conditions)                                  # the rate and the line `plan` prints
+    scaling("train")                                                         # a Scaling (multi-GPU), or None
 
 A row applies when its stage and target shape match the run's (shape = layers, hidden size, intermediate size and
 vocabulary: a random-init target of a production shape runs at that shape's speed). Among the rows that apply, the
 one matching most of the run's conditions wins (ties: the file's order); its description says which conditions
-differ from the run's, so a rate measured under other conditions is never passed off as the run's own. Nothing here
-knows how `plan` turns rates into hours.
+differ from the run's, so a rate measured under other conditions is never passed off as the run's own. The table's
+`scaling` rows are measured multi-GPU efficiencies of a stage (one per stage). Nothing here knows how `plan` turns
+rates into hours.
 """
 
 from __future__ import annotations
@@ -78,3 +80,42 @@ def measured(stage: str, shape, path: str = str(TABLE), **conditions) -> Measure
     if not rows:
         return None
     return max(rows, key=lambda r: (sum(r.conditions.get(k) == v for k, v in conditions.items()), -rows.index(r)))
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """A measured multi-GPU efficiency of `stage` on one host: tokens/s at `gpus` / (gpus x tokens/s at one GPU)."""
+
+    stage: str
+    gpus: int
+    efficiency: float
+    gpu: str
+    date: str
+    command: str
+    source: str
+    conditions: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        conds = ", ".join(f"{k} {v}" for k, v in self.conditions.items())
+        return f"measured {self.efficiency:.1%} on {self.gpus}x {self.gpu} (one host), {self.date} ({conds}; `{self.command}`)"
+
+
+@functools.lru_cache(maxsize=None)
+def load_scaling(path: str = str(TABLE)) -> dict[str, Scaling]:
+    """stage -> its Scaling row; every row checked (one per stage, 0 < efficiency <= 1.05, gpus >= 2)."""
+    import yaml
+
+    out = {}
+    for i, r in enumerate(yaml.safe_load(Path(path).read_text()).get("scaling") or []):
+        missing = [k for k in ("stage", "gpus", "efficiency", "gpu", "date", "command", "source") if k not in r]
+        if missing or r["stage"] in out or not 0 < float(r["efficiency"]) <= 1.05 or int(r["gpus"]) < 2:
+            raise ValueError(f"{path}: scaling {i} is malformed (missing {missing}, stage {r.get('stage')!r}, "
+                             f"gpus {r.get('gpus')!r}, efficiency {r.get('efficiency')!r})")
+        out[r["stage"]] = Scaling(r["stage"], int(r["gpus"]), float(r["efficiency"]), r["gpu"], str(r["date"]),
+                                  r["command"], r["source"], dict(r.get("conditions") or {}))
+    return out
+
+
+def scaling(stage: str, path: str = str(TABLE)) -> Scaling | None:
+    """The measured multi-GPU scaling of `stage`, or None."""
+    return load_scaling(path).get(stage)

@@ -77,3 +77,89 @@ def test_every_calibration_row_names_a_known_shape_a_stage_and_a_committed_sourc
             assert (REPO / path).is_file(), path
         for title in sections:
             assert title in benchmarks, f"docs/benchmarks.md has no section {title!r}"
+
+
+def test_plan_on_8_gpus_prints_each_paths_wall_clock_storage_the_cheaper_path_and_the_scaling_it_assumed(capsys):
+    """`drafter plan --gpus 8` on both production configs (913K samples): offline vs online GPU-hours and storage, the
+    cheaper path, each stage's wall-clock on 8 GPUs = its GPU-hours over the GPUs it uses at the measured 2-GPU
+    efficiency (vllm regen of the 27B: 4 engines of 2), and "measured" beside every calibrated rate."""
+    from drafter.calibration import scaling
+    from drafter.plan import wall_clock
+
+    for name in ("qwen3.6-27b", "qwen3-8b"):
+        cfg = load_config(REPO / f"configs/{name}.yaml")
+        est = estimate(cfg)
+        assert est["samples"] == 913_000
+        off, on = est["paths"]["offline"], est["paths"]["online"]
+        assert off["gpu_hours"] == est["gpu_hours"]  # the configs train offline
+        assert off["feature_bytes"] == est["storage_bytes"] > 5e13 and on["feature_bytes"] == 0
+        assert on["gpu_hours"]["extract"] == 0 and on["gpu_hours"]["regen"] == off["gpu_hours"]["regen"]
+        forward = est["total_tokens"] * cfg.train.epochs / measured("extract", target_shape(cfg), backend="hf").tok_s
+        assert on["gpu_hours"]["train"] == pytest.approx(off["gpu_hours"]["train"] + forward / 3600)
+        wall, how = wall_clock(cfg, off["gpu_hours"], 8)
+        assert wall["train"] == pytest.approx(off["gpu_hours"]["train"] / 8)  # 100.1 % measured, never above 1
+        assert wall["extract"] == pytest.approx(off["gpu_hours"]["extract"] / (8 * scaling("extract").efficiency))
+        assert wall["regen"] == pytest.approx(off["gpu_hours"]["regen"] / 8) and how["regen"].startswith("assumed linear")
+        assert how["train"].startswith("measured 100.1% on 2x NVIDIA H200") and how["train"].endswith("held at 8")
+
+        assert drafter_main(["plan", "--config", str(REPO / f"configs/{name}.yaml"), "--gpus", "8"]) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"extract\s+measured: [\d,]+ tok/s", out)
+        assert re.search(r"offline\s+regen [\d,.]+ \| extract [\d,.]+ \| train [\d,.]+ \| total [\d,.]+ GPU-h; .* TB\) "
+                         r"of features", out)
+        assert re.search(r"online\s+regen [\d,.]+ \| extract 0\.0 \| train [\d,.]+ \| total [\d,.]+ GPU-h; no features", out)
+        assert "cheaper: offline (" in out and "wall-clock on 8 GPU(s) of one node" in out
+        assert re.search(r"offline\s+regen [\d,.]+ h \| extract [\d,.]+ h \| train [\d,.]+ h \| total [\d,.]+ h", out)
+        assert re.search(r"train\s+measured 100\.1% on 2x NVIDIA H200 \(one host\)", out)
+
+
+def test_online_training_is_costed_with_the_targets_forward_and_too_few_gpus_for_an_engine_is_one_line():
+    cfg = load_config(REPO / "configs/qwen3.6-27b.yaml", ["train.online=true"])
+    est = estimate(cfg)
+    assert est["gpu_hours"] == est["paths"]["online"]["gpu_hours"] and est["gpu_hours"]["extract"] == 0
+    assert est["rate_sources"]["train"].startswith("the offline training rate plus the target's forward")
+    from drafter.plan import wall_clock
+    from pipeline.config import ConfigError
+
+    wall, how = wall_clock(cfg, est["paths"]["offline"]["gpu_hours"], 8)
+    assert "4 engine(s) of 2 GPU(s)" in how["regen"]  # regen.vllm.tensor_parallel_size 2
+    with pytest.raises(ConfigError, match=r"regen.vllm.tensor_parallel_size: 2 GPUs per engine, but --gpus is 1"):
+        wall_clock(cfg, est["gpu_hours"], 1)
+    with pytest.raises(ConfigError, match="--gpus: must be >= 1"):
+        wall_clock(cfg, est["gpu_hours"], 0)
+
+
+def test_every_calibration_rate_is_the_number_its_committed_source_records():
+    """No row is made up: each row's tok_s is a number in the docs/results file it cites (rounded), or printed in the
+    docs/benchmarks.md section it cites, or derived there from 'X ms per N-token sequence'; each scaling row's
+    efficiency is printed in its section."""
+    import json
+
+    from drafter.calibration import load_scaling
+
+    def numbers(obj):
+        if isinstance(obj, dict):
+            return [n for v in obj.values() for n in numbers(v)]
+        if isinstance(obj, list):
+            return [n for v in obj for n in numbers(v)]
+        return [obj] if isinstance(obj, (int, float)) and not isinstance(obj, bool) else []
+
+    benchmarks = (REPO / "docs/benchmarks.md").read_text()
+
+    def section(title):
+        start = benchmarks.index(title)
+        end = benchmarks.find("\n## ", start + 1)
+        return benchmarks[start:end if end > 0 else None]
+
+    for r in load_table()[1]:
+        found = any(round(n) == r.tok_s for path in re.findall(r"docs/results/\S+?\.json", r.source)
+                    for n in numbers(json.loads((REPO / path).read_text())))
+        for title in re.findall(r'"([^"]+)"', r.source):
+            text = section(title)
+            found |= f"{r.tok_s:,.0f}" in text
+            for ms, n in re.findall(r"([\d.]+) ms per (\d+)-token sequence", r.source):
+                found |= f"**{ms}**" in text and round(int(n) / float(ms) * 1e3) == r.tok_s
+        assert found, r
+    for s in load_scaling().values():
+        text = section(re.findall(r'"([^"]+)"', s.source)[0])
+        assert f"{100 * s.efficiency:.1f} %".replace(".0 %", " %") in text or f"{100 * s.efficiency:.0f} %" in text, s
