@@ -20,8 +20,8 @@ fewer prompts measure it as well); agreement is then computed on the common prom
 
 `--shape qwen3.6-27b` (or `tiny`) times a random-init Gated-DeltaNet hybrid of that shape instead
 (benchmarks/bench_hybrid.py HYBRID_SHAPES, built directly on the device in the compute dtype; weights do not change
-the speed) with the byte tokenizer, on the repository's own prompt files (data/prompts: GSM8K, Code Alpaca, Alpaca
-seed tasks), every row decoding exactly --max-new-tokens (no stop id: a random target stops at random places).
+the speed) with the byte tokenizer, on the same real prompts as the other modes (the demo config's public sets),
+every row decoding exactly --max-new-tokens (no stop id: a random target stops at random places).
 Each row of the table then also gets the decode step's two ceilings at its batch size, measured in this run:
   compute roofline   matmul FLOP/s (bench_extract.matmul_rate) / FLOPs per generated token (2 x every parameter
                      + the attention over the mean context, bench_extract.flops_per_token)
@@ -108,18 +108,9 @@ def real_prompts(n: int) -> list[list[dict]]:
                     texts.append(messages[0]["content"])
         per_source.append(texts)
     mixed = [t for group in zip(*per_source) for t in group]
-    return [[{"role": "user", "content": mixed[i % len(mixed)]}] for i in range(n)]
-
-
-def repo_prompts(n: int) -> list[list[dict]]:
-    """Single-turn chats from the repository's prompt files (GSM8K train, Code Alpaca, Alpaca seed tasks,
-    interleaved), cycled to n: what `--shape` runs use, with no data mirror needed."""
-    data = REPO / "data" / "prompts"
-    gsm8k = [json.loads(line)["question"] for line in (data / "gsm8k_train_1k.jsonl").open() if line.strip()]
-    code = [(r["instruction"] + ("\n" + r["input"] if r.get("input") else ""))
-            for r in json.loads((data / "code_alpaca_1k.json").read_text())]
-    seed = [json.loads(line)["instruction"] for line in (data / "alpaca_seed_tasks.jsonl").open() if line.strip()]
-    mixed = [t for trio in zip(gsm8k, code, seed) for t in trio]
+    if not mixed:
+        raise SystemExit(f"bench_regen reads real prompts: {DEMO_CONFIG.name}'s prompt sets are not in the mirror "
+                         "($DRAFTER_DATA_DIR), the cache or the hub (docs/data.md)")
     return [[{"role": "user", "content": mixed[i % len(mixed)]}] for i in range(n)]
 
 
@@ -243,7 +234,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model, tok, location, stop = load(args)
     load_s = time.perf_counter() - t0
-    chats = repo_prompts(args.num_prompts) if args.shape else real_prompts(args.num_prompts)
+    chats = real_prompts(args.num_prompts)
     prompts = [prompt_ids(tok, c, enable_thinking=False) for c in chats]
     limits = [args.max_new_tokens] * len(prompts)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),

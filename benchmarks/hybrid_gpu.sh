@@ -28,8 +28,10 @@
 # (every step's log and JSON) into --out. --record also writes the summary to docs/results/hybrid-h200/summary.json
 # of this checkout (on a machine whose checkout is kept; through a device call, copy --out/summary.json there).
 #
-# fla-core (pyproject's gpu-hybrid extra) must be importable on the GPU: installed, or carried by --bundle
-# (benchmarks/offline_bundle.sh pack --out .bundle --no-gguf; parts over several calls, as vllm_gpu.sh takes them).
+# fla-core (pyproject's gpu-hybrid extra) must be importable on the GPU, and regen reads the demo config's prompt
+# sets (GSM8K train, Code Alpaca, Alpaca seed tasks) from $DRAFTER_DATA_DIR, the cache or the hub: installed / set,
+# or carried by --bundle (benchmarks/offline_bundle.sh pack --out .bundle --no-gguf --data-dir "$DRAFTER_DATA_DIR"
+# --data gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl; parts over several calls).
 # PYTHON=... picks the interpreter. Exit status 0 unless the arguments or the bundle are wrong.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -74,6 +76,7 @@ trap finish EXIT
 
 if [ -n "$SMOKE" ]; then  # here: the checkout's environment, toy sizes, the CPU
   DEVICE=cpu; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  : "${DRAFTER_DATA_DIR:?--cpu-smoke: regen reads the prompt mirror, set DRAFTER_DATA_DIR}"
   SHAPE=tiny TRAIN_SHAPE=tiny-hybrid
   REGEN_ARGS=(--dtype float32 --num-prompts 8 --max-new-tokens 8 --batch-size 4,8 --modes generate,static-nograph
               --threads 1)
@@ -88,6 +91,7 @@ else
     log "bundle: $got"
     [ "$got" = "ready" ] || exit 0  # the next call brings the next part
     export PYTHONPATH="$WORK/bundle/site:$PYTHONPATH"
+    [ -d "$WORK/bundle/data" ] && export DRAFTER_DATA_DIR="$WORK/bundle/data"
   fi
   SHAPE=qwen3.6-27b TRAIN_SHAPE=qwen3.6-27b
   # batch 256 needs the H200's memory: 54 GB of weights + 144 MiB of fp32 states per row + K/V

@@ -220,18 +220,22 @@ def test_hybrid_static_decode_on_cuda_replays_its_checked_graphs_and_equals_gene
 @pytest.mark.slow
 def test_bench_regen_times_a_hybrid_shape_beside_generate_and_its_rooflines(tmp_path):
     """`benchmarks/bench_regen.py --shape tiny` (the command the GPU runs at the Qwen3.6-27B shape) builds the random
-    hybrid, times `generate` and the static loop at two batch sizes on the repository's prompts, gives identical greedy
-    output, and records every row's compute / memory roofline and the summary keys of the hybrid results."""
+    hybrid, times `generate` and the static loop at two batch sizes on the demo config's real prompts (the mirror),
+    gives identical greedy output, and records every row's compute / memory roofline and the summary keys of the
+    hybrid results."""
     import json
+    import os
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.conftest import REPO, mirror_file
 
+    mirror = mirror_file("gsm8k_train.jsonl").parent
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "benchmarks/bench_regen.py", "--shape", "tiny", "--num-prompts", "8", "--max-new-tokens",
            "12", "--batch-size", "4,8", "--modes", "generate,static-nograph", "--threads", "1", "--json", str(out)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=600)
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=600,
+                   env={**os.environ, "DRAFTER_DATA_DIR": str(mirror), "HF_HUB_OFFLINE": "1"})
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["mode"], r["batch"]) for r in rows] == [("generate", 4), ("generate", 8), ("static-nograph", 4),

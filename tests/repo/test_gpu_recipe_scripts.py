@@ -220,15 +220,18 @@ def test_hybrid_gpu_script_takes_every_measurement_at_toy_size_on_the_cpu_over_c
     """`hybrid_gpu.sh --cpu-smoke`: the GPU command's every step (regen, round, extract, online training, the
     largest micro-batch) at toy size. A call short of time runs what fits and the next call goes on from the
     markers; --retry runs one step again; the summary has the hybrid results' keys and the new ones."""
+    from tests.conftest import mirror_file
+
+    mirror = {"DRAFTER_DATA_DIR": str(mirror_file("gsm8k_train.jsonl").parent)}  # regen's real prompts
     out, work = tmp_path / "out", tmp_path / "work"
-    first = _hybrid("--cpu-smoke", "--out", out, "--work", work, "--budget-s", 100)
+    first = _hybrid("--cpu-smoke", "--out", out, "--work", work, "--budget-s", 100, env=mirror)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "skip tests: " in first.stdout
     assert json.loads((out / "summary.json").read_text())["steps"]["missing"] == [
         "tests", "regen", "round", "extract", "train", "trainmax"]
-    second = _hybrid("--cpu-smoke", "--out", out, "--work", work)
+    second = _hybrid("--cpu-smoke", "--out", out, "--work", work, env=mirror)
     assert second.returncode == 0 and "all steps done" in second.stdout, second.stdout[-3000:]
-    third = _hybrid("--cpu-smoke", "--out", out, "--work", work, "--retry", "train")
+    third = _hybrid("--cpu-smoke", "--out", out, "--work", work, "--retry", "train", env=mirror)
     assert third.returncode == 0, third.stdout[-3000:]
     ran = [json.loads(line)["step"] for line in (out / "results.jsonl").read_text().splitlines()]
     assert ran == ["env", "tests", "regen", "round", "extract", "train", "trainmax", "train"]
