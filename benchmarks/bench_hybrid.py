@@ -17,7 +17,9 @@ Hybrid, with `--past` committed rows (a prefill of that many tokens), taps = 5 l
   path_batched_verify_ms  the same tree path by path (PathBatchedTargetCache, the reference); skipped with a
                           recorded reason when its replicated cache would not fit in free GPU memory
   overhead_ms[b]          build + walk + the one read + commit (K/V compaction and every Gated-DeltaNet layer's
-                          state along a deepest, non-contiguous path) + context gather, in ONE timed region
+                          state along a deepest, non-contiguous path) + context gather, in ONE timed region; with
+                          --cache static/graphs the commit and gather run inside the walk (its CUDA graph), whose
+                          logits are then forced to accept that path
   host_syncs_per_round    1 (the read) + any other sync of a full round (build, verify, walk, commit) seen under
                           torch.cuda.set_sync_debug_mode("warn"); null off CUDA
   gdn_walk_ms[b]          breakdown: the Triton tree conv + walk of all Gated-DeltaNet layers alone (random rows)
@@ -57,8 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_eval_overhead import SHAPES as ATTENTION_SHAPES  # noqa: E402
 from benchmarks.bench_eval_overhead import deepest_path, two_way_draft  # noqa: E402
-from benchmarks.bench_extract import (disk_bandwidth, flops_per_token, length_mix, matmul_rate,  # noqa: E402
-                                      run_pipeline)
+from benchmarks.bench_extract import (disk_bandwidth, flops_per_token, length_mix, make_backend,  # noqa: E402
+                                      matmul_rate, run_pipeline)
 from eval.engine.decode import decode, round_ops, warm_up  # noqa: E402
 from eval.engine.cache.hybrid import HybridTargetCache, PathBatchedTargetCache  # noqa: E402
 from eval.engine.cache.factory import target_cache  # noqa: E402
@@ -257,14 +259,33 @@ def verify_section(target, args, device, dtype, res: dict, save) -> None:
     gc.collect()
 
 
-def round_tail(cache, ops, logits, bonus, out, path_t, n: int) -> None:
+def round_tail(cache, ops, logits, bonus, out, path_t, n: int, forced=None) -> None:
     """What a round does after its verify forward `out`: build (the next tree's), walk, the one read, commit of
-    the first `n` nodes of `path_t` (not contiguous) and the context gather of their features."""
+    the first `n` nodes of `path_t` (not contiguous) and the context gather of their features. A cache that commits
+    on the device (the static hybrid cache: `ops.compacts`) commits and gathers inside the walk, as the decoder
+    does (inside the walk's graph under --cache graphs): the walk then gets `forced` logits whose choices accept
+    exactly path_t[:n] (`forced_logits`), so it commits the same work as the eager commit of the other caches."""
     tree, _, anc = ops.build(logits, bonus)
+    if ops.compacts:
+        _, record, _ = ops.walk(tree, anc, forced, None, out.features)
+        accepted = ops.read(record).accepted
+        assert accepted + 1 == n, f"the forced walk accepted {accepted + 1} nodes, not the path's {n}"
+        cache.commit_compacted(n)
+        return
     walk, record, _ = ops.walk(tree, anc, out.logits, None, out.features)
     ops.read(record)
     cache.commit(path_t, n, contiguous=False)
     out.features.index_select(0, path_t)
+
+
+def forced_logits(logits, tree, path: list[int]):
+    """Logits [N, V] like `logits` whose greedy choice at path[d] is the token of path[d+1]: the walk accepts exactly
+    `path` (siblings carry distinct tokens), and the token after its last node."""
+    forced = torch.zeros_like(logits)
+    tokens = tree.tokens.tolist()
+    for a, b in zip(path, path[1:]):
+        forced[a, tokens[b]] = 1.0
+    return forced
 
 
 def overhead(cache, ops, tree, vin, logits, bonus, path, L, device, iters, rewind) -> tuple[float, int | None, list]:
@@ -272,17 +293,20 @@ def overhead(cache, ops, tree, vin, logits, bonus, path, L, device, iters, rewin
     full round, where the extra ones were issued). The verify before each region is untimed; the commit takes the
     deepest path, not contiguous."""
     path_t = torch.tensor(path + [0] * (L + 1 - len(path)), device=device)
-    times = []
+    times, forced = [], None
     for it in range(iters + 1):
         out = cache.verify(tree, vin)
+        if forced is None and ops.compacts:
+            forced = forced_logits(out.logits, tree, path)
         sync(device)
         t0 = time.perf_counter()
-        round_tail(cache, ops, logits, bonus, out, path_t, len(path))
+        round_tail(cache, ops, logits, bonus, out, path_t, len(path), forced)
         sync(device)
         if it:
             times.append((time.perf_counter() - t0) * 1e3)
         rewind()
-    return (statistics.median(times),) + count_syncs(cache, ops, logits, bonus, path_t, len(path), device, rewind)
+    return (statistics.median(times),) + count_syncs(cache, ops, logits, bonus, path_t, len(path), device, rewind,
+                                                     forced)
 
 
 def profile_overhead(cache, ops, tree, vin, logits, bonus, path, L, rewind, top: int = 15) -> dict:
@@ -296,13 +320,15 @@ def profile_overhead(cache, ops, tree, vin, logits, bonus, path, L, rewind, top:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     dev = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
     totals: dict[str, list] = {}  # key -> [calls, self device us, self host us, kernel?]
-    n, host_us = 5, []
+    n, host_us, forced = 5, [], None
     for it in range(2 + n):
         out = cache.verify(tree, vin)
+        if forced is None and ops.compacts:
+            forced = forced_logits(out.logits, tree, path)
         sync(device)
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
-            round_tail(cache, ops, logits, bonus, out, path_t, len(path))
+            round_tail(cache, ops, logits, bonus, out, path_t, len(path), forced)
             sync(device)
             wall = (time.perf_counter() - t0) * 1e6
         rewind()
@@ -334,7 +360,7 @@ def profile_overhead(cache, ops, tree, vin, logits, bonus, path, L, rewind, top:
     return result
 
 
-def count_syncs(cache, ops, logits, bonus, path_t, n, device, rewind) -> tuple[int | None, list]:
+def count_syncs(cache, ops, logits, bonus, path_t, n, device, rewind, forced=None) -> tuple[int | None, list]:
     """(1 (the round's read) + every sync torch reports in the rest of a full round, where each extra one was
     issued); (None, []) off CUDA."""
     if device.type != "cuda":
@@ -343,12 +369,15 @@ def count_syncs(cache, ops, logits, bonus, path_t, n, device, rewind) -> tuple[i
     def before_read():
         tree, vin, anc = ops.build(logits, bonus)
         out = cache.verify(tree, vin)
-        return out, ops.walk(tree, anc, out.logits, None, out.features)[1]
+        return out, ops.walk(tree, anc, out.logits if forced is None else forced, None, out.features)[1]
 
     synced, (out, record) = host_syncs(before_read)
-    ops.read(record)  # the round's one read, not counted
+    accepted = ops.read(record).accepted  # the round's one read, not counted
 
     def after_read():
+        if ops.compacts:  # committed inside the walk
+            cache.commit_compacted(accepted + 1)
+            return
         cache.commit(path_t, n, contiguous=False)
         out.features.index_select(0, path_t)
 
@@ -425,19 +454,24 @@ def extract_section(target, args, device, res: dict, save) -> None:
     roofline = mm / flops_per_token(target, layer_ids, ctx_mean)
     res.update(matmul_tflops=mm / 1e12, matmul=mm_desc, disk_write_GBps=disk / 1e9, compute_roofline_tok_s=roofline,
                extract_tok_s={}, extract_ceiling_tok_s={}, extract_disk_ceiling_tok_s={})
-    def run_args(storage: str):
-        return SimpleNamespace(storage_dtype=storage, tokens_per_batch=args.tokens_per_batch,
-                               shard_tokens=max(args.extract_tokens // 4, 1), writer_threads=args.writer_threads,
-                               staging_buffers=4, parallel_shards=2, compile="auto")
+    def run(storage: str, where: Path):
+        """bench_extract's stage path (hf backend, the extractor the stage builds) for `storage` features."""
+        bargs = SimpleNamespace(storage_dtype=storage, tokens_per_batch=args.tokens_per_batch,
+                                shard_tokens=max(args.extract_tokens // 4, 1), writer_threads=args.writer_threads,
+                                staging_buffers=4, parallel_shards=2, compile=args.extract_compile, backend="hf",
+                                out_dir=str(where), model_dir=None, gpu_memory_utilization=0.85, eager=False)
+        backend = make_backend(bargs, target, device, layer_ids, lengths, storage)
+        return run_pipeline(bargs, target, device, layer_ids, where, lengths, backend, storage)
 
     if args.extract_warmup:  # untimed, over the timed runs' own batches: fla's Triton kernels compile and autotune
-        # per sequence shape, and a warm-up over other lengths left the first timed run (bf16, 2026-12-03 on the
-        # H200) at 1.9K tok/s where the fp8 run after it, over the same lengths, ran at 8.4K
-        run_pipeline(run_args("bfloat16"), target, device, layer_ids, out_dir / "warmup", lengths)
+        # per sequence shape (docs/benchmarks.md, "hybrid": a warm-up over other lengths left the first timed run
+        # compile-bound)
+        run("bfloat16", out_dir / "warmup")
         shutil.rmtree(out_dir / "warmup", ignore_errors=True)
     res["extract_warmup"] = "the timed lengths" if args.extract_warmup else None
+    res["extract_compile"] = args.extract_compile
     for storage, key in (("bfloat16", "bf16"), ("fp8", "fp8")):
-        seconds, tokens, _, _, _ = run_pipeline(run_args(storage), target, device, layer_ids, out_dir / key, lengths)
+        seconds, tokens, _, _, _ = run(storage, out_dir / key)
         shutil.rmtree(out_dir / key, ignore_errors=True)
         disk_ceiling = disk / bytes_per_token(len(layer_ids), cfg.hidden_size, storage)
         res["extract_tok_s"][key] = tokens / seconds
@@ -491,6 +525,8 @@ def main(argv=None) -> int:
     ap.add_argument("--extract-tokens", type=int, default=None, help="tokens per extraction run (default 150K GPU)")
     ap.add_argument("--no-extract-warmup", dest="extract_warmup", action="store_false",
                     help="skip the untimed extraction over the timed runs' lengths (first compilations) before them")
+    ap.add_argument("--extract-compile", choices=["auto", "on", "off"], default="auto",
+                    help="extract.compile of the timed extraction runs")
     ap.add_argument("--tokens-per-batch", type=int, default=None)
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--disk-bytes", type=int, default=None, help="disk probe bytes (default 2 GiB GPU, 64 MiB CPU)")

@@ -17,6 +17,28 @@ Modes (each runs the same prompts; the table also says whether its outputs equal
 
 `--generate-prompts` caps the prompts given to the slow `generate` mode (its tok/s is per-step bound, so
 fewer prompts measure it as well); agreement is then computed on the common prompts.
+
+`--shape qwen3.6-27b` (or `tiny`) times a random-init Gated-DeltaNet hybrid of that shape instead
+(benchmarks/bench_hybrid.py HYBRID_SHAPES, built directly on the device in the compute dtype; weights do not change
+the speed) with the byte tokenizer, on the same real prompts as the other modes (the demo config's public sets),
+every row decoding exactly --max-new-tokens (no stop id: a random target stops at random places).
+Each row of the table then also gets the decode step's two ceilings at its batch size, measured in this run:
+  compute roofline   matmul FLOP/s (bench_extract.matmul_rate) / FLOPs per generated token (2 x every parameter
+                     + the attention over the mean context, bench_extract.flops_per_token)
+  memory roofline    batch x copy bandwidth (bench_round.copy_bandwidth) / bytes one step streams: every weight
+                     once + per row its Gated-DeltaNet conv windows and fp32 recurrent states (read and written)
+                     and its K/V rows over the mean context
+
+    # CPU, a toy hybrid (proves the command):
+    .venv/bin/python benchmarks/bench_regen.py --shape tiny --num-prompts 8 --max-new-tokens 16 --batch-size 4,8 \
+        --modes generate,static-nograph --json /tmp/bench_regen_tiny.json
+    # GPU (H200; batch 256 needs its memory: 54 GB of weights + 144 MiB of fp32 states per row + K/V):
+    python benchmarks/bench_regen.py --shape qwen3.6-27b --device cuda --dtype bfloat16 --num-prompts 512 \
+        --max-new-tokens 256 --batch-size 64,256 --modes static,generate --generate-prompts 256 \
+        --json $OUT/bench_regen_27b.json
+
+With --json the file also holds `summary.regen_tok_s` ({mode: tok/s} at the largest batch, the keys
+docs/results/hybrid-h200/summary.json records) and each row's ceilings.
 """
 
 from __future__ import annotations
@@ -45,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml", help="run config whose target is used "
                    "when --model is not given")
+    p.add_argument("--shape", default=None, help="time a random-init hybrid of this shape (bench_hybrid.py "
+                   "HYBRID_SHAPES: qwen3.6-27b, tiny) instead of the config's target")
     p.add_argument("--model", default=None, help="local model dir (with --gguf-file: the dir holding the GGUF)")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -84,7 +108,21 @@ def real_prompts(n: int) -> list[list[dict]]:
                     texts.append(messages[0]["content"])
         per_source.append(texts)
     mixed = [t for group in zip(*per_source) for t in group]
+    if not mixed:
+        raise SystemExit(f"bench_regen reads real prompts: {DEMO_CONFIG.name}'s prompt sets are not in the mirror "
+                         "($DRAFTER_DATA_DIR), the cache or the hub (docs/data.md)")
     return [[{"role": "user", "content": mixed[i % len(mixed)]}] for i in range(n)]
+
+
+def load_shape(args):
+    """(random-init hybrid of `args.shape` on the device, byte tokenizer, None, stop ids that never occur)."""
+    from benchmarks.bench_hybrid import hybrid_config, random_model
+    from pipeline.target import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    tok.padding_side = "left"
+    model = random_model(hybrid_config(args.shape), torch.device(args.device), getattr(torch, args.dtype))
+    return model, tok, None, [len(tok)]  # an id past the tokenizer's: never generated (vocab_limit = len(tok))
 
 
 def load(args):
@@ -93,6 +131,8 @@ def load(args):
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.shape:
+        return load_shape(args)
     if args.model and args.gguf_file:
         tok = AutoTokenizer.from_pretrained(args.model, gguf_file=args.gguf_file)
         model = AutoModelForCausalLM.from_pretrained(args.model, gguf_file=args.gguf_file, dtype=dtype,
@@ -126,7 +166,10 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device):
     gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
                       batch_size=batch_size, decode="generate" if mode == "generate" else "static",
                       cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold")
-    gen.generate(prompts[:batch_size], [min(8, m) for m in limits[:batch_size]])  # CUDA/cuBLAS warm-up
+    # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning); the static loop decodes one whole batch so that the
+    # step graphs of its key buckets are captured before the clock starts
+    warm = limits[:batch_size] if mode != "generate" else [min(8, m) for m in limits[:batch_size]]
+    gen.generate(prompts[:batch_size], warm)
     _sync(device)
     t0 = time.perf_counter()
     outs = gen.generate(prompts, limits)
@@ -155,6 +198,34 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def decode_ceilings(model, batch: int, ctx_mean: float, matmul: float, bandwidth: float) -> dict:
+    """Generated tokens/s a decode step of `batch` rows at mean context `ctx_mean` cannot beat: compute (matmul
+    FLOP/s / FLOPs per token) and memory (batch x bandwidth / bytes a step streams: weights once, per row the
+    Gated-DeltaNet states read and written and the K/V rows of the attention layers over the context)."""
+    from benchmarks.bench_extract import flops_per_token
+    from pipeline.recurrent_cache import layer_types
+
+    cfg = model.config.get_text_config()
+    types = layer_types(model.config)
+    flops = flops_per_token(model, [len(types) - 1], ctx_mean, lm_head=True)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) \
+        - model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
+    elt = next(model.parameters()).element_size()
+    linear = types.count("linear_attention")
+    per_row = 0.0
+    if linear:
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim \
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4  # fp32
+        per_row += linear * 2 * (state + conv_dim * cfg.linear_conv_kernel_dim * elt)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    per_row += (len(types) - linear) * 2 * kv_heads * head_dim * elt * ctx_mean
+    return {"compute_roofline_tok_s": round(matmul / flops, 1),
+            "memory_roofline_tok_s": round(batch * bandwidth / (weights + batch * per_row), 1),
+            "flops_per_token": flops, "step_bytes": weights + batch * per_row}
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -173,6 +244,19 @@ def main() -> None:
     import transformers
 
     env["transformers"] = transformers.__version__
+    ceilings = None
+    if args.shape:
+        from benchmarks.bench_extract import matmul_rate
+        from benchmarks.bench_round import copy_bandwidth
+        from pipeline.target import gated_delta_kernels
+
+        matmul, matmul_desc = matmul_rate(device, getattr(torch, args.dtype))
+        bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
+        ctx_mean = env["prompt_tokens_mean"] + args.max_new_tokens / 2
+        ceilings = lambda bs: decode_ceilings(model, bs, ctx_mean, matmul, bandwidth)  # noqa: E731
+        env.update(shape=args.shape, params=sum(p.numel() for p in model.parameters()),
+                   gated_delta_kernels=gated_delta_kernels(model), matmul_tflops=round(matmul / 1e12, 2),
+                   matmul=matmul_desc, copy_bandwidth_GBps=round(bandwidth / 1e9, 1), ctx_mean=ctx_mean)
     print("# bench_regen", json.dumps(env))
 
     rows, reference = [], None
@@ -197,6 +281,8 @@ def main() -> None:
             tokens = sum(len(o.token_ids) for o in outs)
             row.update(gen_tokens=tokens, seconds=round(secs, 2), tok_s=round(tokens / secs, 1),
                        stopped=sum(o.finish_reason == "stop" for o in outs))
+            if ceilings is not None and bs:
+                row.update(ceilings(bs))
             ids = [o.token_ids for o in outs]
             if reference is None:
                 reference, row["same_as_ref"] = (mode, bs, ids), "ref"
@@ -208,16 +294,28 @@ def main() -> None:
             print(f"# {json.dumps(row)}", flush=True)
 
     ref = f"{reference[0]}@{reference[1]}" if reference else "-"
-    print(f"\n| mode | batch | prompts | graphs | generated tokens | seconds | tokens/s | stopped | same as {ref} |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    roof = " compute roofline | memory roofline |" if ceilings is not None else ""
+    print(f"\n| mode | batch | prompts | graphs | generated tokens | seconds | tokens/s | stopped | same as {ref} |{roof}")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if roof else ""))
     for r in rows:
+        extra = f" {r.get('compute_roofline_tok_s', '-')} | {r.get('memory_roofline_tok_s', '-')} |" if roof else ""
         if "error" in r:
-            print(f"| {r['mode']} | {r['batch']} | {r['prompts']} | - | error: {r['error']} | | | | |")
+            print(f"| {r['mode']} | {r['batch']} | {r['prompts']} | - | error: {r['error']} | | | | |{extra}")
         else:
             print(f"| {r['mode']} | {r['batch']} | {r['prompts']} | {r['graphs']} | {r['gen_tokens']} | "
-                  f"{r['seconds']} | {r['tok_s']} | {r['stopped']} | {r['same_as_ref']} |")
+                  f"{r['seconds']} | {r['tok_s']} | {r['stopped']} | {r['same_as_ref']} |{extra}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "rows": rows,
+                                               "summary": {"regen_tok_s": summary(rows)}}, indent=2))
+
+
+def summary(rows: list[dict]) -> dict:
+    """{'generate' | 'static' | ...: tok/s} at the largest batch each hf mode ran without an error."""
+    out: dict = {}
+    for r in rows:
+        if "tok_s" in r and isinstance(r["batch"], int) and r["batch"] >= out.get(r["mode"], (0, 0))[0]:
+            out[r["mode"]] = (r["batch"], r["tok_s"])
+    return {mode: tok_s for mode, (_, tok_s) in out.items()}
 
 
 if __name__ == "__main__":

@@ -5,6 +5,22 @@ micro-batch.
     .venv/bin/python benchmarks/bench_train.py --shape tiny --variants smollm2               (CPU: the SmolLM2 set, tiny)
     python benchmarks/bench_train.py --device cuda --shape smollm2                           (H200: the SmolLM2 table)
     python benchmarks/bench_train.py --device cuda --shape qwen3-8b --variants trainer-flex-compile,bare-flex-compile
+    .venv/bin/python benchmarks/bench_train.py --shape tiny-hybrid --variants trainer-dense-online --engine torch
+        --max-batch trainer-dense-online --max-batch-limit 2                                  (CPU: the same, a toy)
+    python benchmarks/bench_train.py --device cuda --shape qwen3.6-27b --variants qwen3.6-27b \
+        --max-batch trainer-flex-compile-ac-online --max-batch-limit 32 --json $OUT/bench_train_27b.json
+                                                                      (H200: online, the 27B target resident)
+
+Shape qwen3.6-27b: the drafter of configs/qwen3.6-27b.yaml ([S,S,S,S,F], window 2048, D=5120, ~1.73B trainable,
+block 16, seq 3072, 512 anchors) trained online against a random-init Qwen3.6-27B-shape hybrid target held on the
+same GPU (benchmarks/bench_hybrid.py HYBRID_SHAPES, ~54 GB in bf16). Its variant set "qwen3.6-27b": the config as
+configured (4 sequences = micro_batch_tokens 12288 per row, activation checkpointing, compiled, flex) and the same
+without activation checkpointing. An online variant's result also splits its step into the target's forward (timed
+alone over the same micro-batches right after the timed steps: `target_forward_ms`) and the rest
+(`drafter_step_ms`: the drafter's forward, backward and update), and gives the target forward's FLOPs
+(`target_flops`: 2 x the parameters of layers 0..deepest tap + attention, bench_extract.flops_per_token) and the
+utilisation counting both (`mfu_with_target`); `mfu` stays the drafter's useful FLOPs alone. `tiny-hybrid` is the
+same layout at toy size (CPU).
 
 Shape smollm2: the SmolLM2-135M-Instruct recipe's drafter (configs/smollm2-135m-h200.yaml: 3 layers, D=576, 9/3
 heads of 64, intermediate 1536, 5 taps of the 30-layer target, vocab 49152, block 16, 256 anchors per sequence) on
@@ -67,6 +83,19 @@ SHAPES = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=320, taps=3,
                  block=8, seq_len=256, anchors=16, seqs=4, target_layers=8, mask_id=300,
                  target=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)),
+    # The Qwen3.6-27B drafter of configs/qwen3.6-27b.yaml: 5 layers [S,S,S,S,F] with a 2048-token window, D=5120,
+    # 32/8 heads of 128, intermediate 17408, 5 taps of the 64-layer hybrid, vocab 248320, block 16, seq 3072, 512
+    # anchors; online variants run the random-init Gated-DeltaNet hybrid of that shape (bench_hybrid.py
+    # HYBRID_SHAPES["qwen3.6-27b"], ~54 GB in bf16) in the step (train/online.py: one target row per sequence).
+    "qwen3.6-27b": dict(hidden=5120, layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=17408, vocab=248320,
+                        taps=5, block=16, seq_len=3072, anchors=512, seqs=16, target_layers=64, mask_id=248070,
+                        layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
+                        hybrid_target="qwen3.6-27b"),
+    # the same layout at toy size (CPU): the tiny hybrid target (bench_hybrid.py HYBRID_SHAPES["tiny"])
+    "tiny-hybrid": dict(hidden=64, layers=5, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=320, taps=3,
+                        block=8, seq_len=256, anchors=16, seqs=4, target_layers=8, mask_id=300,
+                        layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=64,
+                        hybrid_target="tiny"),
 }
 
 # A variant name is <path>-<attention>[-compile][-ac][-ce<rows>][-row<n>][-anc<n>][-online][-ahead][-kl], e.g.
@@ -87,7 +116,11 @@ SMOLLM2 = ["trainer-flex-online-ce2k", "trainer-flex-compile-online-ce2k", "trai
            "trainer-flex-compile-online-ce8k", "trainer-flex-compile-online-ahead", "trainer-flex-compile",
            "trainer-flex-compile-online-row200", "trainer-flex-compile-online-kl", "trainer-flex-compile-online-anc64",
            "bare-flex-compile"]
-VARIANT_SETS = {"smollm2": SMOLLM2}
+# Online training with the Qwen3.6-27B target resident: the config as configured first (row4 = micro_batch_tokens
+# 12288 at seq 3072, activation checkpointing on), then without activation checkpointing.
+QWEN36_27B = ["trainer-flex-compile-ac-online-row4", "trainer-flex-compile-online-row4"]
+VARIANT_SETS = {"smollm2": SMOLLM2, "qwen3.6-27b": QWEN36_27B}
+DEFAULT_SET = {"smollm2": "smollm2", "qwen3.6-27b": "qwen3.6-27b", "tiny-hybrid": "qwen3.6-27b"}  # else per device
 
 
 @dataclass(frozen=True)
@@ -138,6 +171,10 @@ class Result:
     loss: float
     ok: bool = True
     error: str = ""
+    target_forward_ms: float | None = None  # online: the target's forward over one step's micro-batches, timed alone
+    drafter_step_ms: float | None = None  # online: the step minus that forward (the drafter's forward, backward, update)
+    target_flops: float | None = None  # online: the target forward's FLOPs per step (layers 0..deepest tap)
+    mfu_with_target: float | None = None  # online: (drafter useful FLOPs + target_flops) / step time / peak
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,7 +192,8 @@ def make_args(shape: dict):
                        head_dim=shape["head_dim"], intermediate_size=shape["intermediate"], rms_norm_eps=1e-6,
                        rope_theta=1e6, vocab_size=shape["vocab"], block_size=shape["block"],
                        mask_token_id=shape["mask_id"], target_layer_ids=[round(1 + i * (L - 4) / (n - 1)) for i in range(n)],
-                       num_target_layers=L)
+                       num_target_layers=L, layer_types=list(shape.get("layer_types", [])),
+                       sliding_window=shape.get("sliding_window"))
 
 
 def make_drafter(args, device, dtype, *, attach: bool = True):
@@ -211,8 +249,14 @@ def device_features_fn(args, device, dtype):
 
 def make_target(shape: dict, device, dtype):
     """A random-init target of the shape's size (a Llama decoder, SDPA) for the online variants: hidden size, layer
-    count and vocabulary of the drafter's target; its embedding and LM head tied, as SmolLM2's."""
+    count and vocabulary of the drafter's target; its embedding and LM head tied, as SmolLM2's. A shape with a
+    `hybrid_target` gets that Gated-DeltaNet hybrid instead (built on the device in `dtype`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape.get("hybrid_target"):
+        from benchmarks.bench_hybrid import hybrid_config, random_model
+
+        return random_model(hybrid_config(shape["hybrid_target"]), device, dtype)
 
     cfg = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["target_layers"], vocab_size=shape["vocab"],
                       tie_word_embeddings=True, max_position_embeddings=8192, **shape["target"])
@@ -220,6 +264,14 @@ def make_target(shape: dict, device, dtype):
     torch.manual_seed(1)
     with torch.device(device):
         return LlamaForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
+
+
+def target_forward_flops(target, taps: list[int], micro_batches) -> float:
+    """FLOPs of the online target's forward over the micro-batches' sequences: layers 0..max(taps) of `target`
+    (bench_extract.flops_per_token at each sequence's mean causal context) x its tokens."""
+    from benchmarks.bench_extract import flops_per_token
+
+    return sum(flops_per_token(target, taps, n / 2, upto=max(taps)) * n for mb in micro_batches for n in mb["seq_lens"])
 
 
 def step_flops(args, micro_batches) -> float:
@@ -282,6 +334,12 @@ def _trainer_step(spec: Variant, shape: dict, args, mbs: list[dict], device, dty
                           attention=spec.attention, world_size=1, device=device, kl=0.5 if spec.kl else 0.0,
                           final_norm=final_norm)[0]
 
+    def features_only():  # the target's share of a step (online): its forward over the step's micro-batches
+        for mb in mbs:
+            features_of(dict(mb))
+
+    step.features_only = features_only
+    step.target_flops = target_forward_flops(target, taps, mbs) if spec.online else None
     return step
 
 
@@ -350,13 +408,26 @@ def run_variant(name: str, shape: dict, seqs: int, device: torch.device, steps: 
     sync()
     dt = (time.perf_counter() - t0) / steps
     loss = last.loss if spec.path == "trainer" else float(last)
+    split = None
+    if spec.online:  # the step's split: the target's forward alone, the same micro-batches, after the timed steps
+        with torch.no_grad():
+            step.features_only()
+            sync()
+            t1 = time.perf_counter()
+            for _ in range(steps):
+                step.features_only()
+            sync()
+        split = (time.perf_counter() - t1) / steps
     if profile:
         print_profile(step, sync, device)
     flops = step_flops(args, mbs)
     tokens = sum(mb["tokens"] for mb in mbs)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    target_flops = getattr(step, "target_flops", None)
     return Result(name, seqs, tokens / dt, 1e3 * dt / seqs, flops / dt / 1e12, (flops / dt / peak) if peak else None,
-                  mem, loss)
+                  mem, loss, target_forward_ms=None if split is None else 1e3 * split,
+                  drafter_step_ms=None if split is None else 1e3 * (dt - split), target_flops=target_flops,
+                  mfu_with_target=(flops + target_flops) / dt / peak if peak and target_flops else None)
 
 
 def print_profile(step, sync, device: torch.device, rows: int = 30) -> None:
@@ -436,8 +507,12 @@ def print_table(results: list[dict]) -> None:
             continue
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        split = "" if r.get("target_forward_ms") is None else \
+            f"   step = target forward {r['target_forward_ms']:.1f} ms + drafter {r['drafter_step_ms']:.1f} ms"
+        if r.get("mfu_with_target") is not None:
+            split += f", MFU with the target's forward {r['mfu_with_target']:.3f}"
         print(f"{r['variant']:44s} {r['seqs']:5d} {r['tokens_per_s']:10.0f} {r['tokens_per_s'] / base:8.2f} "
-              f"{r['ms_per_seq']:8.2f} {r['tflops_per_s']:8.3f} {mfu:>6s} {mem:>9s} {r['loss']:8.4f}")
+              f"{r['ms_per_seq']:8.2f} {r['tflops_per_s']:8.3f} {mfu:>6s} {mem:>9s} {r['loss']:8.4f}{split}")
 
 
 def main() -> int:
@@ -446,8 +521,8 @@ def main() -> int:
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--variants", default=None,
                    help="comma list of <trainer|bare>-<flex|dense>[-compile][-ac][-ce<rows>][-row<n>][-online][-ahead]"
-                        "[-kl], or a set name (smollm2); default: the smollm2 set for --shape smollm2, else a set per "
-                        "device")
+                        "[-kl], or a set name (smollm2, qwen3.6-27b); default: the shape's set (smollm2; qwen3.6-27b "
+                        "for it and tiny-hybrid), else a set per device")
     p.add_argument("--seqs", type=int, default=None, help="sequences per optimizer step (default: the shape's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5 on cuda, 3 on cpu)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compile; default 3 / 1)")
@@ -471,11 +546,12 @@ def main() -> int:
     steps = a.steps if a.steps is not None else (5 if a.device == "cuda" else 3)
     warmup = a.warmup if a.warmup is not None else (3 if a.device == "cuda" else 1)
     if a.variants is None:
-        a.variants = "smollm2" if a.shape == "smollm2" else ",".join(GPU_DEFAULT if a.device == "cuda" else CPU_DEFAULT)
+        a.variants = DEFAULT_SET.get(a.shape) or ",".join(GPU_DEFAULT if a.device == "cuda" else CPU_DEFAULT)
     variants = [v for name in a.variants.split(",") for v in VARIANT_SETS.get(name, [name])]
-    if a.device == "cpu" and any("-flex" in v for v in variants):
+    if a.device == "cpu" and any("-flex" in v for v in variants + (a.max_batch or "").split(",")):
         print("cpu: flex attention has no backward on CPU, the flex variants run with dense attention", flush=True)
         variants = [v.replace("-flex", "-dense") for v in variants]
+        a.max_batch = a.max_batch and a.max_batch.replace("-flex", "-dense")
     variants = [] if variants == ["none"] else variants  # e.g. only the --max-batch search
     for v in variants:
         try:
@@ -522,13 +598,15 @@ def main() -> int:
     print_table(results)
 
     if a.max_batch:
-        base = ["--device", a.device, "--shape", a.shape, "--zero-stage", str(a.zero_stage)]
+        base = ["--device", a.device, "--shape", a.shape, "--zero-stage", str(a.zero_stage), "--engine", a.engine]
+        if a.peak_tflops:
+            base += ["--peak-tflops", str(a.peak_tflops)]
         print("\nlargest micro-batch that fits (sequences packed in one row):")
         for v in a.max_batch.split(","):
             n, r = largest_micro_batch(base, v, start=max(1, seqs // 4), limit=a.max_batch_limit, timeout=a.timeout)
             extra = f", {r['ms_per_seq']:.2f} ms/seq, {r['peak_mem_gib']:.1f} GiB" if r and r.get("peak_mem_gib") else ""
             print(f"  {v}: {n} sequences{extra}")
-            results.append({"variant": v, "max_batch": n, **(r or {})})
+            results.append({**(r or {}), "variant": v, "max_batch": n})
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -1,53 +1,184 @@
 #!/usr/bin/env bash
-# A hybrid (Gated-DeltaNet) target's GPU numbers in one command (one device call): the CUDA-only hybrid tests (the
-# Triton tree kernels compiled and checked up to the Qwen3.6-27B shape, the tree-aware cache against the
-# path-batched reference with no host sync, greedy hybrid decoding with one sync per round, hybrid extraction on
-# fla's kernels against transformers' torch definition), then benchmarks/bench_hybrid.py on a random-init
-# Qwen3.6-27B-shape target with the Qwen3-8B-shape reference, which writes --out/summary.json
-# (docs/results/hybrid-h200/summary.json's keys), then its verify section again on the static K/V cache with CUDA
-# graphs (`--cache graphs`: --out/graphs/summary.json; --no-graphs skips it). Logs under --out.
+# Every GPU number of a hybrid (Gated-DeltaNet) target in one command: the Qwen3.6-27B shape (random-init, the real
+# layout) on one H200, each stage at speed, written to --out/summary.json with the keys of
+# docs/results/hybrid-h200/summary.json (chain_verify_ms, tree_verify_ms, overhead_ms, extract_tok_s,
+# extract_ceiling_tok_s, ... plus regen_tok_s {generate, static} at batch 256 and train_tok_s).
 #
-#   bash benchmarks/hybrid_gpu.sh --out $OUT       (H200: ~1.5 min of tests, then the bench: ~5 min, ~85 GB peak)
-#   bash benchmarks/hybrid_gpu.sh --out $OUT --skip-tests --bench-args "--budgets 16,64,256 --iters 10"
+#   bash benchmarks/hybrid_gpu.sh --out "$OUT" [--bundle .bundle]   (H200: the same command in every call; a call
+#                                                                    runs what fits in --budget-s, the next goes on)
+#   bash benchmarks/hybrid_gpu.sh --cpu-smoke --out /tmp/hg-out     (here: every step at toy size on the CPU)
 #
-# Needs fla-core (pyproject's gpu-hybrid extra) importable: exits 2 without it. PYTHON=... picks the interpreter.
-# Exit status 1 when a test or the bench failed.
+# Steps, in order, each run once (a marker in --work records it, failed or not; --retry STEP runs it again):
+#   env       GPU, torch, transformers, fla-core (required on the GPU: the Gated-DeltaNet kernels)
+#   tests     the CUDA-only hybrid tests: Triton tree kernels, tree-aware verify vs the path-batched reference with no
+#             host sync, the graphed commit equal to the eager one, greedy hybrid rounds, hybrid static regen on
+#             graphs equal to generate, extraction on fla's kernels (CPU smoke: the selection is collected only)
+#   regen     bench_regen.py --shape qwen3.6-27b: the static-decode loop vs `generate` at batch 64 and 256, each row
+#             beside its compute and memory roofline
+#   round     bench_hybrid.py verify + reference sections on the graphed cache: chain / tree verify, the round
+#             overhead (build + walk + read + commit + gather) per budget up to 256, host syncs, its profile
+#   extract   bench_hybrid.py extract section: the stage end to end, bf16 and fp8 features, beside the compute
+#             roofline and the disk ceiling
+#   train     bench_train.py --shape qwen3.6-27b: online training with the 27B target resident ([S,S,S,S,F] drafter,
+#             window 2048, seq 3072, 512 anchors): tokens/s, step = target forward + drafter, peak memory, MFU
+#   trainmax  bench_train.py --max-batch: the largest micro-batch (sequences in one row) that fits beside the target
+# A step starts only when the call has the time it needs left (--budget-s, default 560 s: one device call is at most
+# 10 minutes). Each call ends by writing summary.json (benchmarks/hybrid_gpu_summary.py: what the steps so far
+# measured, the steps that failed or did not run named) and copying results.jsonl, steps.log, summary.md and logs.tgz
+# (every step's log and JSON) into --out. --record also writes the summary to docs/results/hybrid-h200/summary.json
+# of this checkout (on a machine whose checkout is kept; through a device call, copy --out/summary.json there).
+#
+# fla-core (pyproject's gpu-hybrid extra) must be importable on the GPU, and regen reads the demo config's prompt
+# sets (GSM8K train, Code Alpaca, Alpaca seed tasks) from $DRAFTER_DATA_DIR, the cache or the hub: installed / set,
+# or carried by --bundle (benchmarks/offline_bundle.sh pack --out .bundle --no-gguf --data-dir "$DRAFTER_DATA_DIR"
+# --data gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl; parts over several calls).
+# PYTHON=... picks the interpreter. Exit status 0 unless the arguments or the bundle are wrong.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 HF_HUB_OFFLINE=1
-
+export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-OUT="hybrid_gpu_out" TESTS=1 BENCH_ARGS="" GRAPHS=1
+BUNDLE="" OUT="" WORK="/tmp/hybrid-gpu" BUDGET_S=560 SMOKE="" RECORD="" RETRY=()
 while [ $# -gt 0 ]; do
   case "$1" in
+    --bundle) BUNDLE="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
-    --skip-tests) TESTS=""; shift ;;
-    --bench-args) BENCH_ARGS="$2"; shift 2 ;;
-    --no-graphs) GRAPHS=""; shift ;;
-    *) echo "unknown option $1" >&2; exit 2 ;;
+    --work) WORK="$2"; shift 2 ;;
+    --budget-s) BUDGET_S="$2"; shift 2 ;;
+    --cpu-smoke) SMOKE=1; shift ;;
+    --record) RECORD=1; shift ;;
+    --retry) RETRY+=("$2"); shift 2 ;;
+    *) echo "hybrid_gpu.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
-mkdir -p "$OUT"
-"$PY" -c "import fla.ops.gated_delta_rule, fla; print('fla-core', fla.__version__)" \
-  || { echo "fla-core is not importable: install the gpu-hybrid extra (or its wheel)" >&2; exit 2; }
-status=0
+STEPS=(env tests regen round extract train trainmax)
+[ -n "$OUT" ] || { echo "hybrid_gpu.sh: --out DIR is required" >&2; exit 2; }
+for s in "${RETRY[@]}"; do
+  [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "hybrid_gpu.sh: --retry $s: no such step (${STEPS[*]})" >&2; exit 2; }
+done
+T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
+mkdir -p "$WORK/logs" "$WORK/json" "$OUT"; OUT="$(cd "$OUT" && pwd)"
+touch "$WORK/results.jsonl"
+for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
+left() { echo $(( DEADLINE - $(date +%s) )); }
+log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$WORK/steps.log"; }
+finish() {
+  "$PY" benchmarks/hybrid_gpu_summary.py --work "$WORK" --out "$OUT/summary.json" \
+    ${RECORD:+--record docs/results/hybrid-h200/summary.json} >> "$WORK/steps.log" 2>&1
+  cp "$WORK/results.jsonl" "$WORK/steps.log" "$OUT/" 2>/dev/null
+  [ -f "$WORK/summary.md" ] && cp "$WORK/summary.md" "$OUT/"
+  tar -czf "$OUT/logs.tgz" -C "$WORK" logs json 2>/dev/null
+  log "call ends; done: $(cd "$WORK" && ls done.* 2>/dev/null | sed 's/done\.//' | tr '\n' ' ')"
+}
+trap finish EXIT
 
-if [ -n "$TESTS" ]; then
-  "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/eval/test_tree_recurrent.py \
-    tests/eval/test_tree_recurrent_triton.py tests/eval/test_hybrid_cache.py tests/eval/test_decode_greedy.py \
-    tests/extract/test_hf.py -k "(cuda and not graph) or fla_kernels or hybrid_rounds_on_cuda_graphs" > "$OUT/tests.log" 2>&1 || status=1
-  grep -E "^E |passed|failed" "$OUT/tests.log" | tail -12
+if [ -n "$SMOKE" ]; then  # here: the checkout's environment, toy sizes, the CPU
+  DEVICE=cpu; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  : "${DRAFTER_DATA_DIR:?--cpu-smoke: regen reads the prompt mirror, set DRAFTER_DATA_DIR}"
+  SHAPE=tiny TRAIN_SHAPE=tiny-hybrid
+  REGEN_ARGS=(--dtype float32 --num-prompts 8 --max-new-tokens 8 --batch-size 4,8 --modes generate,static-nograph
+              --threads 1)
+  ROUND_ARGS=(--cache static --past 32 --budgets 4,16 --iters 1 --ar-tokens 3)
+  EXTRACT_ARGS=(--extract-tokens 4000)
+  TRAIN_ARGS=(--variants trainer-dense-online-row2 --seqs 2 --steps 1 --warmup 0 --engine torch)
+  MAX_ARGS=(--max-batch trainer-dense-online --max-batch-limit 2 --engine torch --timeout 300)
+else
+  DEVICE=cuda
+  if [ -n "$BUNDLE" ]; then
+    got="$(bash benchmarks/offline_bundle.sh receive --from "$BUNDLE" --to "$WORK/bundle")" || { log "bundle: $got"; exit 1; }
+    log "bundle: $got"
+    [ "$got" = "ready" ] || exit 0  # the next call brings the next part
+    export PYTHONPATH="$WORK/bundle/site:$PYTHONPATH"
+    [ -d "$WORK/bundle/data" ] && export DRAFTER_DATA_DIR="$WORK/bundle/data"
+  fi
+  SHAPE=qwen3.6-27b TRAIN_SHAPE=qwen3.6-27b
+  # batch 256 needs the H200's memory: 54 GB of weights + 144 MiB of fp32 states per row + K/V
+  REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size 64,256 --modes generate,static
+              --generate-prompts 256)
+  ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
+  EXTRACT_ARGS=(--extract-tokens 100000)
+  TRAIN_ARGS=(--variants qwen3.6-27b --steps 3 --warmup 2 --timeout 400)
+  MAX_ARGS=(--max-batch trainer-flex-compile-ac-online --max-batch-limit 32 --timeout 240)
 fi
-# shellcheck disable=SC2086
-"$PY" benchmarks/bench_hybrid.py --device cuda --shape qwen3.6-27b --out "$OUT" $BENCH_ARGS \
-  2>&1 | tee "$OUT/bench.log" | grep -vE "Warning|warn\(" || status=1
-[ -f "$OUT/summary.json" ] || status=1
-if [ -n "$GRAPHS" ]; then
-  # shellcheck disable=SC2086
-  "$PY" benchmarks/bench_hybrid.py --device cuda --shape qwen3.6-27b --out "$OUT/graphs" --sections verify \
-    --cache graphs $BENCH_ARGS 2>&1 | tee "$OUT/bench-graphs.log" | grep -vE "Warning|warn\(" || status=1
-  [ -f "$OUT/graphs/summary.json" ] || status=1
-fi
-exit $status
+
+step() {  # NAME MIN_SECONDS: run the function step_NAME once, logging to logs/NAME.log
+  local name=$1 need=$2
+  [ -f "$WORK/done.$name" ] && return 0
+  if [ "$(left)" -lt "$need" ]; then log "skip $name: $(left) s left, it needs ~$need"; return 0; fi
+  log "step $name ($(left) s left)"
+  local t rc; t=$(date +%s)
+  ( "step_$name" ) > "$WORK/logs/$name.log" 2>&1; rc=$?
+  local dt=$(( $(date +%s) - t ))
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $dt, \"device\": \"$DEVICE\"}" >> "$WORK/results.jsonl"
+  echo "$rc" > "$WORK/done.$name"
+  log "$name rc=$rc in ${dt}s"; tail -n 25 "$WORK/logs/$name.log" | cut -c1-300
+  { echo "## $name (rc $rc, ${dt} s)"; echo '```'; grep -v -E "^\s*$|it/s\]|Warning|warn\(" "$WORK/logs/$name.log" \
+      | tail -n 40 | cut -c1-400; echo '```'; } >> "$WORK/summary.md"
+}
+
+timeboxed() { timeout -k 15 $(( $(left) - 10 )) "$@"; }
+
+step_env() {
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"; }
+  "$PY" - "$DEVICE" <<'PY'
+import platform, sys, torch, transformers
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "transformers", transformers.__version__)
+try:
+    import fla, fla.ops.gated_delta_rule  # noqa: F401
+    print("fla-core", fla.__version__)
+except ImportError as e:
+    print("fla-core not importable:", e)
+    if sys.argv[1] == "cuda":
+        sys.exit("the Gated-DeltaNet kernels need fla-core on the GPU: install the gpu-hybrid extra or pass --bundle")
+PY
+}
+
+TEST_FILES=(tests/eval/test_tree_recurrent.py tests/eval/test_tree_recurrent_triton.py tests/eval/test_hybrid_cache.py
+            tests/eval/test_decode_greedy.py tests/pipeline/test_regen_static_hybrid.py tests/extract/test_hf.py)
+step_tests() {
+  if [ -n "$SMOKE" ]; then  # CUDA-only tests skip on the CPU: prove the selection names tests
+    timeboxed "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TEST_FILES[@]}" -k "cuda or fla_kernels"
+    return $?
+  fi
+  timeboxed "$PY" -m pytest -q -p no:cacheprovider --tb=short "${TEST_FILES[@]}" -k "cuda or fla_kernels"
+}
+
+step_regen() {
+  timeboxed "$PY" benchmarks/bench_regen.py --shape $SHAPE --device $DEVICE "${REGEN_ARGS[@]}" --json "$WORK/json/regen.json"
+}
+
+step_round() {
+  timeboxed "$PY" benchmarks/bench_hybrid.py --device $DEVICE --shape $SHAPE --sections verify,reference \
+    "${ROUND_ARGS[@]}" --out "$WORK/round"
+  local rc=$?; cp "$WORK/round/summary.json" "$WORK/json/round.json" 2>/dev/null; return $rc
+}
+
+step_extract() {
+  timeboxed "$PY" benchmarks/bench_hybrid.py --device $DEVICE --shape $SHAPE --sections extract "${EXTRACT_ARGS[@]}" \
+    --work-dir "$WORK/extract-shards" --out "$WORK/extract"
+  local rc=$?; cp "$WORK/extract/summary.json" "$WORK/json/extract.json" 2>/dev/null; return $rc
+}
+
+step_train() {
+  timeboxed "$PY" benchmarks/bench_train.py --device $DEVICE --shape $TRAIN_SHAPE "${TRAIN_ARGS[@]}" \
+    --json "$WORK/json/train.json"
+}
+
+step_trainmax() {  # each trial is a fresh process; the log keeps every trial's line if the call's time runs out
+  timeboxed "$PY" benchmarks/bench_train.py --device $DEVICE --shape $TRAIN_SHAPE --variants none "${MAX_ARGS[@]}" \
+    --json "$WORK/json/trainmax.json"
+}
+
+step env 30
+[ -z "$SMOKE" ] && [ "$(cat "$WORK/done.env" 2>/dev/null)" != 0 ] && { log "env failed: nothing else runs"; exit 0; }
+step tests 240
+step regen 420
+step round 300
+step extract 360
+step train 500
+step trainmax 400
+[ -f "$WORK/done.trainmax" ] && log "all steps done"
+exit 0

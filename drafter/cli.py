@@ -147,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=text, description=text, formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog=f"example:\n  {example}\n\n{CONFIG_KEYS}.")
 
-    _config_args(command("plan"), required=True)
+    plan = command("plan")
+    _config_args(plan, required=True)
+    plan.add_argument("--gpus", type=int, default=None, metavar="N",
+                      help="also print each stage's wall-clock on N GPUs of one node, with the scaling assumed")
     for name in (*STAGES, "run"):
         p = command(name)
         _config_args(p)
@@ -272,9 +275,10 @@ def _dispatch(args) -> int:
         return 0
     cfg = load_config(args.config, args.overrides)
     if args.command == "plan":
-        from drafter.plan import estimate, format_plan
+        from drafter.plan import estimate, format_paths, format_plan
 
-        print(format_plan(cfg, estimate(cfg)))
+        est = estimate(cfg)
+        print(format_plan(cfg, est) + "\n" + format_paths(cfg, est, args.gpus))
         return 0
     ranks = rank_from_env(args.rank, args.world_size)
     if args.command == "extract" and args.verify:

@@ -117,7 +117,14 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
     B = cfg.drafter.block_size
     queries = samples * min(cfg.train.num_anchors, mean_tokens) * B * cfg.train.epochs
     train_flops = queries * (6 * drafter_params(cfg, shape) + 4 * shape.vocab_size * shape.hidden_size)
-    hours = lambda flops, stage: flops / (H200_BF16_FLOPS * MFU[stage]) / 3600  # noqa: E731
+    regen_tokens = samples * mean_response_tokens if cfg.regen.backend != "none" else 0.0
+    hours, sources = {}, {}
+    for stage, flops, tokens in (("regen", regen_flops, regen_tokens), ("extract", extract_flops, total_tokens),
+                                 ("train", train_flops, total_tokens * cfg.train.epochs)):
+        hours[stage], sources[stage] = stage_hours(cfg, shape, stage, flops, tokens)
+    paths = training_paths(cfg, shape, hours, sources, train_flops, extract_flops, total_tokens, storage)
+    mode = paths["online" if cfg.train.online else "offline"]
+    hours, sources = dict(mode["gpu_hours"]), dict(mode["sources"])
     return {
         "samples": int(samples),
         "samples_from": samples_from if not measured else "the finished tokenize stage",
@@ -128,11 +135,9 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         "feature_bytes_per_token": bpt,
         "storage_bytes": storage,
         "drafter_params": drafter_params(cfg, shape),
-        "gpu_hours": {
-            "regen": hours(regen_flops, "regen"),
-            "extract": hours(extract_flops, "extract"),
-            "train": hours(train_flops, "train"),
-        },
+        "gpu_hours": hours,
+        "rate_sources": sources,  # per stage: "measured: ..." (drafter/calibration.py) or "assumed MFU ..."
+        "paths": paths,  # offline vs online: GPU-hours, rate sources and feature bytes of each (training_paths)
     }
 
 
@@ -170,9 +175,146 @@ def format_plan(cfg: RunConfig, est: dict) -> str:
         f" = {est['feature_bytes_per_token']:,} bytes",
         f"  feature storage         {human_bytes(est['storage_bytes'])} ({est['storage_bytes'] / 1e12:.2f} TB)",
         f"  drafter parameters      {est['drafter_params'] / 1e9:.3f} B trainable",
-        f"  GPU-hours (H200-equiv.) regen {g['regen']:.1f} | extract {g['extract']:.1f} | train {g['train']:.1f}"
+        f"  GPU-hours (one GPU)     regen {g['regen']:.1f} | extract {g['extract']:.1f} | train {g['train']:.1f}"
         f" | total {sum(g.values()):.1f}",
     ]
+    lines += [f"    {stage:<8} {source}" for stage, source in est["rate_sources"].items()]
     if est["storage_bytes"] > 5e12:
         lines.append("  note: features this large are better trained online (train.online=true) or with extract.storage_dtype=fp8")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage rates: measured (drafter/calibration.py) where a calibration row matches, else an assumed MFU
+# ----------------------------------------------------------------------------------------------
+
+
+def run_conditions(cfg: RunConfig, stage: str) -> dict:
+    """The run's settings a measured rate depends on, named as the calibration table's conditions."""
+    if stage == "regen":
+        return {"backend": cfg.regen.backend}
+    if stage == "extract":
+        return {"backend": cfg.extract.backend, "features": cfg.extract.storage_dtype}
+    return {"mode": "online" if cfg.train.online else "offline"}
+
+
+def stage_hours(cfg: RunConfig, shape: TargetShape, stage: str, flops: float, tokens: float) -> tuple[float, str]:
+    """(GPU-hours on one GPU, where the rate comes from) of `stage`: `tokens` (regen: generated, extract: sample
+    tokens, train: tokens x epochs) at the calibration table's measured tokens/s when a row matches the target's
+    shape and stage ("measured: ..."), else `flops` at the assumed MFU of the H200's bf16 peak ("assumed MFU x")."""
+    from drafter.calibration import measured
+
+    if stage == "regen" and cfg.regen.backend == "none":
+        return 0.0, "no regeneration (regen.backend none)"
+    conditions = run_conditions(cfg, stage)
+    row = measured(stage, shape, **conditions)
+    if row is not None:
+        return tokens / row.tok_s / 3600, row.describe(conditions)
+    return flops / (H200_BF16_FLOPS * MFU[stage]) / 3600, \
+        f"assumed MFU {MFU[stage]} of the H200's {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s bf16 peak (no calibration row)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline vs online training, and the wall-clock on N GPUs (`drafter plan --gpus N`)
+# ----------------------------------------------------------------------------------------------
+
+
+def training_paths(cfg: RunConfig, shape: TargetShape, hours: dict, sources: dict, train_flops: float,
+                   extract_flops: float, total_tokens: float, feature_bytes: float) -> dict:
+    """The two ways to train on the same samples, each as {gpu_hours, sources: per stage, feature_bytes}:
+      offline  regen, extract (the features stored: `feature_bytes`), train on the stored features;
+      online   regen, then train with the target's forward in every step and nothing stored: a calibration row
+               of online training at this shape when there is one, else the offline training rate plus the
+               target's forward over every training token (each epoch) at the hf extraction rate of this shape
+               (`forward_source`; extraction is that forward plus its writes, so it errs long).
+    `hours` / `sources` are the run's own per stage (`stage_hours` under the run's settings)."""
+    from dataclasses import replace
+
+    from drafter.calibration import measured
+
+    epochs = cfg.train.epochs
+    offline_cfg = replace(cfg, train=replace(cfg.train, online=False))
+    train_off = stage_hours(offline_cfg, shape, "train", train_flops, total_tokens * epochs)
+    forward = stage_hours(replace(cfg, extract=replace(cfg.extract, backend="hf")), shape, "extract",
+                          extract_flops * epochs, total_tokens * epochs)
+    row = measured("train", shape, mode="online")
+    if row is not None and row.conditions.get("mode") == "online":
+        train_on = total_tokens * epochs / row.tok_s / 3600, row.describe({"mode": "online"})
+    else:
+        train_on = (train_off[0] + forward[0], f"the offline training rate plus the target's forward over "
+                    f"{epochs:g} epoch(s) of tokens at the extraction rate ({forward[1]})")
+    return {
+        "offline": {"gpu_hours": {"regen": hours["regen"], "extract": hours["extract"], "train": train_off[0]},
+                    "sources": {"regen": sources["regen"], "extract": sources["extract"], "train": train_off[1]},
+                    "feature_bytes": feature_bytes},
+        "online": {"gpu_hours": {"regen": hours["regen"], "extract": 0.0, "train": train_on[0]},
+                   "sources": {"regen": sources["regen"], "extract": "not run (train.online: no features stored)",
+                               "train": train_on[1]},
+                   "feature_bytes": 0.0, "forward_source": forward[1]},
+    }
+
+
+def wall_clock(cfg: RunConfig, gpu_hours: dict, gpus: int) -> tuple[dict, dict]:
+    """({stage: wall-clock hours on `gpus` GPUs of one node}, {stage: the scaling assumed}): a stage's GPU-hours
+    over the GPUs it can use (regen/extract on vllm: whole engines of tensor_parallel_size GPUs) at the stage's
+    measured multi-GPU efficiency (drafter/calibration.yaml `scaling`, measured at 2 GPUs and held at N; never
+    above 1), or linearly where none was measured. Raises ConfigError when an engine needs more GPUs than given."""
+    from drafter.calibration import scaling
+    from pipeline.config import ConfigError
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
+    wall, how = {}, {}
+    for stage, h in gpu_hours.items():
+        used, note = gpus, ""
+        if stage in ("regen", "extract") and getattr(cfg, stage).backend == "vllm":
+            tp = getattr(cfg, stage).vllm.tensor_parallel_size
+            if tp > gpus and h > 0:
+                raise ConfigError(f"{stage}.vllm.tensor_parallel_size: {tp} GPUs per engine, but --gpus is {gpus}")
+            used = gpus // tp * tp
+            note = f"; {gpus // tp} engine(s) of {tp} GPU(s), each GPU at the one-GPU rate" if tp > 1 else ""
+        row = scaling(stage) if gpus > 1 else None
+        eff = min(row.efficiency, 1.0) if row else 1.0
+        wall[stage] = h / (used * eff)
+        if gpus == 1:
+            how[stage] = "one GPU"
+        elif row:
+            how[stage] = f"{row.describe()}, held at {gpus}{note}"
+        else:
+            how[stage] = f"assumed linear (not measured: every GPU works its own shards, nothing shared){note}"
+    return wall, how
+
+
+def _h(hours: float) -> str:
+    return f"{hours:,.1f} h" if hours >= 1 else f"{hours * 60:,.0f} min"
+
+
+def format_paths(cfg: RunConfig, est: dict, gpus: int | None = None) -> str:
+    """Offline vs online (GPU-hours, feature storage, the cheaper in GPU time) and, with `gpus`, each path's
+    wall-clock per stage on that many GPUs with the scaling assumed."""
+    from pipeline.files import human_bytes
+
+    paths = est["paths"]
+    total = {name: sum(p["gpu_hours"].values()) for name, p in paths.items()}
+    lines = ["  offline vs online (same samples; GPU-hours on one GPU):"]
+    for name, p in paths.items():
+        g, fb = p["gpu_hours"], p["feature_bytes"]
+        stored = (f"{human_bytes(fb)} ({fb / 1e12:.2f} TB) of features" if fb else
+                  "no features stored (the target resident on every training GPU)")
+        lines.append(f"    {name:8s} regen {g['regen']:,.1f} | extract {g['extract']:,.1f} | train {g['train']:,.1f} "
+                     f"| total {total[name]:,.1f} GPU-h; {stored}")
+    lines.append(f"    online train: {paths['online']['sources']['train']}")
+    cheap, dear = sorted(paths, key=lambda n: total[n])
+    trade = (f", but {paths['offline']['feature_bytes'] / 1e12:.2f} TB of features stored" if cheap == "offline"
+             else " and no feature storage")
+    lines.append(f"    cheaper: {cheap} ({total[dear] - total[cheap]:,.1f} GPU-h fewer than {dear}{trade}); this "
+                 f"config trains {'online' if cfg.train.online else 'offline'}")
+    if gpus is not None:
+        lines.append(f"  wall-clock on {gpus} GPU(s) of one node (stages in sequence; curate and tokenize run on CPUs):")
+        for name, p in paths.items():
+            wall, how = wall_clock(cfg, p["gpu_hours"], gpus)
+            lines.append(f"    {name:8s} " + " | ".join(f"{s} {_h(w)}" for s, w in wall.items() if p["gpu_hours"][s])
+                         + f" | total {_h(sum(wall.values()))}")
+        lines.append("    scaling:")
+        lines += [f"      {s:8s} {text}" for s, text in how.items()]
     return "\n".join(lines)

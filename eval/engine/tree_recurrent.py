@@ -43,6 +43,8 @@ API (N nodes; all tensors on one device; host syncs only in the torch versions):
         -> (out [1, N, D], TreeLayerRecord)        record.commit(path, conv_state, recurrent_state): in place
     commit_path(layer, rows stacked over B layers, path, conv_states [B, C, K], recurrent_states [B, HV, dk, dv]):
         the same commit for B layers at once (eval/engine/cache/hybrid.py commits a target's layers with it)
+    commit_path_steps(layer, rows, path [L+1], n (0-dim device), conv_states, recurrent_states): the same commit
+        with fixed shapes and no host value (captured in the round's walk graph)
 """
 
 from __future__ import annotations
@@ -200,6 +202,35 @@ def commit_path(layer, conv_inputs: Tensor, conv_outputs: Tensor, g: Tensor, bet
                                    recurrent_states)
     if state is None:
         recurrent_states.copy_(path_gated_delta_state(k, v, g, beta, path, recurrent_states))
+    conv_states.copy_(new_windows)
+
+
+@torch.no_grad()
+def commit_path_steps(layer, conv_inputs: Tensor, conv_outputs: Tensor, g: Tensor, beta: Tensor, path: Tensor,
+                      n: Tensor, conv_states: Tensor, recurrent_states: Tensor) -> None:
+    """`commit_path` with every shape fixed and no host value, so that a CUDA graph captures it with the walk:
+    path [L+1] holds the accepted root path in path[:n] (any node ids after it), n a 0-dim device int64 in 1..L+1.
+    The recurrence runs all L+1 steps over the path's rows with the steps t >= n made exact no-ops (g = 0: decay
+    exp(0) = 1; beta = 0: no update), and the new conv window is columns n..n+K-1 of cat([committed window, the
+    path's conv inputs]): the same values, in the same order, as `commit_path` over path[:n] (bit for bit on the
+    same device and kernels; tests/eval/test_hybrid_cache.py)."""
+    _, k, v = _split_heads(conv_outputs, layer)
+    steps = path.shape[0]
+    t = torch.arange(steps, device=path.device)
+    live = (t < n).unsqueeze(-1)  # [L+1, 1]
+    k_p, v_p = k.index_select(-3, path), v.index_select(-3, path)
+    g_p = torch.where(live, g.index_select(-2, path).float(), 0.0)
+    beta_p = torch.where(live, beta.index_select(-2, path).float(), 0.0)
+    K = conv_states.shape[-1]
+    rows = torch.cat([conv_states, conv_inputs.index_select(-2, path).transpose(-1, -2).to(conv_states.dtype)], dim=-1)
+    new_windows = rows.index_select(-1, n + torch.arange(K, device=path.device))
+    kernels = _kernels(path.device)
+    state = None
+    if kernels is not None:  # writes the new states over the committed ones
+        state = triton_runtime.run(kernels.path_gated_delta_state, k_p, v_p, g_p, beta_p, t, recurrent_states,
+                                   recurrent_states)
+    if state is None:
+        recurrent_states.copy_(path_gated_delta_state(k_p, v_p, g_p, beta_p, t, recurrent_states))
     conv_states.copy_(new_windows)
 
 

@@ -2,7 +2,8 @@
 
 Two decode loops with the same semantics (see pipeline.regen.generator for the invariants):
   'generate' — `model.generate` (the simple reference, used on CPU);
-  'static'   — pipeline.regen.static_decode.StaticDecoder: static KV cache + CUDA-graphed step (the GPU fast path).
+  'static'   — pipeline.regen.static_decode.StaticDecoder: static KV cache (and, for a Gated-DeltaNet hybrid, fixed
+               conv / recurrent state buffers) + CUDA-graphed step (the GPU fast path).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class HFGenerator:
         if decode == "auto":
             decode = "static" if self.device.type == "cuda" else "generate"
         if decode == "static" and not supports_static_decode(model.config):
-            log.warning("static decode needs all-full-attention layers; using model.generate for this target")
+            log.warning("static decode runs full-attention and Gated-DeltaNet layers only; using model.generate for "
+                        "this target")
             decode = "generate"
         self.decode = decode
         self.static = (StaticDecoder(model, vocab_limit=vocab_limit, stop_ids=self.stop_ids, sampling=sampling,

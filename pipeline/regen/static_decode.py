@@ -15,13 +15,29 @@ captured once per (batch, cache length) and replayed:
 and mask; one graph per live length): the K/V reads that dominate a large-batch step grow with the answer instead
 of costing the whole preallocated cache from the first token.
 
+Hybrid targets (Qwen3.5/3.6: Gated-DeltaNet layers beside the full-attention ones) decode the same way. Their
+attention layers write K/V into the same slot buffers; each Gated-DeltaNet layer keeps, instead of K/V, a conv window
+and a recurrent state per row, held in two buffers of fixed shape stacked over the NL such layers
+(pipeline/recurrent_cache.py):
+
+    conv       [NL, B, C, K]   (model dtype)     recurrent  [NL, B, HV, dk, dv]   (fp32)
+
+The prefill runs HF's own layer code (the padding slots of a row are zeroed before its Gated-DeltaNet layers, as
+`generate` does, so they leave its states at zero), then the states move into the stacked buffers and HF's cache
+points at views of them: each one-token step is HF's decode step (fla's fused recurrent kernel where fla-core is
+installed, transformers' torch recurrence otherwise), which updates the views in place. So the step has fixed
+shapes, reads no host value and writes only fixed buffers: capturable like the attention-only step, with the
+stacked states restored between the capture's extra runs. Compaction gathers the states' rows with the K/V rows.
+
 The same code runs on CPU without graphs; for greedy decoding it produces the same tokens as
-`model.generate` (tests/pipeline/test_regen_hf.py). Only models whose layers are all full attention
-are supported (`supports_static_decode`); others use `model.generate`.
+`model.generate` (tests/pipeline/test_regen_hf.py, attention-only and hybrid targets). Models with other layer
+types (sliding windows, other recurrent layers) are not supported (`supports_static_decode`) and use
+`model.generate`.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,9 +45,12 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import DynamicCache
 
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
+from pipeline.recurrent_cache import LINEAR_ATTENTION, bind_linear_states, layer_types, linear_attention_layers, \
+    stack_linear_states
 from pipeline.regen.generator import Sampling, mask_padded_vocab, sample_next
 from pipeline.target import text_config
 
@@ -87,22 +106,29 @@ def attention_implementation(model, name: str | None):
         model.config._attn_implementation = before
 
 
+GATED_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
+                   "out_proj")  # a Qwen3.5-style Gated-DeltaNet module's parts (its decode step runs in HF's code)
+
+
 def supports_static_decode(config) -> bool:
-    """True iff every decoder layer is plain full attention (no sliding window, no linear attention)."""
+    """True iff every decoder layer is plain full attention or Gated DeltaNet (linear attention): no sliding
+    window, no other recurrent layer type."""
     text = text_config(config)
-    types = getattr(text, "layer_types", None) or ["full_attention"]
-    return all(t == "full_attention" for t in types) and not getattr(text, "use_sliding_window", False)
+    return set(layer_types(config)) <= {"full_attention", LINEAR_ATTENTION} \
+        and not getattr(text, "use_sliding_window", False)
 
 
 class SlotCache:
-    """Per-layer KV buffers [B, H_kv, L, D]; a forward writes its T new keys at slots
-    `write_pos .. write_pos+T-1` (a device scalar, so a captured graph reads the current value)."""
+    """Per-attention-layer KV buffers [B, H_kv, L, D] (buffer j for the j-th attention layer a forward reaches,
+    `slot[layer_idx]`); a forward writes its T new keys at slots `write_pos .. write_pos+T-1` (a device scalar, so a
+    captured graph reads the current value)."""
 
     def __init__(self, max_len: int, device):
         self.max_len = max_len
         self.live = max_len  # slots 0..live-1 are returned to attention (the rest are unwritten)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.slot: dict[int, int] = {}  # decoder layer index -> its K/V buffer
         self.write_pos = torch.zeros((), dtype=torch.long, device=device)
         self.is_compileable = True
         self._pos = 0
@@ -114,29 +140,79 @@ class SlotCache:
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """key/value_states [B, H_kv, T, D] -> views [B, H_kv, live, D] of the layer's buffers (the written slots
         must lie below `live`)."""
-        if layer_idx == len(self.keys):  # first forward allocates (outside any graph capture)
+        j = self.slot.get(layer_idx)
+        if j is None:  # first forward allocates (outside any graph capture)
+            j = self.slot[layer_idx] = len(self.keys)
             b, h, _, d = key_states.shape
             self.keys.append(key_states.new_zeros(b, h, self.max_len, d))
             self.values.append(value_states.new_zeros(b, h, self.max_len, value_states.shape[-1]))
         slots = self.write_pos + torch.arange(key_states.shape[2], device=key_states.device)
-        self.keys[layer_idx].index_copy_(2, slots, key_states)
-        self.values[layer_idx].index_copy_(2, slots, value_states)
-        return self.keys[layer_idx][:, :, : self.live], self.values[layer_idx][:, :, : self.live]
+        self.keys[j].index_copy_(2, slots, key_states)
+        self.values[j].index_copy_(2, slots, value_states)
+        return self.keys[j][:, :, : self.live], self.values[j][:, :, : self.live]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._pos
+
+    def first_rows(self, size: int) -> "SlotCache":
+        """A SlotCache over views of the first `size` batch rows of these buffers."""
+        out = SlotCache(self.max_len, self.write_pos.device)
+        out.write_pos = self.write_pos  # one device scalar for every batch size
+        out.keys, out.values = [t[:size] for t in self.keys], [t[:size] for t in self.values]
+        out.slot = self.slot
+        return out
+
+
+class HybridSlotCache(DynamicCache):
+    """HF's cache for a hybrid model: the attention layers write into `slots` (a SlotCache: fixed K/V buffers),
+    the Gated-DeltaNet layers keep HF's own conv / recurrent state handling; after the prefill their tensors are
+    views of the stacked buffers (pipeline/recurrent_cache.py), which HF's decode step updates in place."""
+
+    def __init__(self, config, slots: SlotCache):
+        super().__init__(config=config)
+        self.slots = slots
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.slots.update(key_states, value_states, layer_idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.slots.get_seq_length()
+
+    def first_rows(self, size: int, linear: Sequence[int], conv: Tensor, recurrent: Tensor) -> "HybridSlotCache":
+        """The same cache over the first `size` batch rows: K/V views (`SlotCache.first_rows`), and HF's layer
+        objects copied with their Gated-DeltaNet entries bound to conv[:, :size] / recurrent[:, :size] (the
+        flags HF keeps, such as "has a previous state", carry over)."""
+        out = copy.copy(self)
+        out.slots = self.slots.first_rows(size)
+        out.layers = [copy.copy(layer) for layer in self.layers]
+        for i in linear:
+            out.layers[i].conv_states = dict(out.layers[i].conv_states)
+            out.layers[i].recurrent_states = dict(out.layers[i].recurrent_states)
+        bind_linear_states(out, linear, conv[:, :size], recurrent[:, :size])
+        return out
 
 
 @dataclass
 class _State:
     """Buffers (and the captured graph) for one (batch, cache length) shape, reused across batches."""
 
-    cache: SlotCache
+    slots: SlotCache  # the attention layers' K/V
     ids: torch.Tensor  # [B, 1] input token of the step
     pos: torch.Tensor  # [B, 1] RoPE position of the step
     mask: torch.Tensor  # [B, 1, 1, L] additive mask of the step
+    cache: object = None  # what the model gets: `slots`, or (hybrid) a HybridSlotCache over them
+    conv: Tensor | None = None  # hybrid: [NL, B, C, K] Gated-DeltaNet conv windows (from the first prefill on)
+    recurrent: Tensor | None = None  # hybrid: [NL, B, HV, dk, dv] Gated-DeltaNet recurrent states, fp32
     steps: dict[int, CudaGraphFn] = field(default_factory=dict)  # the one-token step per live length (CUDA)
     compact: dict[int, "_State"] = field(default_factory=dict)  # views of the first rows, per smaller batch
+
+    def __post_init__(self):
+        if self.cache is None:
+            self.cache = self.slots
+
+    def states(self) -> list[Tensor]:
+        """The tensors a step changes in place besides the K/V slot it rewrites: the hybrid's stacked states."""
+        return [] if self.conv is None else [self.conv, self.recurrent]
 
 
 class StaticDecoder:
@@ -160,6 +236,9 @@ class StaticDecoder:
         self.prefill_chunk = prefill_chunk
         self.length_bucket = length_bucket
         self.min_compact_batch = min_compact_batch
+        self.linear = linear_attention_layers(model.config)  # Gated-DeltaNet layers (hybrid targets)
+        if self.linear:
+            _check_gated_delta_net(model, len(self.linear))
         self.attention = None
         if gqa_fold and model.config._attn_implementation in ("sdpa", GQA_FOLDED):
             _register_attention()
@@ -220,23 +299,30 @@ class StaticDecoder:
                 return [row[: k + 1].tolist() for row in out[:n]]
             state.ids.copy_(nxt[:, None])
             state.mask[:, :, :, width + k] = 0.0
-            state.cache.set_write_pos(width + k)
-            state.cache.live = min(cache_len, -(-(width + k + 1) // bucket) * bucket)  # the filled buckets
+            state.slots.set_write_pos(width + k)
+            state.slots.live = min(cache_len, -(-(width + k + 1) // bucket) * bucket)  # the filled buckets
             logits = self._step(state)
             state.pos.add_(1)
         return [row.tolist() for row in out[:n]]
 
     def _compact(self, root: _State, idx: Tensor, size: int) -> _State:
         """Rows `idx` of the batch in flight (rows 0.. of `root`'s buffers) moved to rows 0..size-1 of the same
-        buffers (cache, positions, mask), and the state over those first rows (kept per size: its graphs are
-        reused by every later batch). Nothing is allocated but the gathered copies."""
-        for buf in [*root.cache.keys, *root.cache.values, root.pos, root.mask]:
+        buffers (cache, positions, mask, a hybrid's stacked states: their batch axis is 1), and the state over those
+        first rows (kept per size: its graphs are reused by every later batch). Nothing is allocated but the gathered
+        copies."""
+        for buf in [*root.slots.keys, *root.slots.values, root.pos, root.mask]:
             buf[:size].copy_(buf[idx])  # buf[idx] gathers (a copy) before the first rows are overwritten
+        for buf in root.states():
+            buf[:, :size].copy_(buf[:, idx])
         if size not in root.compact:
-            cache = SlotCache(root.cache.max_len, self.device)
-            cache.keys = [t[:size] for t in root.cache.keys]
-            cache.values = [t[:size] for t in root.cache.values]
-            root.compact[size] = _State(cache=cache, ids=root.ids[:size], pos=root.pos[:size], mask=root.mask[:size])
+            slots = root.slots.first_rows(size)
+            cache, conv, recurrent = slots, None, None
+            if self.linear:
+                conv, recurrent = root.conv[:, :size], root.recurrent[:, :size]
+                cache = root.cache.first_rows(size, self.linear, root.conv, root.recurrent)
+                cache.slots = slots
+            root.compact[size] = _State(slots=slots, ids=root.ids[:size], pos=root.pos[:size], mask=root.mask[:size],
+                                        cache=cache, conv=conv, recurrent=recurrent)
         return root.compact[size]
 
     def on_graphs(self) -> bool:
@@ -253,7 +339,7 @@ class StaticDecoder:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self._state = _State(
-                cache=SlotCache(cache_len, self.device),
+                slots=SlotCache(cache_len, self.device),
                 ids=torch.zeros(batch, 1, dtype=torch.long, device=self.device),
                 pos=torch.zeros(batch, 1, dtype=torch.long, device=self.device),
                 mask=torch.zeros(batch, 1, 1, cache_len, dtype=self.dtype, device=self.device),
@@ -262,7 +348,10 @@ class StaticDecoder:
         return self._state
 
     def _prefill(self, state: _State, ids: torch.Tensor, pad: torch.Tensor, cache_len: int) -> torch.Tensor:
-        """ids [B, P] left-padded -> logits [B, V] at the last prompt slot; fills cache slots 0..P-1."""
+        """ids [B, P] left-padded -> logits [B, V] at the last prompt slot; fills cache slots 0..P-1 (and a hybrid's
+        Gated-DeltaNet states: HF's cache made for this batch, its states then moved into the stacked buffers)."""
+        if self.linear:
+            state.cache = HybridSlotCache(self.model.config, state.slots)
         width = ids.shape[1]
         neg = torch.finfo(self.dtype).min
         keys = torch.arange(cache_len, device=self.device)
@@ -275,28 +364,52 @@ class StaticDecoder:
             )  # [B, Q, L]
             mask = torch.where(seen, 0.0, neg).to(self.dtype)[:, None]
             pos = (q[None, :] - pad[:, None]).clamp(min=0)
-            state.cache.set_write_pos(a)
-            state.cache.live = cache_len
-            out = self.model(input_ids=ids[:, a:b], position_ids=pos, attention_mask=mask,
+            real = (q[None, :] >= pad[:, None]).to(self.dtype)  # [B, Q] 1 on prompt slots, 0 on padding
+            state.slots.set_write_pos(a)
+            state.slots.live = cache_len
+            out = self.model(input_ids=ids[:, a:b], position_ids=pos, attention_mask=self._masks(mask, real),
                              past_key_values=state.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1, :]
+        if self.linear:
+            state.conv, state.recurrent = stack_linear_states(state.cache, self.linear, state.conv, state.recurrent)
         return logits
 
+    def _masks(self, attention: Tensor, padding: Tensor | None):
+        """The model's `attention_mask` argument: the additive 4-D mask, or for a hybrid HF's per-layer-type dict:
+        that mask for the attention layers and `padding` [B, Q] (1 = a real token; None in a decode step, whose token
+        is never padding) for the Gated-DeltaNet layers, which zero the padding slots' inputs as `generate` does."""
+        if not self.linear:
+            return attention
+        return {"full_attention": attention, LINEAR_ATTENTION: padding}
+
     def _forward_step(self, state: _State, live: int) -> torch.Tensor:
-        out = self.model(input_ids=state.ids, position_ids=state.pos, attention_mask=state.mask[..., :live],
-                         past_key_values=state.cache, use_cache=True)
+        out = self.model(input_ids=state.ids, position_ids=state.pos,
+                         attention_mask=self._masks(state.mask[..., :live], None), past_key_values=state.cache,
+                         use_cache=True)
         return out.logits[:, -1, :]
 
     def _step(self, state: _State) -> torch.Tensor:
         """One token for every row: logits [B, V], attending over the cache's `live` slots only (the buckets of
         `length_bucket` slots written so far: a step reads the K/V it needs, not the whole preallocated cache).
         A CUDA graph per live length (pipeline.cuda_graphs) when graphs are on; the step reads only `state`'s
-        buffers and rewrites the same K/V slot, so the capture's extra runs change nothing."""
-        live = state.cache.live
+        buffers and rewrites the same K/V slot, and a hybrid's stacked states, which it advances in place, are
+        restored between the capture's extra runs (`state.states()`)."""
+        live = state.slots.live
         if not self.use_graphs:
             return self._forward_step(state, live)
         if live not in state.steps:
             state.steps[live] = CudaGraphFn(
                 functools.partial(self._forward_step, state, live), f"regen decode step ({live} slots)",
-                check=lambda g, e: relative_error(g, e) <= rounding_tolerance(self.dtype))
+                check=lambda g, e: relative_error(g, e) <= rounding_tolerance(self.dtype), state=state.states)
         return state.steps[live]()
+
+
+
+def _check_gated_delta_net(model, expected: int) -> None:
+    """Refuse a hybrid whose `expected` linear-attention layers are not Qwen3.5-style Gated-DeltaNet modules (the
+    state layout the stacked buffers and HF's decode step assume)."""
+    modules = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "linear_attn"]
+    bad = [type(m).__name__ for m in modules if not all(hasattr(m, part) for part in GATED_DELTA_NET)]
+    if len(modules) != expected or bad:
+        raise NotImplementedError(f"static decode: {expected} linear-attention layers, found {len(modules)} "
+                                  f"Gated-DeltaNet modules ({', '.join(sorted(set(bad))) or 'all Qwen3.5-style'})")

@@ -93,6 +93,54 @@ def test_the_static_kv_verify_and_commit_equal_the_path_batched_reference_round_
     check_tree_aware_verify_equals_path_batched(hybrid, 1e-4, static=True)
 
 
+def check_device_commit_equals_eager_commit(target, rounds: int = 12) -> int:
+    """Two static hybrid caches verify the same rounds (random and hand-made trees, chains, AR roots) and commit the
+    same accepted paths: one eagerly (`commit`: the accepted prefix path[:n], a host length), the other as the
+    decoder's graphed walk does (`compact_path` with the path padded to L+1 and a device `accepted`, then
+    `commit_compacted`). After every round the committed conv windows, recurrent states, K/V rows, host and device
+    lengths must be EQUAL (bit for bit), and so must the next round's logits. Returns the non-contiguous commits."""
+    device = target.get_input_embeddings().weight.device
+    gen = torch.Generator().manual_seed(3)
+    eager, fixed = HybridTargetCache(target, TAPS, static=True), HybridTargetCache(target, TAPS, static=True)
+    assert fixed.device_commit and not HybridTargetCache(target, TAPS).device_commit
+    prompt = torch.tensor(prompts(1, 6)[0], device=device)
+    for cache in (eager, fixed):
+        cache.reset(512)
+        cache.prefill(prompt)
+    vocab = target.config.vocab_size
+    shapes = trees(gen, vocab, device)
+    chain = Tree(torch.randint(vocab, (8,), generator=gen).to(device), torch.arange(-1, 7, device=device).clamp(min=0),
+                 torch.arange(8, device=device), 7, 7, "chain")
+    root = Tree(torch.randint(vocab, (1,), generator=gen).to(device), torch.zeros(1, dtype=torch.long, device=device),
+                torch.zeros(1, dtype=torch.long, device=device), 0, 0, "root")
+    schedule = [shapes[0], chain, root, *shapes[1:], chain, root][:rounds]
+    non_contiguous = 0
+    for r, tree in enumerate(schedule):
+        got = fixed.verify(tree, fixed.verify_inputs(tree))
+        want = eager.verify(tree, eager.verify_inputs(tree))
+        assert torch.equal(got.logits, want.logits), f"round {r}: logits"
+        end = 1 + int(torch.randint(tree.size, (1,), generator=gen))  # accept the root path of a random node
+        path = root_path(tree, end - 1)
+        contiguous = path == list(range(len(path)))
+        non_contiguous += not contiguous
+        padded = torch.tensor(path + [0] * (tree.depth_limit + 1 - len(path)), device=device)
+        eager.commit(padded, len(path), contiguous)
+        fixed.compact_path(padded, torch.tensor(len(path) - 1, device=device))
+        fixed.commit_compacted(len(path))
+        assert fixed.length == eager.length and int(fixed.past) == int(eager.past) == eager.length
+        assert torch.equal(fixed.conv_states, eager.conv_states), f"round {r} ({tree.kind}): conv windows"
+        assert torch.equal(fixed.recurrent_states, eager.recurrent_states), f"round {r} ({tree.kind}): states"
+        assert torch.equal(fixed.kv[..., : fixed.length, :], eager.kv[..., : eager.length, :]), f"round {r}: K/V"
+    return non_contiguous
+
+
+def test_the_fixed_shape_device_commit_equals_the_eager_commit_bit_for_bit(hybrid):
+    """The commit restructured for the walk's CUDA graph (K/V compaction of all L+1 path rows, every Gated-DeltaNet
+    layer's state walked L+1 steps with the steps past the accepted ones as no-ops, the conv window picked at a
+    device offset) leaves exactly what the eager commit leaves, round after round."""
+    assert check_device_commit_equals_eager_commit(hybrid) >= 3
+
+
 def test_the_static_cache_keeps_its_buffers_across_prompts_and_reallocates_only_to_grow(hybrid):
     cache = HybridTargetCache(hybrid, TAPS, static=True)
     cache.reset(64)
@@ -154,3 +202,35 @@ def test_tree_aware_verify_on_cuda_equals_the_reference_with_no_host_sync():
         cache.commit(path, path.shape[0], False)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_the_graphed_round_commits_inside_its_walk_graph_on_cuda_equal_to_eager_with_one_sync_per_round():
+    """On CUDA (Triton commit and compaction) the fixed-shape commit still equals the eager one bit for bit; under
+    cache impl 'graphs' the decoder's walk graph holds the hybrid commit and the K/V compaction (`compacts`), no
+    graph falls back, DDTree and chain give AR's greedy output, and a decode syncs the host once per round (plus
+    the prefill's few)."""
+    from eval.engine.decode import decode, round_ops
+    from pipeline.cuda_graphs import GRAPH_LOG, host_syncs
+    from tests.eval.test_decode_greedy import BLOCK, OracleDrafter, naive_greedy
+
+    target = tiny_target("qwen3_5_text", device="cuda")
+    assert check_device_commit_equals_eager_commit(target) >= 3
+    cache = target_cache(target, TAPS, "graphs")
+    assert cache.device_commit and round_ops("ddtree", 16, "device", cache, 0.0, BLOCK - 1,
+                                             target.config.vocab_size, torch.device("cuda")).compacts
+    fallbacks = len(GRAPH_LOG.fallbacks)
+    prompt = prompts(1, 12)[0]
+    greedy = naive_greedy(target, prompt, 40 + BLOCK)
+    oracle = OracleDrafter(target, prompt, greedy, seed=0)
+    ar = decode("ar", target, None, prompt, max_new_tokens=40, cache_impl="graphs")
+    assert ar.output_ids == greedy[:40]
+    assert decode("chain", target, oracle, prompt, max_new_tokens=40, cache_impl="graphs").output_ids == ar.output_ids
+    for budget in (16, 64):
+        assert decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=budget,
+                      cache_impl="graphs").output_ids == ar.output_ids
+    assert GRAPH_LOG.fallbacks[fallbacks:] == []
+    oracle = OracleDrafter(target, prompt, greedy, seed=0, host_checks=False)
+    syncs, res = host_syncs(lambda: decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16,
+                                           cache_impl="graphs", phase_timing=False))
+    assert len(syncs) <= res.num_rounds + 5, syncs[:5]

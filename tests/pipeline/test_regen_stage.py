@@ -199,6 +199,32 @@ def test_kill_9_during_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
     assert regen_rows(clean.run_dir) == resumed
 
 
+@pytest.mark.slow
+def test_kill_9_during_a_hybrid_static_decode_regen_then_rerun_loses_and_duplicates_nothing(tmp_path):
+    """The same on the hybrid fast path: a Qwen3.5-layout Gated-DeltaNet target (`random:qwen3_5`) decoded by the
+    static loop (`regen.hf_decode=static`: fixed K/V and state buffers), killed mid-run, resumed in-process, equals
+    an uninterrupted run row for row."""
+    overrides = ["target.model=random:qwen3_5", "regen.hf_decode=static", "regen.max_new_tokens=16",
+                 "regen.shard_size=2", "regen.max_samples=null", "regen.batch_size=2"]
+    cfg = make_config(tmp_path, overrides=overrides)
+    write_curated(cfg.run_dir, single_turn(16))
+    stage = kill_regen_after_units(tmp_path, cfg, overrides, 2)
+    done_before = set(stage.done_units())
+    assert not stage.is_complete() and 2 <= len(done_before) < 8, "the kill must land mid-run"
+
+    manifest = run_regen(cfg)
+    assert manifest["counts"]["written"] == 16 and manifest["num_units"] == 8
+    resumed = regen_rows(cfg.run_dir)
+    ids = [r["id"] for r in resumed]
+    assert sorted(ids) == sorted(f"test/{i}" for i in range(16)) and len(set(ids)) == 16
+    assert not list(cfg.run_dir.rglob("*.tmp-*"))
+
+    clean = make_config(tmp_path / "clean", overrides=overrides)
+    write_curated(clean.run_dir, single_turn(16))
+    run_regen(clean)
+    assert regen_rows(clean.run_dir) == resumed
+
+
 def test_a_request_the_model_cannot_run_fails_alone_with_its_reason(tmp_path):
     from pipeline.regen.conversation import skeleton
     from pipeline.regen.stage import regenerate

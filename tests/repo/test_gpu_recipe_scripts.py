@@ -1,6 +1,7 @@
 """The GPU recipe's scripts run end to end on the CPU (so a GPU session cannot fail on a typo): the offline bundle
 collects its parts over several calls and unpacks them byte for byte, refusing a damaged part; quality_gpu.sh runs every stage and the
-loss ablation on configs/tiny.yaml, over two calls as a device session splits it, and prints its table."""
+loss ablation on configs/tiny.yaml, over two calls as a device session splits it, and prints its table;
+hybrid_gpu.sh takes every hybrid measurement at toy size over calls and summarizes it in the hybrid results' keys."""
 
 from __future__ import annotations
 
@@ -161,3 +162,90 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
     assert s["extract_tok_s"] == {"vllm": 100.0, "hf": 90.0} and s["extract_tok_s_fp8"] == {"vllm": 120.0}
     assert s["failed"] == ["serve"] and s["missing"] == ["hybrid", "smol", "verify8b"]
     assert "serve_full" not in s and "extract_verify_passed" not in s
+
+
+def _hybrid(*args, env=None):
+    return subprocess.run(["bash", "benchmarks/hybrid_gpu.sh", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900,
+                          env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_hybrid_gpu_script_refuses_bad_arguments_and_its_summary_keeps_the_hybrid_results_keys(tmp_path):
+    """benchmarks/hybrid_gpu.sh's argument errors are one line with exit 2; benchmarks/hybrid_gpu_summary.py turns
+    the steps' JSON into docs/results/hybrid-h200/summary.json's keys: regen at the largest batch both modes ran,
+    the first training variant's rate and split, the largest micro-batch; a failed or missing step is named and
+    leaves its keys out; --record keeps the summary it replaces under that one's date."""
+    from benchmarks.hybrid_gpu_summary import main, record, summarize
+
+    for args in ([], ["--out", tmp_path / "o", "--retry", "nonsense"], ["--out", tmp_path / "o", "--bogus"]):
+        run = _hybrid(*args)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    work = tmp_path / "work"
+    (work / "json").mkdir(parents=True)
+    steps = [("env", 0), ("tests", 0), ("regen", 0), ("round", 0), ("extract", 1), ("train", 0)]
+    (work / "results.jsonl").write_text("".join(json.dumps({"step": s, "rc": rc, "seconds": 3}) + "\n"
+                                                for s, rc in steps))
+    (work / "json" / "regen.json").write_text(json.dumps({"env": {"shape": "qwen3.6-27b"}, "rows": [
+        {"mode": "generate", "batch": 64, "tok_s": 100.0}, {"mode": "generate", "batch": 256, "tok_s": 300.0},
+        {"mode": "static", "batch": 64, "tok_s": 900.0}, {"mode": "static", "batch": 256, "tok_s": 2500.0},
+        {"mode": "static", "batch": 512, "tok_s": 3000.0}]}))
+    (work / "json" / "round.json").write_text(json.dumps(
+        {"date": "2031-01-02", "chain_verify_ms": 25.0, "tree_verify_ms": {"256": 50.0}, "overhead_ms": {"256": 0.4}}))
+    (work / "json" / "extract.json").write_text(json.dumps({"extract_tok_s": {"bf16": 1.0, "fp8": 2.0}}))
+    (work / "json" / "train.json").write_text(json.dumps([
+        {"variant": "a", "ok": False, "error": "OOM"},
+        {"variant": "b", "ok": True, "seqs": 16, "tokens_per_s": 5000.0, "ms_per_seq": 600.0,
+         "target_forward_ms": 6000.0, "drafter_step_ms": 3600.0, "peak_mem_gib": 120.0, "mfu": 0.2},
+        {"variant": "c", "ok": True, "seqs": 16, "tokens_per_s": 6000.0, "ms_per_seq": 500.0}]))
+    s = summarize(work)
+    assert s["regen_tok_s"] == {"generate": 300.0, "static": 2500.0} and s["regen_batch"] == 256
+    assert s["chain_verify_ms"] == 25.0 and s["overhead_ms"] == {"256": 0.4}
+    assert "extract_tok_s" not in s  # its step failed
+    assert s["train_tok_s"] == 5000.0 and s["train"]["variant"] == "b" and s["train"]["ms_per_step"] == 9600.0
+    assert "train_max_micro_batch" not in s
+    assert s["steps"]["failed"] == ["extract"] and s["steps"]["missing"] == ["trainmax"]
+
+    recorded = tmp_path / "results" / "summary.json"
+    recorded.parent.mkdir()
+    recorded.write_text(json.dumps({"date": "2030-05-06", "chain_verify_ms": 30.0}))
+    assert main(["--work", str(work), "--out", str(tmp_path / "out.json"), "--record", str(recorded)]) == 0
+    assert json.loads(recorded.read_text()) == json.loads((tmp_path / "out.json").read_text())
+    assert json.loads((recorded.parent / "2030-05-06" / "summary.json").read_text())["chain_verify_ms"] == 30.0
+    record(s, recorded)  # the same date again: nothing more kept
+    assert sorted(p.name for p in recorded.parent.iterdir()) == ["2030-05-06", "summary.json"]
+
+
+@pytest.mark.slow
+def test_hybrid_gpu_script_takes_every_measurement_at_toy_size_on_the_cpu_over_calls_and_retries_a_step(tmp_path):
+    """`hybrid_gpu.sh --cpu-smoke`: the GPU command's every step (regen, round, extract, online training, the
+    largest micro-batch) at toy size. A call short of time runs what fits and the next call goes on from the
+    markers; --retry runs one step again; the summary has the hybrid results' keys and the new ones."""
+    from tests.conftest import mirror_file
+
+    mirror = {"DRAFTER_DATA_DIR": str(mirror_file("gsm8k_train.jsonl").parent)}  # regen's real prompts
+    out, work = tmp_path / "out", tmp_path / "work"
+    first = _hybrid("--cpu-smoke", "--out", out, "--work", work, "--budget-s", 100, env=mirror)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "skip tests: " in first.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"]["missing"] == [
+        "tests", "regen", "round", "extract", "train", "trainmax"]
+    second = _hybrid("--cpu-smoke", "--out", out, "--work", work, env=mirror)
+    assert second.returncode == 0 and "all steps done" in second.stdout, second.stdout[-3000:]
+    third = _hybrid("--cpu-smoke", "--out", out, "--work", work, "--retry", "train", env=mirror)
+    assert third.returncode == 0, third.stdout[-3000:]
+    ran = [json.loads(line)["step"] for line in (out / "results.jsonl").read_text().splitlines()]
+    assert ran == ["env", "tests", "regen", "round", "extract", "train", "trainmax", "train"]
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "results.jsonl", "steps.log", "summary.json",
+                                                     "summary.md"]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"]["failed"] == [] and s["steps"]["missing"] == []
+    for key in ("chain_verify_ms", "ar_step_ms", "train_tok_s"):
+        assert s[key] > 0, key
+    for key in ("tree_verify_ms", "overhead_ms", "path_batched_verify_ms"):
+        assert set(s[key]) == {"4", "16"} and all(v > 0 for v in s[key].values()), key
+    for key in ("extract_tok_s", "extract_ceiling_tok_s"):
+        assert set(s[key]) == {"bf16", "fp8"} and all(v > 0 for v in s[key].values()), key
+    assert set(s["regen_tok_s"]) == {"generate", "static"} and s["regen_batch"] == 8
+    assert all(r["same_as_ref"] in ("ref", "8/8") for r in s["regen_rows"])
+    assert s["train"]["target_forward_ms"] > 0 and s["train"]["variant"] == "trainer-dense-online-row2"
+    assert s["train_max_micro_batch"] == {"variant": "trainer-dense-online", "sequences": 2, "peak_mem_gib": None}

@@ -221,3 +221,42 @@ def test_training_benchmark_runs_the_trainer_and_bare_steps_at_the_tiny_shape():
     assert results[0].loss == pytest.approx(results[1].loss, rel=1e-6)  # same init and data: accumulated == packed
     for name in bench.SMOLLM2:  # the H200 table's variants are all well-formed
         bench.Variant.parse(name)
+
+
+def test_training_benchmark_times_online_training_against_a_resident_hybrid_target_and_splits_the_step():
+    """bench_train's tiny-hybrid shape (the Qwen3.6-27B run's layout at toy size): the drafter is [S,S,S,S,F], the
+    online target is a Gated-DeltaNet hybrid, and the result splits the step into the target's forward and the
+    drafter's share (adding up to the step) and counts the target's forward FLOPs in a second MFU."""
+    import importlib.util
+    import sys
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "benchmarks" / "bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_train"] = bench
+    spec.loader.exec_module(bench)
+    shape = bench.SHAPES["tiny-hybrid"]
+    args = bench.make_args(shape)
+    assert args.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and args.sliding_window == 64
+    target = bench.make_target(shape, torch.device("cpu"), torch.float32)
+    assert "linear_attention" in target.config.layer_types  # the hybrid, not the Llama stand-in
+
+    r = bench.run_variant("trainer-dense-online-row2", shape, 2, torch.device("cpu"), steps=1, warmup=0,
+                          zero_stage=2, peak=1e12, engine="torch")
+    assert r.ok and r.tokens_per_s > 0 and math.isfinite(r.loss)
+    assert r.target_forward_ms > 0
+    assert r.target_forward_ms + r.drafter_step_ms == pytest.approx(r.ms_per_seq * r.seqs)
+    from benchmarks.bench_extract import flops_per_token
+    from extract.layers import stored_tap_ids
+
+    taps = stored_tap_ids(args.target_layer_ids, shape["target_layers"], False)
+    S = shape["seq_len"]
+    assert r.target_flops == pytest.approx(2 * S * flops_per_token(target, taps, S / 2, upto=max(taps)))
+    assert r.mfu_with_target == pytest.approx(r.mfu * (1 + r.target_flops / (r.tflops_per_s * 1e12 * r.ms_per_seq
+                                                                               * r.seqs / 1e3)))
+    offline = bench.run_variant("trainer-dense", shape, 2, torch.device("cpu"), steps=1, warmup=0, zero_stage=2,
+                                peak=1e12, engine="torch")
+    assert offline.target_forward_ms is None and offline.mfu_with_target is None
+    for name in bench.QWEN36_27B:  # the H200 set is well-formed and online
+        assert bench.Variant.parse(name).online

@@ -25,6 +25,12 @@ along the tree instead (eval/engine/tree_recurrent.py).
   Every shape is then fixed by (N, kv_len), and with `graphs=True` (CUDA) each verify, AR steps included, is
   captured once as a CUDA graph and replayed: HF's eager hybrid forward is bound by its launches, not the GPU
   (docs/benchmarks.md, "hybrid"), so 'auto' picks it on CUDA.
+  The static cache also commits on the device (`device_commit`, the decoder's `compact_path` / `commit_compacted`):
+  a verify stacks its node rows into buffers kept per tree size N (one address for every key bucket's verify
+  graph), and the walk, right after choosing the path, moves the L+1 path rows of K/V to the front and commits the
+  Gated-DeltaNet states along path[:accepted+1] with fixed shapes (`commit_path_steps`) from those buffers, then
+  advances the device length: no host value, so the commit and the compaction replay inside the walk's CUDA graph
+  and the round keeps its one host read (the walk's record). It equals `commit` bit for bit.
 
 `PathBatchedTargetCache` (the reference: the test oracle of the tree-aware verify, and what the hybrid benchmark
 compares it with): every root->leaf path is one row of a batch [P, depth+1] run through HF's own forward from a
@@ -47,11 +53,12 @@ from transformers.cache_utils import DynamicCache
 from eval.engine.cache.kv import KV_BUCKET, keep_dynamic_rows, logits_close
 from eval.engine.cache.interface import ForwardOutput, HFForward, TargetCache, VerifyInputs
 from eval.engine.tree import Tree
-from eval.engine.tree_recurrent import TreeLayerRecord, commit_path, tree_gated_delta_net, tree_walk
+from eval.engine.tree_recurrent import TreeLayerRecord, commit_path, commit_path_steps, tree_gated_delta_net, tree_walk
 from eval.engine.verify import (ancestor_matrix, causal_attention_mask, tree_attention_mask, verify_positions,
                          visibility_attention_mask)
-from eval.engine.walk import compact_rows
+from eval.engine.walk import compact_path_rows, compact_rows
 from pipeline.cuda_graphs import CudaGraphFn
+from pipeline.recurrent_cache import stack_linear_states
 from extract.layers import decoder_layers
 from pipeline.target import gated_delta_kernels, text_config
 
@@ -105,6 +112,8 @@ class HybridTargetCache(TargetCache):
         self.past = torch.zeros((), dtype=torch.long, device=self.forward.device)  # device copy of `length`
         self._rows: list[TreeLayerRecord] | None = None  # node rows of the pending tree verify, one per layer
         self._records: tuple[Tensor, ...] | None = None  # static: the same rows stacked over layers (RECORD_FIELDS)
+        self._record_buffers: dict[int, tuple[Tensor, ...]] = {}  # static: N -> the buffers a verify stacks them in
+        self.device_commit = self.static
         self._verify_fns: dict[tuple, object] = {}  # static: (kind, N, kv_len) -> verify fn / CUDA graph
         self.generation = 0
 
@@ -173,23 +182,16 @@ class HybridTargetCache(TargetCache):
 
     def _stack_states(self) -> None:
         """Move every Gated-DeltaNet layer's conv window and state (HF's [1, ...] tensors, made by the prefill) into
-        one stacked buffer each and point HF's cache at views of them. The static cache keeps its buffers (their
-        addresses are in the CUDA graphs) and copies into them."""
-        layers = [self.cache.layers[i] for i, _ in self.linear]
-        conv = torch.cat([layer.conv_states[0] for layer in layers])
-        state = torch.cat([layer.recurrent_states[0] for layer in layers])
-        if self.static and self.conv_states is not None and self.conv_states.shape == conv.shape \
-                and self.recurrent_states.shape == state.shape:
-            self.conv_states.copy_(conv)
-            self.recurrent_states.copy_(state)
-        else:
-            if self.static and self.conv_states is not None:  # new shapes: the graphs hold the old buffers
-                self._verify_fns.clear()
-                self.generation += 1
-            self.conv_states, self.recurrent_states = conv, state
-        for j, layer in enumerate(layers):
-            layer.conv_states[0] = self.conv_states[j: j + 1]
-            layer.recurrent_states[0] = self.recurrent_states[j: j + 1]
+        one stacked buffer each and point HF's cache at views of them (pipeline/recurrent_cache.py; batch 1: the
+        buffers [NL, 1, ...] are kept as [NL, ...]). The static cache keeps its buffers (their addresses are in the
+        CUDA graphs) and copies into them."""
+        keep = self.static and self.conv_states is not None
+        old = (self.conv_states.unsqueeze(1), self.recurrent_states.unsqueeze(1)) if keep else (None, None)
+        conv, state = stack_linear_states(self.cache, [i for i, _ in self.linear], *old)
+        if keep and conv.data_ptr() != old[0].data_ptr():  # new shapes: the graphs hold the old buffers
+            self._verify_fns.clear()
+            self.generation += 1
+        self.conv_states, self.recurrent_states = conv[:, 0], state[:, 0]
 
     def verify_inputs(self, tree: Tree, ancestors: Tensor | None = None) -> VerifyInputs:
         """Positions start + depth. Dynamic cache: a tree gets its ancestor mask for the attention layers (the
@@ -244,7 +246,21 @@ class HybridTargetCache(TargetCache):
             return out.logits, out.features, None
         with self._tree_linear_attention(Tree(tokens, parents, depths, num_nodes, depth_limit, kind)) as rows:
             out = self.forward(tokens, positions, masks, self.cache)
-        return out.logits, out.features, tuple(torch.stack([getattr(r, f) for r in rows]) for f in RECORD_FIELDS)
+        return out.logits, out.features, self._stack_records(rows)
+
+    def _stack_records(self, rows: list[TreeLayerRecord]) -> tuple[Tensor, ...]:
+        """The verify's node rows stacked over layers (RECORD_FIELDS: [NL, N, ...] each) into the buffers kept for
+        this N: every verify graph of N rows (one per key bucket) writes the same addresses, which the walk's graph
+        reads for the commit. Allocated on first use (a graph's first call runs eagerly before it captures)."""
+        n = rows[0].conv_inputs.shape[0]
+        stacked = [[getattr(r, f) for r in rows] for f in RECORD_FIELDS]
+        buffers = self._record_buffers.get(n)
+        if buffers is None:
+            buffers = self._record_buffers[n] = tuple(torch.stack(x) for x in stacked)
+            return buffers
+        for buf, x in zip(buffers, stacked):
+            torch.stack(x, out=buf)
+        return buffers
 
     @contextmanager
     def _tree_linear_attention(self, tree: Tree):
@@ -288,6 +304,29 @@ class HybridTargetCache(TargetCache):
         if records is not None:
             commit_path(self.linear[0][1], *records, keep, self.conv_states, self.recurrent_states)
         self._set_length(self.length + n)
+
+    # -- device commit (static cache): the decoder's walk calls compact_path inside its CUDA graph -------------
+
+    def compact_path(self, path: Tensor, accepted: Tensor) -> None:
+        """Fixed shapes, no host value (path [L+1] device int64, accepted 0-dim): K/V rows past + path[j] -> past + j
+        for every j in 0..L, all attention layers at once; after a chain or tree verify every Gated-DeltaNet layer's
+        conv window and state committed along path[:accepted+1] (`commit_path_steps`; after a root verify HF's step
+        already advanced them); then the device length += accepted + 1. `commit_compacted` follows on the host."""
+        compact_path_rows(self.kv, 4, self.past, path)
+        if self._records is not None:
+            commit_path_steps(self.linear[0][1], *self._records, path, accepted + 1, self.conv_states,
+                              self.recurrent_states)
+        self.past.add_(accepted + 1)
+
+    def compaction_state(self, rows: int) -> list[Tensor]:
+        """What `compact_path` changes (restored between a CUDA graph's first-call runs): K/V rows length ..
+        length + rows - 1, the device length, the stacked conv windows and states."""
+        return [self.kv.narrow(4, self.length, rows), self.past, self.conv_states, self.recurrent_states]
+
+    def commit_compacted(self, n: int) -> None:
+        """After `compact_path`: the host length += n; the verify's rows are spent."""
+        self.length += n
+        self._records = None
 
 
 class PathBatchedTargetCache(HybridTargetCache):
