@@ -62,8 +62,7 @@ T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
 mkdir -p "$WORK/logs" "$WORK/json" "$OUT"; OUT="$(cd "$OUT" && pwd)"
 touch "$WORK/results.jsonl"
 for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
-left() { echo $(( DEADLINE - $(date +%s) )); }
-log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$WORK/steps.log"; }
+source benchmarks/gpu_steps.sh  # left, log, step, timeboxed
 finish() {
   "$PY" benchmarks/hybrid_gpu_summary.py --work "$WORK" --out "$OUT/summary.json" \
     ${RECORD:+--record docs/results/hybrid-h200/summary.json} >> "$WORK/steps.log" 2>&1
@@ -103,22 +102,6 @@ else
   MAX_ARGS=(--max-batch trainer-flex-compile-ac-online --max-batch-limit 32 --timeout 240)
 fi
 
-step() {  # NAME MIN_SECONDS: run the function step_NAME once, logging to logs/NAME.log
-  local name=$1 need=$2
-  [ -f "$WORK/done.$name" ] && return 0
-  if [ "$(left)" -lt "$need" ]; then log "skip $name: $(left) s left, it needs ~$need"; return 0; fi
-  log "step $name ($(left) s left)"
-  local t rc; t=$(date +%s)
-  ( "step_$name" ) > "$WORK/logs/$name.log" 2>&1; rc=$?
-  local dt=$(( $(date +%s) - t ))
-  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $dt, \"device\": \"$DEVICE\"}" >> "$WORK/results.jsonl"
-  echo "$rc" > "$WORK/done.$name"
-  log "$name rc=$rc in ${dt}s"; tail -n 25 "$WORK/logs/$name.log" | cut -c1-300
-  { echo "## $name (rc $rc, ${dt} s)"; echo '```'; grep -v -E "^\s*$|it/s\]|Warning|warn\(" "$WORK/logs/$name.log" \
-      | tail -n 40 | cut -c1-400; echo '```'; } >> "$WORK/summary.md"
-}
-
-timeboxed() { timeout -k 15 $(( $(left) - 10 )) "$@"; }
 
 step_env() {
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"; }

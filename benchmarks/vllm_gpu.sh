@@ -46,8 +46,7 @@ T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
 mkdir -p "$WORK/logs" "$OUT"; OUT="$(cd "$OUT" && pwd)"
 touch "$WORK/results.jsonl"
 for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
-left() { echo $(( DEADLINE - $(date +%s) )); }
-log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$WORK/steps.log"; }
+source benchmarks/gpu_steps.sh  # left, log, step, timeboxed
 finish() {
   "$PY" benchmarks/vllm_gpu_summary.py --work "$WORK" --out "$OUT/summary.json" > /dev/null 2>&1
   cp "$WORK/results.jsonl" "$WORK/steps.log" "$OUT/" 2>/dev/null
@@ -77,22 +76,6 @@ export DRAFTER_DATA_DIR="$DATA"
 DRAFTER=("$PY" -m drafter.cli)
 RUNS="$WORK/runs"; MODELS="$WORK/models"; JSON="$WORK/json"; mkdir -p "$RUNS" "$MODELS" "$JSON"
 
-step() {  # NAME MIN_SECONDS: run the function step_NAME once, logging to logs/NAME.log
-  local name=$1 need=$2
-  [ -f "$WORK/done.$name" ] && return 0
-  if [ "$(left)" -lt "$need" ]; then log "skip $name: $(left) s left, it needs ~$need"; return 0; fi
-  log "step $name ($(left) s left)"
-  local t rc; t=$(date +%s)
-  ( "step_$name" ) > "$WORK/logs/$name.log" 2>&1; rc=$?
-  local dt=$(( $(date +%s) - t ))
-  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $dt, \"device\": \"$DEVICE\"}" >> "$WORK/results.jsonl"
-  echo "$rc" > "$WORK/done.$name"
-  log "$name rc=$rc in ${dt}s"; tail -n 25 "$WORK/logs/$name.log" | cut -c1-300
-  { echo "## $name (rc $rc, ${dt} s)"; echo '```'; grep -v -E "^(INFO|WARNING|DEBUG|\(|\[rank)" "$WORK/logs/$name.log" \
-      | grep -v -E "^\s*$|it/s\]|Warning|warn\(" | tail -n 40 | cut -c1-400; echo '```'; } >> "$WORK/summary.md"
-}
-
-timeboxed() { timeout -k 15 $(( $(left) - 10 )) "$@"; }
 
 step_env() {
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"; }

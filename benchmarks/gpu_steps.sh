@@ -1,0 +1,26 @@
+# Sourced by the GPU recipe scripts (vllm_gpu.sh, hybrid_gpu.sh): the step runner they share.
+# A device call runs under a time budget and its machine is gone afterwards, so a recipe is a list of steps, each
+# run once per --work directory (a done.NAME marker holds its exit code; --retry removes it), skipped with a line
+# when the call has too little time left, and logged to logs/NAME.log, results.jsonl and summary.md.
+# The caller sets WORK, T0, DEADLINE and DEVICE and defines step_NAME for each step.
+
+left() { echo $(( DEADLINE - $(date +%s) )); }
+log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$WORK/steps.log"; }
+
+step() {  # NAME MIN_SECONDS: run the function step_NAME once, logging to logs/NAME.log
+  local name=$1 need=$2
+  [ -f "$WORK/done.$name" ] && return 0
+  if [ "$(left)" -lt "$need" ]; then log "skip $name: $(left) s left, it needs ~$need"; return 0; fi
+  log "step $name ($(left) s left)"
+  local t rc; t=$(date +%s)
+  ( "step_$name" ) > "$WORK/logs/$name.log" 2>&1; rc=$?
+  local dt=$(( $(date +%s) - t ))
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $dt, \"device\": \"$DEVICE\"}" >> "$WORK/results.jsonl"
+  echo "$rc" > "$WORK/done.$name"
+  log "$name rc=$rc in ${dt}s"; tail -n 25 "$WORK/logs/$name.log" | cut -c1-300
+  # the summary keeps the step's own lines: engine logs (vLLM's INFO/WARNING, ranks' prefixes) and bars left out
+  { echo "## $name (rc $rc, ${dt} s)"; echo '```'; grep -v -E "^(INFO|WARNING|DEBUG|\(|\[rank)" "$WORK/logs/$name.log" \
+      | grep -v -E "^\s*$|it/s\]|Warning|warn\(" | tail -n 40 | cut -c1-400; echo '```'; } >> "$WORK/summary.md"
+}
+
+timeboxed() { timeout -k 15 $(( $(left) - 10 )) "$@"; }  # a command that must end before the call's budget does
