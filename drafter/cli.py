@@ -67,7 +67,16 @@ def _unit_names_fn(name: str):
 def merge_stage(name: str, cfg: RunConfig) -> dict:
     """`drafter <stage> --merge` after a split run: the manifest once every rank's units are done, refused (naming
     the missing units) before. One rule for every split stage: `pipeline.stage_dir.merge_ranks`."""
-    return merge_ranks(StageDir(cfg.run_dir, name), _unit_names_fn(name)(cfg), lambda: _stage_fn(name)(cfg))
+    before = _manifest_mtime(cfg, name)
+    manifest = merge_ranks(StageDir(cfg.run_dir, name), _unit_names_fn(name)(cfg), lambda: _stage_fn(name)(cfg))
+    if _manifest_mtime(cfg, name) != before:  # the merge wrote it (not the last rank, which logged already)
+        _log_data_stage(name, cfg, manifest)
+    return manifest
+
+
+def _manifest_mtime(cfg: RunConfig, name: str) -> int | None:
+    path = cfg.run_dir / name / "manifest.json"
+    return path.stat().st_mtime_ns if path.exists() else None
 
 
 def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:
@@ -79,12 +88,25 @@ def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo
     """
     from pipeline.config import save_config
 
-    manifest_path = cfg.run_dir / name / "manifest.json"
-    before = manifest_path.stat().st_mtime_ns if manifest_path.exists() else None
+    before = _manifest_mtime(cfg, name)
     manifest = _stage_fn(name)(cfg, force=force, ranks=ranks or RankInfo())
-    if before is None or not manifest_path.exists() or manifest_path.stat().st_mtime_ns != before:
+    after = _manifest_mtime(cfg, name)
+    if before is None or after is None or after != before:
         save_config(cfg, cfg.run_dir / name / "config.yaml")  # a finished stage's re-run writes nothing
+        if after is not None and after != before:  # complete now (a rank of a split run returns its summary first)
+            _log_data_stage(name, cfg, manifest)
     return manifest
+
+
+DATA_STAGES = ("curate", "regen", "tokenize", "extract")  # train and eval log their own W&B runs
+
+
+def _log_data_stage(name: str, cfg: RunConfig, manifest: dict) -> None:
+    """A data stage that just finished: its counts and rates as a W&B run in the pipeline's group."""
+    if name in DATA_STAGES and manifest.get("stage") == name:
+        from pipeline.wandb_run import log_stage_run
+
+        log_stage_run(cfg, name, manifest)
 
 
 # command -> (what it does, an example). `drafter <command> --help` shows both; `drafter --help` the first.

@@ -163,7 +163,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     lossless = check_lossless(cfg, responses, benchmarks, tokenizer, location)
     report = build_report(cfg, stage, responses, block_size=block_size, header=header, lossless=lossless)
     table = write_report(report, stage.path)
-    log_eval_run(cfg, report, stage.path)
+    log_eval_run(cfg, report, stage.path, dpath)
     counts: dict[str, int] = {"units": len(units), "responses": sum(c["responses"] for c in report["cells"]),
                               "new_tokens": sum(c["new_tokens"] for c in report["cells"]),
                               "records_read": sum(b.read for b in benchmarks.values()),
