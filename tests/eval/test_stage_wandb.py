@@ -63,7 +63,7 @@ def test_offline_eval_run_is_grouped_with_train_and_carries_the_report_and_its_v
         if r.HasField("summary"):
             summary.update({u.key: json.loads(u.value_json) for u in r.summary.update if u.key})
     assert summary["eval/verdict"] == verdict_text(json.loads((stage / "report.json").read_text())["verdict"])
-    assert summary["eval/verdict/best"] == "ddtree@16" and summary["eval/verdict/responses_per_cell_min"] == 1
+    assert summary["eval/verdict/best"] is None and summary["eval/verdict/responses_per_cell_min"] == 1  # too few
     assert any("as few as 1 responses" in w for w in summary["eval/verdict/warnings"])
     tables = {p.name.split("_")[0]: p for p in stage.rglob("*.table.json")}
     per_depth = json.loads(tables["per"].read_text())
