@@ -25,6 +25,7 @@ import base64
 import html
 import io
 import math
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -695,6 +696,23 @@ def write_report(report: dict, out_dir: Path) -> str:
     atomic_write_text(out_dir / "report.md", markdown_document(title, blocks))
     atomic_write_text(out_dir / "report.html", html_document(title, blocks))
     return tau_table(report).markdown()
+
+
+def card_results(report: dict) -> str:
+    """The model card's results section (`dflash_model.card.write_card_results`): the verdict, the τ and speedup table
+    and the settings they were measured under, in markdown."""
+    report = json_ready(report)
+    v = verdict(report)
+    st = report.get("settings") or {}
+    lines = [
+        f"Measured by `drafter eval` (run `{report.get('run')}`, {time.strftime('%Y-%m-%d')}) with dflash-pipeline's "
+        f"evaluator: the HF target on {st.get('device')} ({st.get('dtype')}), temperature {st.get('temperature')}, "
+        f"up to {st.get('max_new_tokens')} new tokens. Speedups are this evaluator's, not a serving engine's.",
+        "", verdict_text(v), *(f"\n- {w}" for w in v["warnings"]), "",
+        "τ (per-response mean acceptance length, bonus token included) and speedup over AR:", "",
+        tau_table(report).markdown(),
+    ]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dflash_model.card import CARD_NAME, write_card_results
 from eval.conversation import longest_context, response_record, run_conversation, stop_token_ids
 from eval.drafter_inputs import (check_drafter_fits_target, check_drafter_tokenizer, drafter_dir, drafter_sha,
                                  load_drafter, trained_drafter)
@@ -28,7 +29,7 @@ from eval.lossless import check_lossless
 from eval.metrics import ResponseRecord, speedup, summarize
 from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
 from eval.prompts import LoadedBenchmark, chat_prompt_ids, format_content, load_benchmark
-from eval.report import REPORT_FILES, cell_label, tau_table, write_report
+from eval.report import REPORT_FILES, card_results, cell_label, tau_table, write_report
 from eval.units import Unit, interleaved, plan_units, read_unit, write_unit
 from eval.wandb_log import log_eval_run
 from pipeline.config import ConfigError, RunConfig, config_record
@@ -71,6 +72,16 @@ def build_report(cfg: RunConfig, stage: StageDir, by_unit: dict[Unit, list[Respo
         cell["graphs_captured_while_timed"] = sidecars[u.name].get("graphs_captured_while_timed", 0)
         cells.append(cell)
     return {**header, "cells": cells}
+
+
+def update_card(dpath: Path, report: dict) -> None:
+    """The results section of the drafter's model card (README.md beside its weights) from this report, rewritten
+    atomically; a card of another kind, or one this user may not write (a hub snapshot), is left alone."""
+    try:
+        if write_card_results(dpath, card_results(report)):
+            log.info("model card results updated: %s", dpath / CARD_NAME)
+    except OSError as e:
+        log.warning("model card at %s not updated: %s", dpath / CARD_NAME, e)
 
 
 def check_overlap(cfg: RunConfig, benchmarks: dict[str, LoadedBenchmark]) -> dict | None:
@@ -164,6 +175,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     lossless = check_lossless(cfg, responses, benchmarks, tokenizer, location)
     report = build_report(cfg, stage, responses, block_size=block_size, header=header, lossless=lossless)
     table = write_report(report, stage.path)
+    update_card(dpath, report)
     log_eval_run(cfg, report, stage.path, dpath)
     counts: dict[str, int] = {"units": len(units), "responses": sum(c["responses"] for c in report["cells"]),
                               "new_tokens": sum(c["new_tokens"] for c in report["cells"]),

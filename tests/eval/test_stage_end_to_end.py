@@ -93,6 +93,9 @@ def test_eval_writes_every_report_and_greedy_speculation_reproduces_ar(cfg, caps
     html = (out / "report.html").read_text()
     assert "href=" not in html and html.count("data:image/png;base64,") == 5  # + the speedup plot
     assert (out / "report.md").read_text().split("\n## ")[1].startswith("Verdict")
+    card = (cfg.run_dir / "train" / "export" / "README.md").read_text()  # the eval's results in the model card
+    results = card.split("<!-- drafter-eval:start -->")[1].split("<!-- drafter-eval:end -->")[0]
+    assert "Measured by `drafter eval` (run `tiny`" in results and "| gsm8k |" in results and "τ chain" in results
     printed = capsys.readouterr().out
     assert "[eval]" in printed and "| gsm8k |" in printed and "τ chain (speedup)" in printed
     # a finished eval with the same config is a no-op that prints the table again
