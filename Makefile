@@ -7,6 +7,9 @@ DRAFTER := $(VENV)/bin/drafter
 CONFIG  ?= configs/smollm2-135m.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed
+# The mirror of public prompt sets (docs/data.md) comes from the environment only: `DRAFTER_DATA_DIR=/path make demo`.
+# Unset, the demo needs no dataset (the target writes its own prompts) and the tests about real data skip.
+export DRAFTER_DATA_DIR
 
 .PHONY: setup setup-gpu browser demo test test-fast plan curate regen tokenize extract extract-verify train eval report run clean clean-runs
 

@@ -37,6 +37,7 @@ from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E40
 from pipeline.regen.generator import Sampling  # noqa: E402
 from pipeline.regen.hf import HFGenerator  # noqa: E402
 
+DEMO_CONFIG = REPO / "configs" / "smollm2-135m.yaml"  # its public prompt sets (mirror or hub, docs/data.md)
 MODES = ("generate", "static", "static-nograph", "static-nofold", "vllm")
 
 
@@ -63,21 +64,26 @@ def parse_args() -> argparse.Namespace:
 
 
 def real_prompts(n: int) -> list[list[dict]]:
-    """Single-turn chats from the prompt mirror ($DRAFTER_DATA_DIR: GSM8K train, Code Alpaca, Alpaca seed tasks,
-    interleaved), cycled to n."""
-    import os
+    """Single-turn chats from the demo config's public prompt sets (GSM8K train, Code Alpaca, Alpaca seed tasks: the
+    mirror's copies through $DRAFTER_DATA_DIR, else the cache or the hub), interleaved and cycled to n."""
+    from pipeline.config import load_config
+    from pipeline.curate.adapters import adapt
+    from pipeline.curate.sources import plan_chunks, read_chunk
+    from pipeline.datasets import locate
 
-    data = Path(os.environ.get("DRAFTER_DATA_DIR", ""))
-    files = ["gsm8k_train.jsonl", "code_alpaca_2k.json", "alpaca_seed_tasks.jsonl"]
-    missing = [f for f in files if not (data / f).is_file()]
-    if missing:
-        raise SystemExit(f"bench_regen reads real prompts from the data mirror: {missing} not in "
-                         f"DRAFTER_DATA_DIR={str(data) or '(unset)'} (docs/data.md)")
-    gsm8k = [json.loads(line)["question"] for line in (data / files[0]).open() if line.strip()]
-    code = [(r["instruction"] + ("\n" + r["input"] if r.get("input") else ""))
-            for r in json.loads((data / files[1]).read_text())]
-    seed = [json.loads(line)["instruction"] for line in (data / files[2]).open() if line.strip()]
-    mixed = [t for trio in zip(gsm8k, code, seed) for t in trio]
+    cfg = load_config(DEMO_CONFIG)
+    per_source = []
+    for i, s in enumerate(cfg.curate.sources):
+        if s.synthesize is not None:
+            continue
+        found = locate(s, s.name, f"curate.sources[{i}]", data_dir=cfg.data_dir, cache_dir=cfg.cache_dir)
+        texts = []
+        for chunk in plan_chunks(cfg.curate, {i: list(found.files)}, cfg.cache_dir):
+            for raw in read_chunk(chunk, s):
+                for messages, _ in adapt(raw.record, s.format)[1] if not raw.error else []:
+                    texts.append(messages[0]["content"])
+        per_source.append(texts)
+    mixed = [t for group in zip(*per_source) for t in group]
     return [[{"role": "user", "content": mixed[i % len(mixed)]}] for i in range(n)]
 
 

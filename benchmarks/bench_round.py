@@ -244,9 +244,11 @@ def print_profile(p: dict) -> None:
 
 def gsm8k_prompts(tokenizer, n: int, enable_thinking: bool) -> list[list[int]]:
     from eval.prompts import chat_prompt_ids, load_benchmark
+    from pipeline.datasets import locate
 
-    bench = load_benchmark(BenchmarkConfig(name="gsm8k", path=str(REPO / "data/prompts/gsm8k_test_100.jsonl"),
-                                           num_samples=n))
+    gsm8k = BenchmarkConfig(name="gsm8k", hub="openai/gsm8k", subset="main", split="test", file="gsm8k_test.jsonl",
+                            num_samples=n)  # the mirror's copy ($DRAFTER_DATA_DIR), else the hub's (docs/data.md)
+    bench = load_benchmark(gsm8k, locate(gsm8k, "gsm8k", "gsm8k", data_dir=None, cache_dir=REPO / ".cache"))
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}], enable_thinking=enable_thinking)
             for p in bench.prompts]
 

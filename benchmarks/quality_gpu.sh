@@ -59,9 +59,10 @@ COMMON=("runs_dir=$RUNS")
 COMMON+=("${EXTRA[@]}")
 MAIN=("${COMMON[@]}")
 [ -n "$TRAIN_STEPS" ] && MAIN+=("train.max_steps=$TRAIN_STEPS")
-QUICK_EVAL=()
+QUICK_EVAL=()  # GSM8K test from the mirror or the hub; a config run without either (the tiny smoke run) scores its
+               # own held-out split instead
 if [ -n "$QUICK" ]; then
-  QUICK_EVAL=("eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 4}]"
+  QUICK_EVAL=("eval.benchmarks=[{name: gsm8k, hub: openai/gsm8k, subset: main, split: test, file: gsm8k_test.jsonl, num_samples: 4, use: if_present}, {name: held_out, num_samples: 4, use: fallback}]"
               "eval.budgets=[16]" "eval.max_new_tokens=32")
 fi
 
@@ -136,7 +137,7 @@ for loss in "${ABLATIONS[@]}"; do
   timed "train[$loss]" "$OUT/train-$abl.log" "${DRAFTER[@]}" train --config "$CONFIG" "${ARGS[@]}" &&
   timed "eval[$loss]" "$OUT/eval-$abl.log" "${DRAFTER[@]}" eval --config "$CONFIG" "${ARGS[@]}" \
     "eval.methods=[chain, ddtree]" "eval.budgets=[64]" \
-    "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test.parquet, num_samples: 64}]" "${QUICK_EVAL[@]}" &&
+    "eval.benchmarks=[{name: gsm8k, hub: openai/gsm8k, subset: main, split: test, file: gsm8k_test.jsonl, num_samples: 64, use: if_present}, {name: held_out, num_samples: 64, use: fallback}]" "${QUICK_EVAL[@]}" &&
   cp "$RUNS/$abl/eval/report.json" "$OUT/report-$abl.json" || status=1
 done
 

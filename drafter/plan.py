@@ -129,7 +129,7 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         samples, uncounted = source_records(cfg)
         samples = max(samples - cfg.curate.eval_size, 0)
         samples_from = "the sources' records (curate.total unset; before cleaning and dedup)" + (
-            f"; hub sources not counted: {', '.join(uncounted)}" if uncounted else "")
+            f"; sources not counted (not local): {', '.join(uncounted)}" if uncounted else "")
     if cfg.regen.max_samples is not None:
         samples = min(samples, cfg.regen.max_samples)
     if cfg.regen.backend != "none":
@@ -233,16 +233,12 @@ def eval_units(cfg: RunConfig) -> int:
 
 
 def source_records(cfg: RunConfig) -> tuple[int, list[str]]:
-    """Raw records in the local curate sources of weight > 0 (each capped by its max_samples; counted as curate
-    reads them, nothing parsed or written) and the names of the hub sources, which are not counted offline."""
-    from dataclasses import replace
+    """Raw records in the curate sources of weight > 0 found locally (own files, mirror copies, generated; each
+    capped by its max_samples; counted as curate reads them, nothing parsed or written) and the names of the hub
+    and url sources, which are not counted offline (`pipeline.curate.sources.count_records`)."""
+    from pipeline.curate.sources import count_records
 
-    from pipeline.curate.sources import is_local, plan_chunks
-
-    used = [s for s in cfg.curate.sources if s.weight > 0]
-    local = [s for s in used if is_local(s.path)]
-    chunks = plan_chunks(replace(cfg.curate, sources=local)) if local else []
-    return sum(c.count for c in chunks), [s.name for s in used if not is_local(s.path)]
+    return count_records(cfg)
 
 
 def _curated_count(cfg: RunConfig) -> int | None:

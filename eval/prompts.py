@@ -9,8 +9,11 @@ The formats are those of `z-lab/dflash: dflash/benchmark.py` (also used by `lira
     mt_bench   the record's `turns` as they are (two user turns; the second is asked after the target's own
                first answer, see `eval.conversation.run_conversation`)
     alpaca     "{instruction}" or "{instruction}\\n\\n{input}" (Stanford-Alpaca seed tasks: the first instance's input)
+    held_out   the first user turn of this run's curated eval conversations (`curate/shards/eval-*.parquet`), as it is
 
-Prompts are the first `num_samples` valid records of the file, in file order (deterministic, no shuffle).
+A benchmark's dataset is found by `pipeline.datasets` (own `path`, mirror copy, cache or hub; `load_benchmarks`
+applies the `use` rule: an absent 'if_present' benchmark is left out, a 'fallback' one runs only when no other does).
+Prompts are the first `num_samples` valid records, in file (or split) order (deterministic, no shuffle).
 A record that lacks what its format needs, or that does not parse at all (any size, any parser error), is
 skipped and counted under a reason with its location; it never crashes the stage.
 Rendering goes through `pipeline.target.render_chat` (the one chat-template call, thinking flag included).
@@ -18,17 +21,20 @@ Rendering goes through `pipeline.target.render_chat` (the one chat-template call
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BenchmarkConfig, ConfigError
-from pipeline.curate.sources import Unparsed, parse_json, unreadable_file
+from pipeline.config import BenchmarkConfig, ConfigError, RunConfig
+from pipeline.curate.sources import Unparsed, dataset_records, parse_json, unreadable_file
+from pipeline.datasets import Located, choose, load_hub, locate
 from pipeline.rejects import Rejected
 from pipeline.target import render_chat
 
 REASON_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUB_BLOCK = 256  # hub rows read at once
 HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n"
 
 
@@ -99,6 +105,15 @@ def format_alpaca(record: dict) -> tuple[str, ...]:
     return (f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction,)
 
 
+def format_held_out(record: dict) -> tuple[str, ...]:
+    """A curated conversation (`messages`): its first user turn."""
+    messages = record.get("messages")
+    users = [m.get("content") for m in messages or [] if isinstance(m, dict) and m.get("role") == "user"]
+    if not users or not isinstance(users[0], str) or not users[0].strip():
+        raise MalformedRecord("missing_user_turn")
+    return (users[0],)
+
+
 # The (prefix, suffix) each format wraps around a record's content; `format_content` takes them off again
 # (overlap checks compare content: every prompt of a benchmark shares its wrapper).
 FORMAT_AFFIXES = {
@@ -107,6 +122,7 @@ FORMAT_AFFIXES = {
     "humaneval": (HUMANEVAL_PREFIX + "```python\n", "\n```"),
     "mt_bench": ("", ""),
     "alpaca": ("", ""),
+    "held_out": ("", ""),
 }
 
 
@@ -126,6 +142,7 @@ FORMATS = {
     "humaneval": format_humaneval,
     "mt_bench": format_mt_bench,
     "alpaca": format_alpaca,
+    "held_out": format_held_out,
 }
 
 
@@ -172,14 +189,44 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
     return rows
 
 
-def load_benchmark(bench: BenchmarkConfig) -> LoadedBenchmark:
-    """The first `bench.num_samples` well-formed prompts of `bench.path` in the `bench.name` format."""
-    path = Path(bench.path)
-    if not path.is_file():
-        raise FileNotFoundError(f"eval benchmark {bench.name!r}: prompt file {path} does not exist")
+def benchmarks_in_use(cfg: RunConfig) -> tuple[RunConfig, dict[str, LoadedBenchmark], dict[str, dict]]:
+    """`load_benchmarks`, and `cfg` with `eval.benchmarks` reduced to those in use (what the eval's units and config
+    hash are made of)."""
+    loaded, data = load_benchmarks(cfg)
+    used = [b for b in cfg.eval.benchmarks if b.name in loaded]
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, benchmarks=used)), loaded, data
+
+
+def load_benchmarks(cfg: RunConfig) -> tuple[dict[str, LoadedBenchmark], dict[str, dict]]:
+    """The benchmarks in use after the `use` rule, name -> LoadedBenchmark, and per configured benchmark where its
+    prompts came from or why it is absent (report.json's `data`). Raises DatasetMissing for a required benchmark
+    found nowhere, StageError for 'held_out' before curate has finished."""
+    from pipeline.stage_dir import StageDir
+
+    def find(i: int, bench: BenchmarkConfig) -> Located:
+        if bench.name == "held_out":
+            curate = StageDir(cfg.run_dir, "curate")
+            shards = sorted(curate.shards.glob("eval-*.parquet"))
+            return Located(bench.name, "curate eval split", tuple(("parquet", str(p)) for p in shards),
+                           f"{curate.shards}/eval-*.parquet", {"curate_config_hash": curate.manifest()["config_hash"]})
+        return locate(bench, bench.name, f"eval.benchmarks[{i}]", data_dir=cfg.data_dir, cache_dir=cfg.cache_dir)
+
+    choices = choose(cfg.eval.benchmarks, "eval.benchmarks", find)
+    loaded = {c.name: load_benchmark(cfg.eval.benchmarks[c.index], c.located) for c in choices if c.status == "used"}
+    return loaded, {c.name: c.record() for c in choices}
+
+
+def load_benchmark(bench: BenchmarkConfig, located: Located | None = None) -> LoadedBenchmark:
+    """The first `bench.num_samples` well-formed prompts of the benchmark's dataset (`located`: what
+    `pipeline.datasets` found; None = `bench.path`, a local file) in the `bench.name` format."""
+    if located is None:
+        path = Path(bench.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"eval benchmark {bench.name!r}: prompt file {path} does not exist")
+        located = Located(bench.name, "path", (("file", str(path)),), str(path))
     fmt = FORMATS[bench.name]
-    out = LoadedBenchmark(name=bench.name, path=str(path), prompts=[])
-    for index, (location, record) in enumerate(_read_records(path)):
+    out = LoadedBenchmark(name=bench.name, path=located.identity, prompts=[])
+    for index, (location, record) in enumerate(_located_records(bench, located)):
         if len(out.prompts) >= bench.num_samples:
             break
         out.read += 1
@@ -202,6 +249,20 @@ def load_benchmark(bench: BenchmarkConfig) -> LoadedBenchmark:
             continue
         out.prompts.append(EvalPrompt(id=rid, benchmark=bench.name, turns=turns))
     return out
+
+
+def _located_records(bench: BenchmarkConfig, located: Located):
+    """``(location, record)`` of the dataset's records in order: its files one after the other, or its hub split's
+    rows (read lazily: only as many as the prompts need)."""
+    for kind, path in located.files:
+        if kind == "hub":
+            ds = load_hub(bench.hub, bench.subset, bench.split, bench.revision, bench.data_files, located.cache)
+            for start in range(0, len(ds), HUB_BLOCK):
+                for r in dataset_records(ds, start, min(start + HUB_BLOCK, len(ds)), first=start,
+                                         where=f"hub:{path}/{bench.split}"):
+                    yield r.location, r.record
+        else:
+            yield from _read_records(Path(path))
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], *, enable_thinking: bool) -> list[int]:

@@ -28,7 +28,7 @@ from eval.engine.cache.interface import tree_unsupported_reason
 from eval.lossless import check_lossless
 from eval.metrics import ResponseRecord, speedup, summarize
 from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
-from eval.prompts import LoadedBenchmark, chat_prompt_ids, format_content, load_benchmark
+from eval.prompts import LoadedBenchmark, benchmarks_in_use, chat_prompt_ids, format_content
 from eval.report import REPORT_FILES, card_results, cell_label, tau_table, write_report
 from eval.units import Unit, interleaved, plan_units, read_unit, write_unit
 from eval.wandb_log import log_eval_run
@@ -45,7 +45,8 @@ log = get_logger("eval")
 
 def unit_names(cfg: RunConfig) -> list[str]:
     """Every unit of this config's eval, in the order ranks slice them (`drafter eval --merge` checks them)."""
-    units, _ = plan_units(cfg, tree_unsupported_reason(open_target(cfg.target, cfg.cache_dir).config))
+    in_use = benchmarks_in_use(cfg)[0]  # the benchmarks found (the `use` rule), as run_eval plans them
+    units, _ = plan_units(in_use, tree_unsupported_reason(open_target(cfg.target, cfg.cache_dir).config))
     return [u.name for u in units]
 
 
@@ -109,6 +110,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     started = time.time()
     if not cfg.eval.benchmarks:
         raise ConfigError("eval.benchmarks: at least one benchmark is required")
+    cfg, benchmarks, data = benchmarks_in_use(cfg)  # found (own file, mirror, cache, hub, held-out split) or why not
     target = open_target(cfg.target, cfg.cache_dir)
     location, tokenizer, target_config = target.location, target.tokenizer, target.config
     tok_fp = target.fingerprint["tokenizer"]
@@ -120,7 +122,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     d_sha = drafter_sha(dpath)
     fingerprint = {**target.fingerprint,
                    "drafter": {"path": str(dpath), "sha": d_sha}, "enable_thinking": cfg.target.enable_thinking}
-    config_hash, settings = config_record(eval=cfg.eval, target=cfg.target, fingerprint=fingerprint)
+    config_hash, settings = config_record(eval=cfg.eval, target=cfg.target, fingerprint=fingerprint, data=data)
 
     stage = StageDir(cfg.run_dir, "eval")
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
@@ -133,7 +135,6 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     units, skipped_methods = plan_units(cfg, tree_reason)
     for s in skipped_methods:
         log.warning("skipping %s: %s", cell_label(s["method"], s["budget"]), s["reason"])
-    benchmarks = {b.name: load_benchmark(b) for b in cfg.eval.benchmarks}
     for lb in benchmarks.values():
         if lb.skipped:
             log.warning("%s: skipped %s of %d records read from %s", lb.name, dict(lb.skipped), lb.read, lb.path)
@@ -168,6 +169,7 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
                      "world_size": ranks.world_size},
         "benchmarks": {n: {"path": b.path, "prompts": len(b.prompts), "read": b.read, "skipped": dict(b.skipped),
                            "examples": b.examples} for n, b in benchmarks.items()},
+        "data": data,
         "skipped_methods": skipped_methods,
     }
     header["overlap"] = check_overlap(cfg, benchmarks)

@@ -111,26 +111,124 @@ class TargetConfig:
     seed: int = doc("seed for 'random:' targets", 0)
 
 
-@dataclass
-class SourceConfig:
-    """One chat/instruction source of the curated mix."""
+DATA_DIR_ENV = "DRAFTER_DATA_DIR"  # the mirror directory when the config's `data_dir` is unset
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
-    name: str = doc("short name used in reports and sample ids (letters, digits, '_', '.', '-')", "")
-    path: str = doc("hub dataset id, or a local .jsonl/.json/.parquet file or directory", "")
+
+@dataclass
+class DatasetConfig:
+    """Where one named prompt set comes from: a curate source or an eval benchmark (`pipeline/datasets.py` finds it).
+
+    Either `path` (your own file or directory, read as it is) or a public identity: `hub` (a hub dataset), `url` (one
+    file) or `origin` (a set built from a public source that only a mirror holds). A public set is read from the
+    mirror directory (`data_dir` / $DRAFTER_DATA_DIR) when a file there has its `file` name, else from the cache or its
+    source."""
+
+    path: str = doc("your own local .jsonl/.json/.parquet file or directory, read as it is (no mirror, no download)", "")
+    file: Optional[str] = doc("its file (or directory) name in the mirror directory (`data_dir`); None = the entry's name "
+                              "with .parquet, .jsonl or .json", None)
+    hub: Optional[str] = doc("public identity: hub dataset id `owner/name`, loaded with `datasets` into "
+                             "<cache_dir>/datasets when the mirror lacks the file", None)
+    subset: Optional[str] = doc("hub dataset config name", None)
+    split: str = doc("hub dataset split", "train")
+    data_files: Optional[str] = doc("hub dataset: load only these files of the repo (glob), e.g. one JSON of several", None)
+    revision: Optional[str] = doc("hub dataset revision (commit sha, branch or tag)", None)
+    url: Optional[str] = doc("public identity: URL of one .jsonl/.json/.parquet file, downloaded once into "
+                             "<cache_dir>/datasets when the mirror lacks the file", None)
+    origin: Optional[str] = doc("public identity of a set the pipeline cannot fetch itself (repository@commit + path, "
+                                "package==version, and how it was derived): read from the mirror only", None)
+    sha256: Optional[str] = doc("expected sha256 of the file read (mirror copy or download); another is an error", None)
+    use: Literal["required", "if_present", "fallback"] = doc(
+        "'required': absent is an error; 'if_present': absent is left out and reported; 'fallback': used only when no "
+        "entry of its list that is not a fallback is in use", "required")
+
+    def public(self) -> list[str]:
+        """The public identities set (`hub`, `url`, `origin`), by field name."""
+        return [k for k in ("hub", "url", "origin") if getattr(self, k)]
+
+    def validate_dataset(self, key: str, *, generated: list[str] = ()) -> None:
+        """The dataset fields' rules; `generated` names the set fields that make the entry need no dataset."""
+        hub_only = [k for k in ("subset", "data_files", "revision") if getattr(self, k)]
+        named = [k for k in ("file", "hub", "url", "origin", "sha256") if getattr(self, k)] + hub_only
+        if generated:
+            if self.path or named:
+                raise ConfigError(f"{key}.{generated[0]}: a generated entry reads no dataset; remove "
+                                  f"{', '.join(f'{key}.{k}' for k in (['path'] if self.path else []) + named)}")
+            return
+        public = self.public()
+        if self.path:
+            if named:
+                raise ConfigError(f"{key}.path: your own file is read as it is; {key}.{named[0]} belongs to a public "
+                                  "dataset (hub/url/origin): give one or the other")
+            return
+        if len(public) != 1:
+            raise ConfigError(f"{key}: name the dataset by exactly one public identity (hub, url or origin), or give "
+                              f"your own file as path; got {public or 'none'}")
+        if hub_only and not self.hub:
+            raise ConfigError(f"{key}.{hub_only[0]}: only for a hub dataset ({key}.hub)")
+        if self.hub and not _HUB_ID.fullmatch(self.hub):
+            raise ConfigError(f"{key}.hub: {self.hub!r} is not a hub dataset id 'owner/name'")
+        if self.url and not re.match(r"(https?|file)://", self.url):
+            raise ConfigError(f"{key}.url: {self.url!r} is not an http(s):// or file:// URL")
+        if self.sha256 and not _SHA256.fullmatch(self.sha256):
+            raise ConfigError(f"{key}.sha256: expected 64 lower-case hex digits, got {self.sha256!r}")
+        if self.file and (Path(self.file).is_absolute() or ".." in Path(self.file).parts):
+            raise ConfigError(f"{key}.file: {self.file!r} must be a name inside the mirror directory")
+
+
+@dataclass
+class SynthesizeConfig:
+    """Prompts the target writes itself (Magpie-style): given only its chat template's user prefix, it writes a user
+    turn; quality filters and exact dedup keep the good ones (`pipeline/curate/synthesize.py`)."""
+
+    count: int = doc("unique prompts to keep", 200, ge=1)
+    max_attempts: Optional[int] = doc("generations tried at most (None = 4 x count)", None, ge=1)
+    system: Optional[str] = doc("a system message rendered before the user prefix (steers the topic); None = the "
+                                "template's own default", None)
+    max_new_tokens: int = doc("tokens per generated prompt; one that does not end its turn within them is dropped "
+                              "(truncated)", 128, ge=1)
+    temperature: float = doc("sampling temperature", 1.0, gt=0)
+    top_p: float = doc("nucleus sampling", 1.0, gt=0, le=1)
+    top_k: int = doc("top-k sampling (0 = off)", 0, ge=0)
+    batch_size: int = doc("prompts generated per batch: the unit of resume", 32, ge=1)
+    min_chars: int = doc("drop a prompt shorter than this (characters)", 16, ge=1)
+    max_chars: int = doc("drop a prompt longer than this (characters)", 4000, ge=1)
+    min_letter_share: float = doc("drop a prompt whose letters are fewer than this share of its non-space characters",
+                                  0.6, ge=0, le=1)
+    script: Literal["latin", "any"] = doc("'latin': drop a prompt whose letters are mostly not Latin; 'any': keep every "
+                                          "script", "latin")
+
+    def validate(self, key: str) -> None:
+        if self.max_chars < self.min_chars:
+            raise ConfigError(f"{key}.max_chars: must be >= {key}.min_chars ({self.min_chars}), got {self.max_chars}")
+        if self.max_attempts is not None and self.max_attempts < self.count:
+            raise ConfigError(f"{key}.max_attempts: must be >= {key}.count ({self.count}), got {self.max_attempts}")
+
+
+@dataclass
+class SourceConfig(DatasetConfig):
+    """One source of the curated mix: a dataset (DatasetConfig), prompts the target synthesizes, or random words."""
+
+    name: str = doc("short name used in reports, sample ids and as the mirror file name (letters, digits, '_', '.', "
+                    "'-')", "")
     format: Literal[
         "auto", "openai", "sharegpt", "alpaca", "gsm8k", "humaneval", "mt_bench", "prompt"
     ] = doc("schema adapter; 'auto' detects it per record from its keys", "auto")
-    split: str = doc("split for hub datasets", "train")
-    subset: Optional[str] = doc("hub dataset config name", None)
-    data_files: Optional[str] = doc("hub dataset: load only these files of the repo (glob), e.g. one JSON of several", None)
+    category: Optional[str] = doc("a label the report sums sources by (e.g. chat, math, code)", None)
     weight: float = doc("relative weight in the mixture (share of `curate.total`; 0 = leave the source out)", 1.0, ge=0)
     max_samples: Optional[int] = doc("read at most this many raw records", None, ge=1)
+    synthesize: Optional[SynthesizeConfig] = doc("prompts the target writes itself instead of a dataset", None)
+    random_words: Optional[int] = doc("this many single-turn prompts of made-up words instead of a dataset (no data, no "
+                                      "model: tests and the tiny demo)", None, ge=1)
 
     def validate(self, key: str) -> None:
         if not NAME_PATTERN.fullmatch(self.name):
             raise ConfigError(f"{key}.name: {self.name!r} must be a non-empty name of letters, digits, '_', '.', '-'")
-        if not self.path:
-            raise ConfigError(f"{key}.path: required (a hub dataset id or a local file or directory)")
+        generated = [k for k in ("synthesize", "random_words") if getattr(self, k) is not None]
+        if len(generated) > 1:
+            raise ConfigError(f"{key}: {key}.synthesize and {key}.random_words exclude each other")
+        self.validate_dataset(key, generated=generated)
 
 
 @dataclass
@@ -353,14 +451,18 @@ class TrainConfig:
 
 
 @dataclass
-class BenchmarkConfig:
-    name: Literal["gsm8k", "math", "humaneval", "mt_bench", "alpaca"] = doc("prompt set and prompt format", "gsm8k")
-    path: str = doc("local prompt file (jsonl/json)", "")
-    num_samples: int = doc("prompts evaluated (the first N well-formed records of the file)", 8, ge=1)
+class BenchmarkConfig(DatasetConfig):
+    """One eval prompt set: a dataset (DatasetConfig) read in the `name` format, or 'held_out': this run's curated
+    eval split (no dataset)."""
+
+    name: Literal["gsm8k", "math", "humaneval", "mt_bench", "alpaca", "held_out"] = doc(
+        "prompt set and prompt format ('held_out': the first user turn of this run's curated eval conversations)",
+        "gsm8k")
+    split: str = doc("hub dataset split", "test")
+    num_samples: int = doc("prompts evaluated (the first N well-formed records)", 8, ge=1)
 
     def validate(self, key: str) -> None:
-        if not self.path:
-            raise ConfigError(f"{key}.path: required (the local .jsonl/.json/.parquet prompt file of {self.name!r})")
+        self.validate_dataset(key, generated=["name"] if self.name == "held_out" else [])
 
 
 @dataclass
@@ -412,7 +514,11 @@ class EvalConfig:
 class RunConfig:
     name: str = doc("run name: outputs go to <runs_dir>/<name>/<stage>/ (letters, digits, '_', '.', '-')", "default")
     runs_dir: str = doc("root of run directories", "runs")
-    cache_dir: str = doc("where materialized targets (e.g. GGUF -> safetensors) are cached", ".cache")
+    cache_dir: str = doc("where materialized targets (e.g. GGUF -> safetensors) and downloaded datasets are cached",
+                         ".cache")
+    data_dir: Optional[str] = doc(f"mirror directory of public prompt sets: a file there named after a source or "
+                                  f"benchmark (its `file`) is read instead of the cache or the hub; None = "
+                                  f"${DATA_DIR_ENV}, else no mirror", None)
     seed: int = doc("global seed for curation/mixing", 0)
     target: TargetConfig = doc("target model", factory=TargetConfig)
     curate: CurateConfig = doc("curate stage", factory=CurateConfig)
@@ -745,6 +851,14 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, 
         if dataclasses.is_dataclass(tp):
             rows += describe_fields(tp, key + ".")
             continue
+        inner = _item_section(tp)
+        if inner is not None:  # a list of sections (curate.sources) or an optional section (.synthesize)
+            listed = typing.get_origin(tp) is list
+            text = f.metadata.get("doc", "") + (f"; each item has the keys `{key}[].*` below (override one item: "
+                                                 f"`{key}[0].<field>=...`)" if listed else "")
+            rows.append((key, "[]" if listed else "None", text))
+            rows += describe_fields(inner, key + ("[]." if listed else "."))
+            continue
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)
         else:
@@ -752,14 +866,16 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, 
         text = f.metadata.get("doc", "")
         if f.metadata.get("range"):
             text += f" ({range_text(f.metadata['range'])})"
-        item = _list_item_type(tp) if typing.get_origin(_strip_optional(tp)) is list else None
-        if dataclasses.is_dataclass(item):  # a list of sections: each item's keys follow, as `<key>[].<field>`
-            text += f"; each item has the keys `{key}[].*` below (override one item: `{key}[0].<field>=...`)"
-            rows.append((key, default, text))
-            rows += describe_fields(item, key + "[].")
-            continue
         rows.append((key, default, text))
     return rows
+
+
+def _item_section(tp: Any) -> type | None:
+    """The section type inside `list[Section]` or `Optional[Section]`, else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (list, Union, types.UnionType) and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def reference_markdown() -> str:

@@ -20,15 +20,28 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-PROMPTS = REPO / "data" / "prompts"  # vendored public prompt sets (data/prompts/README.md)
 CACHE = REPO / ".cache"  # materialized targets are keyed by content hash: safe to share between tests
+# The prompt mirror (docs/data.md), taken out of the environment: stage runs in tests (and their subprocesses) read
+# only what the test gives them, whether or not the machine has a mirror. Tests about the real public sets read it
+# through `mirror_file` and skip without it.
+MIRROR = os.environ.pop("DRAFTER_DATA_DIR", None) or None
 
 
-def prompt_records(name: str) -> list[dict]:
-    """The rows of a vendored prompt file (.jsonl, .json array or .parquet) as dicts."""
+def mirror_file(name: str) -> Path:
+    """A file of the prompt mirror ($DRAFTER_DATA_DIR when the tests started); skips the test without one."""
+    if MIRROR is None:
+        pytest.skip("needs the prompt mirror of the public sets: set DRAFTER_DATA_DIR (docs/data.md)")
+    path = Path(MIRROR) / name
+    if not path.exists():
+        pytest.skip(f"the prompt mirror {MIRROR} has no {name}")
+    return path
+
+
+def read_records(path: Path) -> list[dict]:
+    """The rows of a .jsonl, .json (array) or .parquet prompt file as dicts."""
     import json
 
-    path = PROMPTS / name
+    path = Path(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -46,6 +59,54 @@ def pytest_collection_modifyitems(config, items):
         return
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: every other order is kept
+
+
+# Synthetic stand-ins for the public prompt formats, written by the tests that need files of those layouts (made-up
+# content; the real sets are in the mirror, never in the repository).
+def synthetic_records(fmt: str, n: int, start: int = 0) -> list[dict]:
+    """n made-up records in a public set's layout: gsm8k, humaneval, mt_bench, alpaca, prompt."""
+    out = []
+    for i in range(start, start + n):
+        a, b = 3 + i % 17, 5 + (7 * i) % 23
+        if fmt == "gsm8k":
+            out.append({"question": f"Synthetic test question {i}: a crate holds {a} red and {b} blue marbles; "
+                                    f"how many marbles are in {i % 5 + 2} such crates?",
+                        "answer": f"Each crate holds {a} + {b} = {a + b}.\n#### {(a + b) * (i % 5 + 2)}"})
+        elif fmt == "humaneval":
+            out.append({"task_id": f"Synthetic/{i}", "entry_point": f"add_{i}",
+                        "prompt": f"def add_{i}(x: int) -> int:\n    \"\"\"Return x plus {a} (synthetic task {i}).\"\"\"\n",
+                        "canonical_solution": f"    return x + {a}\n", "test": f"assert add_{i}(1) == {a + 1}\n"})
+        elif fmt == "mt_bench":
+            out.append({"question_id": 1000 + i, "category": "writing",
+                        "turns": [f"Synthetic test turn one ({i}): write two sentences about the number {a}.",
+                                  f"Synthetic test turn two ({i}): now rewrite them for a child aged {b % 9 + 3}."]})
+        elif fmt == "alpaca":
+            out.append({"instruction": f"Synthetic test instruction {i}: sort these numbers.",
+                        "input": f"{b}, {a}, {a + b}" if i % 2 else "", "output": f"{a}, {b}, {a + b}"})
+        elif fmt == "prompt":
+            out.append({"prompt": f"Synthetic test prompt {i}: explain why {a} times {b} is {a * b}.",
+                        "source": "synthetic", "category": ["chat", "math", "code"][i % 3], "id": i})
+        else:
+            raise ValueError(fmt)
+    return out
+
+
+def write_records(path: Path, records: list[dict]) -> Path:
+    """Write records as .jsonl, .json (array) or .parquet by the path's suffix; returns the path."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(records))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -67,7 +128,7 @@ def _no_leaked_rendezvous():
 
 @pytest.fixture(autouse=True)
 def _repo_cwd(monkeypatch):
-    """Configs use repo-relative paths (data/prompts/...): run every test from the repo root."""
+    """Configs use repo-relative paths (configs/..., .cache): run every test from the repo root."""
     monkeypatch.chdir(REPO)
 
 
@@ -155,3 +216,26 @@ def md5_b64(path: Path) -> str:
     import hashlib
 
     return base64.b64encode(hashlib.md5(Path(path).read_bytes()).digest()).decode()
+
+
+def prefill_hub_cache(cache: Path, repo_id: str, records: list[dict], *, subset: str = "default",
+                      split: str = "train", revision: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Put `records` into `datasets`' cache under `cache` as a download of the hub dataset `repo_id` (config
+    `subset`, `split`, at `revision`) leaves it: built by `datasets`' own json builder, then placed at
+    `<owner>___<name>/<subset>/0.0.0/<revision>/`, where `load_dataset(repo_id, subset, split=...)` finds it offline
+    (HF_HUB_OFFLINE=1). Returns that directory."""
+    import shutil
+    import tempfile
+
+    from datasets.packaged_modules.json.json import Json
+
+    owner, name = repo_id.split("/")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = write_records(Path(tmp) / "records.jsonl", records)
+        builder = Json(cache_dir=str(Path(tmp) / "build"), dataset_name=name, config_name=subset, hash=revision,
+                       data_files={split: str(source)})
+        builder.download_and_prepare()
+        dest = Path(cache) / f"{owner}___{name}" / subset
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(Path(builder.cache_dir).parent.parent), str(dest))  # <name>/<subset>-<id>/ -> .../<subset>/
+    return dest / "0.0.0" / revision

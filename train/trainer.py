@@ -308,7 +308,7 @@ class Trainer:
         facts = {
             "target": cfg.target.model + (f" @ {cfg.target.revision}" if cfg.target.revision else "")
             + f" (thinking {'on' if cfg.target.enable_thinking else 'off'})",
-            "prompt sources (weight)": sources or "unknown",
+            "prompt sources in the config (weight; curate's report says which were found)": sources or "none",
             "answers": answers,
             "training samples": f"{len(self.plan.train_idx):,} ({len(self.plan.eval_idx):,} held out)",
             "features": "online (the target's forward in every step)" if cfg.train.online

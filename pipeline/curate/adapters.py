@@ -14,7 +14,9 @@ Layouts:
     gsm8k      {"question", "answer"}
     humaneval  {"prompt", "canonical_solution"?, "task_id"?}
     mt_bench   {"turns": [str, ...]}                                 (user turns only, no answers)
-    prompt     {"prompt", "response" | "completion" | "output" | "answer"?}
+    prompt     {"prompt", "response" | "completion" | "output" | "answer"?}   (also the prompt-only sets of
+               docs/data.md: prompt, source, category and an id column; one user turn, the rest kept as metadata;
+               a record without `prompt` is malformed, a `prompt` that is not usable text is dropped by clean)
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""stats.json and report.md of a curation run: counts per source, drops per reason with examples,
+"""stats.json and report.md of a curation run: counts per source (and per category), where each source's data
+came from (or why it is absent), what a synthesizing target wrote and dropped, drops per reason with examples,
 parse failures with their file:line, the mixture, and length histograms as text."""
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _cell(x) -> str:
     return str(x).replace("|", "\\|").replace("\n", "\\n")
 
 
+def _checksum_text(checksum: dict) -> str:
+    if "sha256" in checksum:
+        return ", ".join(f"sha256 {d[:16]}… ({name.rsplit('/', 1)[-1]})" for name, d in checksum["sha256"].items())
+    return ", ".join(f"{k} {v}" for k, v in checksum.items())
+
+
 def render_report(stats: dict) -> str:
     """The human-readable report.md from stats.json's content."""
     c = stats["counts"]
@@ -55,7 +62,7 @@ def render_report(stats: dict) -> str:
         "",
         "## Sources",
         "",
-        "| source | path | formats | read | malformed | dropped | unique | eval | train (distinct + copies) "
+        "| source | dataset | formats | read | malformed | dropped | unique | eval | train (distinct + copies) "
         "| weight | share | up/down-sampling |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -67,11 +74,34 @@ def render_report(stats: dict) -> str:
             how = f"down x{s['factor']:.2f}"
         else:
             how = "all"
+        dataset = f"`{_cell(s['path'])}`" if s.get("status", "used") == "used" else s["status"]
         out.append(
-            f"| {name} | `{_cell(s['path'])}` | {fmts} | {s['read']} | {s['malformed']} | {sum(s['dropped'].values())} "
+            f"| {name} | {dataset} | {fmts} | {s['read']} | {s['malformed']} | {sum(s['dropped'].values())} "
             f"| {s['unique']} | {s['eval']} | {s['train']} ({s['selected_unique']} + {s['repeats']}) "
             f"| {s['weight']:g} | {100 * s['share']:.1f}% | {how} |"
         )
+    if stats.get("categories"):
+        out += ["", "| category | read | unique | eval | train (distinct) |", "|---|---:|---:|---:|---:|"]
+        for name, k in stats["categories"].items():
+            out.append(f"| {name} | {k['read']} | {k['unique']} | {k['eval']} | {k['train']} ({k['selected_unique']}) |")
+    out += ["", "## Where the data came from", "",
+            "| source | status | from | identity | checksum / reason |", "|---|---|---|---|---|"]
+    for name, d in stats.get("data", {}).items():
+        what = d.get("reason") or _checksum_text(d.get("checksum") or {}) or "-"
+        out.append(f"| {name} | {d['status']} | {d.get('where', '-')} | `{_cell(d.get('identity', '-'))}` | "
+                   f"{_cell(what)} |")
+    for name, d in stats.get("data", {}).items():
+        syn = d.get("synthesized")
+        if not syn:
+            continue
+        out += ["", f"### {name}: prompts the target wrote ({syn['kept']} kept of {syn['attempts']} attempts, "
+                    f"{syn['wanted']} wanted)", "",
+                f"User prefix given to the target: `{_cell(syn['prefix'])}`; its turn ends at "
+                f"`{_cell(syn['end_of_turn'] or 'EOS')}`.", "",
+                "| dropped because | count |", "|---|---:|"]
+        out += [f"| {reason} | {n} |" for reason, n in syn["dropped"].items()]
+        for reason, ex in syn["examples"].items():
+            out += ["", f"{reason}:", "", "```"] + [f"attempt {e['attempt']}: {e['excerpt']!r}" for e in ex] + ["```"]
     out += ["", "## Drops by reason", "",
             "| reason | " + " | ".join(stats["sources"]) + " | total |",
             "|---|" + "---:|" * (len(stats["sources"]) + 1)]

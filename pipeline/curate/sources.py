@@ -1,12 +1,15 @@
-"""Where raw records come from: local jsonl/json/parquet files (or directories of them) and hub datasets.
+"""Where raw records come from: each source's files (its own `path`, a mirror copy, a download or a hub dataset,
+found by `pipeline.datasets`), random words, or the prompts the target synthesized (`synthesize.py`).
 
-`plan_chunks` cuts every source into deterministic reading units (`Chunk`: a range of records of one
-file or hub split), and `read_chunk` yields a chunk's records with their location, or the reason a
-record could not be parsed. Record indices count across a source's files in sorted order (blank jsonl
-lines keep their index but yield nothing), so ids `<source>/<index>` are stable whatever the chunking.
+`resolve_sources` applies the `use` rule to curate.sources (`pipeline.datasets.choose`): every source in use
+with what was found, every absent one with where it was looked for. `plan_chunks` cuts the sources in use into
+deterministic reading units (`Chunk`: a range of records of one file, hub split or random-word source), and
+`read_chunk` yields a chunk's records with their location, or the reason a record could not be parsed. Record
+indices count across a source's files in sorted order (blank jsonl lines keep their index but yield nothing), so
+ids `<source>/<index>` are stable whatever the chunking.
 
 Locations in reports: `file:line` (jsonl, and .json files that hold JSON lines), `file[i]` (JSON array),
-`file#row` (parquet), `hub:<id>/<split>#i` (hub dataset).
+`file#row` (parquet), `hub:<id>/<split>#i` (hub dataset), `words:<source>#i` (random words).
 
 A record that cannot be parsed, whatever the parser raises (nesting deeper than the recursion limit, an
 integer longer than Python converts, invalid JSON), is a malformed record with its location; a file that
@@ -16,7 +19,6 @@ cannot be read at all (a corrupt parquet footer) is one `StageError` naming the 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -25,11 +27,10 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.config import ConfigError, CurateConfig, SourceConfig
+from pipeline.config import ConfigError, CurateConfig, RunConfig, SourceConfig
+from pipeline.datasets import Choice, Located, choose, load_hub, locate, locate_local
 from pipeline.errors import StageError
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SCAN_BLOCK = 1 << 24
 
 
@@ -40,13 +41,14 @@ class Chunk:
     source: int      # index into cfg.curate.sources
     name: str        # source name
     number: int      # chunk number within the source
-    kind: str        # jsonl | json | parquet | hub
-    path: str        # file path or hub id
+    kind: str        # jsonl | json | parquet | hub | words
+    path: str        # file path, hub id, or the record count of a random-word source
     first: int       # index of the first record within the source (ids count from here)
     count: int       # records (jsonl: lines) in the chunk
-    offset: int      # jsonl: byte offset of the first line; json/parquet/hub: row within the file/split
+    offset: int      # jsonl: byte offset of the first line; json/parquet/hub/words: row within the file/split
     end: int         # jsonl: byte offset past the last line; otherwise offset + count
     line: int = 0    # jsonl: 1-based line number of the first line
+    cache: str = ""  # hub: the `datasets` cache directory
 
     @property
     def unit(self) -> str:
@@ -66,71 +68,80 @@ class RawRecord:
 # ----------------------------------------------------------------------------------------------
 
 
-def check_sources(cfg: CurateConfig) -> None:
-    """What curate needs beyond a valid config (`CurateConfig.validate`): at least one source, and every local
-    source's files present with a supported extension."""
-    if not cfg.sources:
+def generated(s: SourceConfig, target_model: str) -> Located | None:
+    """What a source that reads no dataset yields (random words, synthesized prompts), or None for a dataset."""
+    if s.random_words is not None:
+        return Located(s.name, "random_words", (("words", str(s.random_words)),), f"random_words:{s.random_words}")
+    if s.synthesize is not None:
+        return Located(s.name, "synthesized", (), f"synthesized by the target {target_model}")
+    return None
+
+
+def resolve_sources(cfg: RunConfig) -> list[Choice]:
+    """Every curate source after the `use` rule: used (with its files), absent (why) or an unneeded fallback.
+    Raises ConfigError without sources, DatasetMissing (one line) when a required source is found nowhere."""
+    if not cfg.curate.sources:
         raise ConfigError("curate.sources: at least one source is required")
-    for i, s in enumerate(cfg.sources):
-        source_files(s, f"curate.sources[{i}]")
+
+    def find(i: int, s: SourceConfig) -> Located:
+        return generated(s, cfg.target.model) or locate(s, s.name, f"curate.sources[{i}]", data_dir=cfg.data_dir,
+                                                        cache_dir=cfg.cache_dir)
+
+    return choose(cfg.curate.sources, "curate.sources", find)
 
 
-def is_local(path: str) -> bool:
-    """A path that exists, or that looks like a file path rather than a hub id `owner/name`."""
-    p = Path(path)
-    return p.exists() or p.suffix in LOCAL_SUFFIXES or path.startswith((".", "/", "~")) or not _HUB_ID.match(path)
+def count_records(cfg: RunConfig) -> tuple[int, list[str]]:
+    """Raw records of the sources of weight > 0 that are counted without fetching or generating anything (own
+    files, mirror copies, random words, each capped by its max_samples; synthesized: its `count`), and the names
+    of the others (hub and url sources not in the mirror). Fallback sources count only when no other source was
+    found here. Reads no record, writes nothing."""
+    total, uncounted, files = 0, [], {}
+    sources = [(i, s) for i, s in enumerate(cfg.curate.sources) if s.weight > 0]
+    for fallbacks in (False, True):
+        if fallbacks and (files or total):
+            break
+        for i, s in sources:
+            if (s.use == "fallback") != fallbacks:
+                continue
+            if s.synthesize is not None:
+                total += s.synthesize.count
+                continue
+            found = generated(s, cfg.target.model) or locate_local(s, s.name, f"curate.sources[{i}]",
+                                                                    data_dir=cfg.data_dir)
+            if found is None:
+                uncounted.append(s.name)
+            else:
+                files[i] = list(found.files)
+    total += sum(c.count for c in plan_chunks(cfg.curate, files, cfg.cache_dir))
+    return total, uncounted
 
 
-def source_files(s: SourceConfig, key: str = "source") -> list[tuple[str, str]]:
-    """[(kind, path)] of a source: its local files in sorted order, or [("hub", id)]."""
-    if not is_local(s.path):
-        return [("hub", s.path)]
-    p = Path(s.path).expanduser()
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in LOCAL_SUFFIXES)
-        if not files:
-            raise ConfigError(f"{key}.path: directory {s.path!r} holds no .jsonl/.json/.parquet files")
-    elif p.is_file():
-        if p.suffix not in LOCAL_SUFFIXES:
-            raise ConfigError(f"{key}.path: {s.path!r} is not a .jsonl/.json/.parquet file")
-        files = [p]
-    else:
-        raise ConfigError(f"{key}.path: {s.path!r} does not exist (and is not a hub dataset id)")
-    return [(_local_kind(f), str(f)) for f in files]
-
-
-def _local_kind(path: Path) -> str:
-    """jsonl | json | parquet; a .json file that is not a JSON array holds JSON lines (common on the hub)."""
-    if path.suffix == ".parquet":
-        return "parquet"
-    if path.suffix == ".json":
-        with open(path, "rb") as f:
-            if f.read(4096).lstrip().startswith(b"["):
-                return "json"
-    return "jsonl"
-
-
-def plan_chunks(cfg: CurateConfig) -> list[Chunk]:
-    """All reading units of all sources, in source order then record order."""
+def plan_chunks(cfg: CurateConfig, files: dict[int, list[tuple[str, str]]], cache_dir: str = "") -> list[Chunk]:
+    """All reading units of the sources in `files` (source index -> [(kind, path)]), in source order then record
+    order; `cache_dir` is where hub datasets are cached."""
     chunks: list[Chunk] = []
-    for si, s in enumerate(cfg.sources):
+    cache = str(Path(cache_dir) / "datasets")
+    for si in sorted(files):
+        s = cfg.sources[si]
         first, number = 0, 0
         limit = s.max_samples if s.max_samples is not None else 1 << 62
-        for kind, path in source_files(s, f"curate.sources[{si}]"):
+        for kind, path in files[si]:
             if first >= limit:
                 break
-            for offset, end, count, line in _file_ranges(kind, path, s, cfg.read_chunk, limit - first):
-                chunks.append(Chunk(si, s.name, number, kind, path, first, count, offset, end, line))
+            for offset, end, count, line in _file_ranges(kind, path, s, cfg.read_chunk, limit - first, cache):
+                chunks.append(Chunk(si, s.name, number, kind, path, first, count, offset, end, line,
+                                    cache if kind == "hub" else ""))
                 first += count
                 number += 1
     return chunks
 
 
-def _file_ranges(kind: str, path: str, s: SourceConfig, size: int, limit: int) -> list[tuple[int, int, int, int]]:
+def _file_ranges(kind: str, path: str, s: SourceConfig, size: int, limit: int,
+                 cache: str) -> list[tuple[int, int, int, int]]:
     """(offset, end, count, line) ranges of at most `size` records each, at most `limit` records in all."""
     if kind == "jsonl":
         return _jsonl_ranges(path, size, limit)
-    n = min(_num_records(kind, path, s), limit)
+    n = min(_num_records(kind, path, s, cache), limit)
     return [(o, min(o + size, n), min(size, n - o), 0) for o in range(0, n, size)]
 
 
@@ -154,12 +165,18 @@ def _jsonl_ranges(path: str, size: int, limit: int) -> list[tuple[int, int, int,
     return ranges
 
 
-def _num_records(kind: str, path: str, s: SourceConfig) -> int:
+def _num_records(kind: str, path: str, s: SourceConfig, cache: str) -> int:
     if kind == "parquet":
         return _parquet_file(path).metadata.num_rows
     if kind == "json":
         return len(_json_array(path))
-    return len(hub_dataset(path, s.subset, s.split, s.data_files))
+    if kind == "words":
+        return int(path)
+    return len(_hub(s, cache))
+
+
+def _hub(s: SourceConfig, cache: str):
+    return load_hub(s.hub, s.subset, s.split, s.revision, s.data_files, cache)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,8 +192,13 @@ def read_chunk(chunk: Chunk, s: SourceConfig) -> Iterator[RawRecord]:
         yield from _read_json_array(chunk)
     elif chunk.kind == "parquet":
         yield from _read_parquet(chunk)
+    elif chunk.kind == "words":
+        from pipeline.curate.synthetic import random_words
+
+        for k, text in enumerate(random_words(chunk.name, chunk.offset, chunk.count)):
+            yield RawRecord(chunk.first + k, f"words:{chunk.name}#{chunk.offset + k}", {"prompt": text})
     else:
-        ds = hub_dataset(chunk.path, s.subset, s.split, s.data_files)
+        ds = _hub(s, chunk.cache)
         yield from dataset_records(ds, chunk.offset, chunk.end, first=chunk.first, where=f"hub:{chunk.path}/{s.split}")
 
 
@@ -265,22 +287,6 @@ def _read_parquet(chunk: Chunk) -> Iterator[RawRecord]:
         row0 += n
         if row0 >= chunk.end:
             break
-
-
-@lru_cache(maxsize=4)
-def hub_dataset(path: str, subset: str | None, split: str, data_files: str | None = None):
-    """`datasets.load_dataset(path, subset, split=split[, data_files=...])`: downloaded once into the HF
-    cache, then memory-mapped (random access by row, so any worker can read any chunk)."""
-    import datasets
-
-    kwargs = {"data_files": data_files} if data_files else {}
-    try:
-        return datasets.load_dataset(path, subset, split=split, **kwargs)
-    except Exception as e:  # noqa: BLE001 - any loader failure is a config/network problem, reported as such
-        raise StageError(
-            f"cannot load hub dataset {path!r} (subset={subset!r}, split={split!r}, data_files={data_files!r}; "
-            f"no local file or directory of that name exists either): {type(e).__name__}: {e}"
-        ) from e
 
 
 def dataset_records(ds, start: int, stop: int, *, first: int, where: str) -> Iterator[RawRecord]:

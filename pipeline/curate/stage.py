@@ -2,7 +2,11 @@
 
 Phases and their units of resume (a killed run redoes only unfinished units):
 
-    plan    cut every source into chunks of `curate.read_chunk` records (a newline scan, no parsing)
+    find    every source's dataset: own file, mirror copy, cache or hub (`pipeline.datasets`; before the
+            stage begins: what was found and its checksums are part of the config record, so a resumed or
+            finished run made from other data is refused naming the source)
+    synth   per synthesized source, its units of target-written prompts (`synthesize.py`)
+    plan    cut every source in use into chunks of `curate.read_chunk` records (a newline scan, no parsing)
     read    per chunk: read, adapt, clean, exact key + MinHash -> work/shards/<source>-NNNNN.arrow
             (`chunks.py`; `curate.num_workers` processes)
     dedup   exact then near duplicates over all chunks in source order -> work/shards/dedup.arrow
@@ -32,7 +36,9 @@ from pipeline.curate.dedup import LSH_WEIGHTS, SHINGLE_WORDS, exact_duplicates, 
 from pipeline.curate.mix import Selection, select
 from pipeline.curate.report import CHAR_EDGES, histogram, length_summary, render_report
 from pipeline.curate.schema import CONVERSATION_SCHEMA, KEY_BYTES
-from pipeline.curate.sources import Chunk, check_sources, plan_chunks
+from pipeline.curate.sources import Chunk, plan_chunks, resolve_sources
+from pipeline.curate.synthesize import synthesize
+from pipeline.datasets import Choice
 from pipeline.log import get_logger, progress, summary
 from pipeline.errors import StageError
 from pipeline.files import AtomicFile, atomic_write_json, atomic_write_text
@@ -46,11 +52,27 @@ OUTPUT_COLUMNS = [f.name for f in CONVERSATION_SCHEMA]
 log = get_logger("curate")
 
 
-def curate_config_record(cfg: RunConfig) -> tuple[str, dict]:
+def curate_config_record(cfg: RunConfig, data: dict) -> tuple[str, dict]:
     """(hash, settings) of everything that shapes the output: the curate section without its `hashed=False`
     fields (`num_workers`, `max_error_rate`: they change how the work runs or whether it may finish, never what it
-    writes, so a run that failed on the error rate resumes with a higher limit)."""
-    return config_record(curate=hashed_fields(cfg.curate), run={"seed": cfg.seed, "schema": SCHEMA_VERSION})
+    writes, so a run that failed on the error rate resumes with a higher limit), and `data`: per source, what was
+    found (where, files, checksums; the target that synthesizes) or that it is absent."""
+    return config_record(curate=hashed_fields(cfg.curate), run={"seed": cfg.seed, "schema": SCHEMA_VERSION}, data=data)
+
+
+def data_record(cfg: RunConfig, choices: list[Choice]) -> tuple[dict, object]:
+    """(per source name: its `Choice.record()`, with the synthesizing target's identity where one synthesizes;
+    the opened target or None)."""
+    data = {c.name: c.record() for c in choices}
+    synth = [c for c in choices if c.status == "used" and cfg.curate.sources[c.index].synthesize is not None]
+    target = None
+    if synth:
+        from pipeline.target import open_target
+
+        target = open_target(cfg.target, cfg.cache_dir)
+        for c in synth:
+            data[c.name]["target"] = {**target.fingerprint, "enable_thinking": cfg.target.enable_thinking}
+    return data, target
 
 
 def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo()) -> dict:
@@ -58,10 +80,16 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
         raise StageError("curate runs as one job (it deduplicates across all sources); "
                          "parallelism comes from curate.num_workers")
     started = time.time()
-    check_sources(cfg.curate)
+    choices = resolve_sources(cfg)
+    data, target = data_record(cfg, choices)
+    for ch in choices:
+        if ch.status == "absent":
+            log.warning("source %r left out (use: if_present): %s", ch.name, ch.reason)
+        elif ch.status == "fallback_unused":
+            log.info("source %r (fallback) %s", ch.name, ch.reason)
     stage = StageDir(cfg.run_dir, "curate")
     work = StageDir(stage.path, "work")
-    chash, settings = curate_config_record(cfg)
+    chash, settings = curate_config_record(cfg, data)
     if not stage.begin(chash, force=force, settings=settings):
         shutil.rmtree(work.path, ignore_errors=True)  # left over if a kill hit between manifest and cleanup
         m = stage.manifest()
@@ -71,8 +99,17 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
     timings: dict[str, float] = {}
     c = cfg.curate
     names = [s.name for s in c.sources]
+    files, synthesized = {}, {}
+    for ch in choices:
+        if ch.status != "used":
+            continue
+        if c.sources[ch.index].synthesize is not None:
+            with _phase(timings, f"synthesize {ch.name}"):
+                files[ch.index], synthesized[ch.name] = synthesize(cfg, ch.index, target, work)
+        else:
+            files[ch.index] = list(ch.located.files)
     with _phase(timings, "plan"):
-        chunks = plan_chunks(c)
+        chunks = plan_chunks(c, files, cfg.cache_dir)
     with _phase(timings, "read"):
         sidecars = read_chunks(chunks, c, work, default_workers(c))
     _check_error_rate(cfg, sidecars)
@@ -88,7 +125,9 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
     with _phase(timings, "write"):
         shards = _write_shards(stage, pool, sel, c.shard_size, names)
 
-    stats = _stats(cfg, stage, chunks, sidecars, pool, exact_of, near_of, sel, shards, timings)
+    data_stats = {name: {**record, **({"synthesized": synthesized[name]} if name in synthesized else {})}
+                  for name, record in data.items()}
+    stats = _stats(cfg, stage, chunks, sidecars, pool, exact_of, near_of, sel, shards, timings, data_stats)
     atomic_write_json(stage.path / "stats.json", stats)
     report_path = stage.path / "report.md"
     atomic_write_text(report_path, render_report(stats))
@@ -97,18 +136,22 @@ def run_curate(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInf
 
     manifest = stage.write_manifest(
         config_hash=chash,
-        fingerprint={"schema": SCHEMA_VERSION, "sources": {s.name: s.path for s in c.sources}, "seed": cfg.seed},
+        fingerprint={"schema": SCHEMA_VERSION, "seed": cfg.seed,
+                     "sources": {ch.name: ch.located.identity for ch in choices if ch.status == "used"}},
         counts=stats["manifest_counts"],
         started=started,
-        extra={"sources": stats["sources_manifest"], "report": str(report_path), "stats": str(stage.path / "stats.json")},
+        extra={"sources": stats["sources_manifest"], "data": data, "report": str(report_path),
+               "stats": str(stage.path / "stats.json")},
     )
     pool.close()
     shutil.rmtree(work.path, ignore_errors=True)
     k = stats["counts"]
     dropped = sum(v for key, v in k.items() if key.startswith("dropped."))
-    summary("curate", f"{k['train']} train + {k['eval']} eval conversations from {k['read']} records "
-                      f"({k['malformed']} malformed, {dropped} dropped, {k['repeats']} up-sampled copies) "
-                      f"-> {stage.shards}; report: {report_path}")
+    used = ", ".join(ch.name for ch in choices if ch.status == "used")
+    absent = ", ".join(ch.name for ch in choices if ch.status == "absent")
+    summary("curate", f"{k['train']} train + {k['eval']} eval conversations from {k['read']} records of {used}"
+                      f"{f' ({absent} absent)' if absent else ''} ({k['malformed']} malformed, {dropped} dropped, "
+                      f"{k['repeats']} up-sampled copies) -> {stage.shards}; report: {report_path}")
     return manifest
 
 
@@ -287,7 +330,7 @@ def _dup_examples(pool: WorkPool, dup_of: np.ndarray, k: int = 3) -> list[dict]:
 
 
 def _stats(cfg: RunConfig, stage: StageDir, chunks: list[Chunk], sidecars: dict[str, dict], pool: WorkPool,
-           exact_of: np.ndarray, near_of: np.ndarray, sel: Selection, shards: dict, timings: dict) -> dict:
+           exact_of: np.ndarray, near_of: np.ndarray, sel: Selection, shards: dict, timings: dict, data: dict) -> dict:
     c = cfg.curate
     names = [s.name for s in c.sources]
     per_source = [Counter() for _ in names]
@@ -318,7 +361,8 @@ def _stats(cfg: RunConfig, stage: StageDir, chunks: list[Chunk], sidecars: dict[
         train = mix.selected_unique + mix.repeats
         share = (s.weight / weight_sum) if c.total is not None else (mix.unique / max(1, sum(m.unique for m in sel.sources)))
         sources[s.name] = {
-            "path": s.path, "weight": s.weight, "share": share,
+            "path": data[s.name].get("identity", ""), "status": data[s.name]["status"], "category": s.category,
+            "weight": s.weight, "share": share,
             "formats": {k.split(".", 1)[1]: v for k, v in p.items() if k.startswith("format.")},
             "read": p.get("read", 0), "malformed": p.get("malformed", 0), "conversations": p.get("conversations", 0),
             "dropped": dropped, "unique": mix.unique, "eval": mix.eval, "available": mix.available,
@@ -343,6 +387,11 @@ def _stats(cfg: RunConfig, stage: StageDir, chunks: list[Chunk], sidecars: dict[
                 "chars": histogram(chars[rows], CHAR_EDGES), "turns": histogram(turns[rows], [1, 2, 3, 4, 5, 7, 9, 13, 17])}
         for split, rows in (("train", sel.train_rows), ("eval", sel.eval_rows))
     }
+    categories: dict[str, Counter] = {}
+    for name, src in sources.items():
+        if src["category"]:
+            categories.setdefault(src["category"], Counter()).update(
+                {k: src[k] for k in ("read", "unique", "eval", "train", "selected_unique")})
     from datasketch import MinHashLSH
 
     lsh = MinHashLSH(threshold=c.near_dedup_threshold, num_perm=max(c.minhash_perm, 2), weights=LSH_WEIGHTS)
@@ -355,6 +404,8 @@ def _stats(cfg: RunConfig, stage: StageDir, chunks: list[Chunk], sidecars: dict[
         "manifest_counts": {k: v for k, v in counts.items()},
         "sources": sources,
         "sources_manifest": sources_manifest,
+        "categories": {k: dict(v) for k, v in sorted(categories.items())},
+        "data": data,
         "drops": {r: {"count": counts[f"dropped.{r}"], "examples": examples.get(r, [])} for r in DROP_REASONS},
         "malformed": {"count": counts["malformed"], "rate": counts["malformed"] / read if read else 0.0,
                       "max_error_rate": c.max_error_rate, "examples": examples.get("malformed", [])},

@@ -1,4 +1,8 @@
-"""Synthetic chat data with known defects, for the curate benchmark and the resume tests.
+"""Synthetic chat data: random-word prompts (the `random_words` source kind) and conversations with known
+defects (the curate benchmark and the resume tests).
+
+`random_words(name, first, count)` gives prompts [first, first + count) of a `random_words` source: each a
+function of (source name, index) only, 6-30 made-up words ending with '?', so any chunking reads the same text.
 
 `write_synthetic(out_dir, n)` writes about n records into three sources of different layouts:
 
@@ -16,6 +20,8 @@ source specs for `curate.sources` and the planted counts.
 from __future__ import annotations
 
 import json
+import zlib
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +38,22 @@ def _vocabulary(gen: np.random.Generator, size: int = 20000) -> np.ndarray:
     words = {"".join(_SYLLABLES[p] for p in row[:k]) + str(i % 7 if i % 5 == 0 else "")
              for i, (row, k) in enumerate(zip(parts, lengths))}
     return np.array(sorted(words))
+
+
+@lru_cache(maxsize=1)
+def _word_list() -> np.ndarray:
+    return _vocabulary(np.random.default_rng(0), 5000)
+
+
+def random_words(name: str, first: int, count: int) -> list[str]:
+    """Prompts [first, first + count) of the `random_words` source `name` (module docstring)."""
+    vocab, tag = _word_list(), zlib.crc32(name.encode())
+    out = []
+    for i in range(first, first + count):
+        gen = np.random.default_rng([tag, i])
+        words = vocab[gen.integers(0, len(vocab), int(gen.integers(6, 31)))]
+        out.append(" ".join(words.tolist()).capitalize() + "?")
+    return out
 
 
 class _Text:

@@ -13,6 +13,7 @@ import pytest
 from drafter.cli import COMMANDS, build_parser, main as drafter_main, parse_args
 from drafter.plan import estimate, source_records
 from pipeline.config import ConfigError, load_config
+from tests.conftest import synthetic_records, write_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,15 +68,22 @@ def test_plan_writes_nothing_and_estimates_from_the_sources_without_curate_total
     out = capsys.readouterr().out
     assert not cache.exists() and not runs.exists()  # the random target is described in memory
     cfg = load_config(REPO / "configs/tiny.yaml", argv[3:])
-    # tiny.yaml: gsm8k (max_samples 200) + code_alpaca (max_samples 200) + alpaca_seed (all 175 records)
-    assert source_records(cfg) == (200 + 200 + 175, [])
+    # tiny.yaml: 400 random-word prompts (nothing to fetch)
+    assert source_records(cfg) == (400, [])
     est = estimate(cfg)  # minus the 8 held out, capped by regen.max_samples (64)
-    assert est["samples"] == min(575 - cfg.curate.eval_size, cfg.regen.max_samples) * cfg.regen.samples_per_prompt > 0
+    assert est["samples"] == min(400 - cfg.curate.eval_size, cfg.regen.max_samples) * cfg.regen.samples_per_prompt > 0
     assert "from the sources' records (curate.total unset" in out and f"samples                 {est['samples']:,}" in out
     # runs_dir in tmp_path: a checkout where `make demo` ran has runs/smollm2-135m, whose curate manifest plan reads
-    big = estimate(load_config(REPO / "configs/smollm2-135m.yaml", ["curate.total=null", "regen.max_samples=null",
-                                                                      f"runs_dir={runs}"]))
-    assert big["samples"] == (1000 + 1000 + 175 - 32) * 1 and big["gpu_hours"]["extract"] > 0
+    mirror = tmp_path / "mirror"  # made-up files under the names of the demo's public sets
+    write_records(mirror / "gsm8k_train.jsonl", synthetic_records("gsm8k", 1200))
+    write_records(mirror / "code_alpaca_2k.json", synthetic_records("alpaca", 1100))
+    write_records(mirror / "alpaca_seed_tasks.jsonl", synthetic_records("alpaca", 175))
+    smol = ["curate.total=null", "regen.max_samples=null", f"runs_dir={runs}"]
+    big = estimate(load_config(REPO / "configs/smollm2-135m.yaml", [*smol, f"data_dir={mirror}"]))
+    assert big["samples"] == (1000 + 1000 + 175 - 16) * 1 and big["gpu_hours"]["extract"] > 0  # max_samples 1000
+    alone = estimate(load_config(REPO / "configs/smollm2-135m.yaml", smol))  # no mirror: the synthesized fallback
+    assert alone["samples"] == 64 - 16
+    assert "not counted (not local): gsm8k_train, code_alpaca_2k, alpaca_seed_tasks" in alone["samples_from"]
     with_total = estimate(load_config(REPO / "configs/tiny.yaml", ["curate.total=100", f"runs_dir={runs}"]))
     assert with_total["samples_from"] == "curate.total"
 

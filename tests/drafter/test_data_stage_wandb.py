@@ -23,11 +23,11 @@ def summary_of(records) -> dict:
 
 
 def test_data_stages_log_counts_and_rates_in_the_pipelines_group(tmp_path):
-    overrides = [f"runs_dir={tmp_path}", "regen.backend=none", "curate.total=60"]
+    overrides = [f"runs_dir={tmp_path}", "curate.total=60", "regen.max_samples=16", "regen.max_new_tokens=16"]
     cfg = load_config(REPO / "configs/tiny.yaml", overrides)
     assert drafter_main(["curate", "--config", str(REPO / "configs/tiny.yaml"), *overrides]) == 0
     assert drafter_main(["regen", "--config", str(REPO / "configs/tiny.yaml"), *overrides]) == 0  # + tokenize
-    for stage, rate in (("curate", "read_per_s"), ("regen", "written_per_s"), ("tokenize", "tokens_per_s")):
+    for stage, rate in (("curate", "train_per_s"), ("regen", "written_per_s"), ("tokenize", "tokens_per_s")):
         records = wandb_offline_records(cfg.run_dir / stage / "wandb")
         (run,) = [r.run for r in records if r.HasField("run")]
         assert (run.run_group, run.job_type, run.display_name) == ("tiny", stage, f"tiny-{stage}")

@@ -1,70 +1,83 @@
-"""Benchmark prompt formats (z-lab/dflash benchmark.py) on the real prompt files: the small jsonl/json subsets
-and the full parquet sets vendored in data/prompts."""
+"""Benchmark prompt formats (z-lab/dflash benchmark.py): on made-up files of each layout (jsonl/json and parquet)
+and on the real public sets of the prompt mirror (skipped without $DRAFTER_DATA_DIR)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from eval.prompts import REASON_SUFFIX, chat_prompt_ids, load_benchmark
 from pipeline.config import BenchmarkConfig, ConfigError
 from pipeline.target import build_byte_tokenizer
-from tests.conftest import make_config, prompt_records
+from tests.conftest import make_config, mirror_file, read_records, synthetic_records, write_records
 
-REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "data" / "prompts"
-DIRS = [pytest.param("subset", id="subset"), pytest.param("full", id="full")]
-GSM8K = {"subset": "gsm8k_test_100.jsonl", "full": "gsm8k_test.parquet"}
-CODE_ALPACA = {"subset": "code_alpaca_1k.json", "full": "code_alpaca_2k.parquet"}
+KINDS = ["made_up", "made_up_parquet", "mirror"]
+MIRROR_NAMES = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl", "mt_bench": "mt_bench.jsonl",
+                "alpaca": "code_alpaca_2k.json", "seed": "alpaca_seed_tasks.jsonl"}
 
 
-def first_row(path: Path) -> dict:
-    return prompt_records(path.name)[0]
+def prompt_file(kind: str, layout: str, tmp_path):
+    """A file of `layout` records: made up by the test (as jsonl/json or parquet), or the mirror's real set."""
+    if kind == "mirror":
+        return mirror_file(MIRROR_NAMES[layout])
+    suffix = ".parquet" if kind == "made_up_parquet" else (".json" if layout == "alpaca" else ".jsonl")
+    return write_records(tmp_path / f"{layout}{suffix}", synthetic_records(layout, 200))
 
 
-@pytest.mark.parametrize("root", DIRS)
-def test_gsm8k_prompt_is_question_then_boxed_instruction(root):
-    path = SHIPPED / GSM8K[root]
+@pytest.mark.parametrize("kind", KINDS)
+def test_gsm8k_prompt_is_question_then_boxed_instruction(kind, tmp_path):
+    path = prompt_file(kind, "gsm8k", tmp_path)
     loaded = load_benchmark(BenchmarkConfig(name="gsm8k", path=str(path), num_samples=5))
     assert len(loaded.prompts) == 5 and loaded.read == 5 and not loaded.skipped
     p = loaded.prompts[0]
-    assert p.turns == (first_row(path)["question"]
+    assert p.turns == (read_records(path)[0]["question"]
                        + "\nPlease reason step by step, and put your final answer within \\boxed{}.",)
     assert p.id == "gsm8k/0" and p.benchmark == "gsm8k"
 
 
-def test_humaneval_prompt_wraps_the_code_in_a_python_block():
-    path = SHIPPED / "humaneval.jsonl"
+@pytest.mark.parametrize("kind", KINDS)
+def test_humaneval_prompt_wraps_the_code_in_a_python_block(kind, tmp_path):
+    path = prompt_file(kind, "humaneval", tmp_path)
     loaded = load_benchmark(BenchmarkConfig(name="humaneval", path=str(path), num_samples=3))
-    row = first_row(path)
+    row = read_records(path)[0]
     assert loaded.prompts[0].turns == (
         "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
         + row["prompt"] + "\n```",)
-    assert loaded.prompts[0].id == "humaneval/HumanEval/0"
+    assert loaded.prompts[0].id == f"humaneval/{row['task_id']}"
 
 
-def test_mt_bench_prompt_keeps_both_user_turns():
-    path = SHIPPED / "mt_bench.jsonl"
+@pytest.mark.parametrize("kind", KINDS)
+def test_mt_bench_prompt_keeps_both_user_turns(kind, tmp_path):
+    path = prompt_file(kind, "mt_bench", tmp_path)
     loaded = load_benchmark(BenchmarkConfig(name="mt_bench", path=str(path), num_samples=80))
     assert len(loaded.prompts) == 80
     assert all(len(p.turns) == 2 for p in loaded.prompts)
-    assert loaded.prompts[0].turns == tuple(first_row(path)["turns"])
-    assert loaded.prompts[0].id == "mt_bench/81"
+    row = read_records(path)[0]
+    assert loaded.prompts[0].turns == tuple(row["turns"])
+    assert loaded.prompts[0].id == f"mt_bench/{row['question_id']}"
 
 
-@pytest.mark.parametrize("root", DIRS)
-def test_alpaca_prompt_appends_the_input_when_there_is_one(root):
-    seed = load_benchmark(BenchmarkConfig(name="alpaca", path=str(SHIPPED / "alpaca_seed_tasks.jsonl"), num_samples=175))
-    rows = [json.loads(line) for line in (SHIPPED / "alpaca_seed_tasks.jsonl").read_text().splitlines()]
+def test_alpaca_seed_task_prompt_appends_the_first_instance_input():
+    path = mirror_file(MIRROR_NAMES["seed"])
+    seed = load_benchmark(BenchmarkConfig(name="alpaca", path=str(path), num_samples=175))
+    rows = read_records(path)
     assert len(seed.prompts) == 175
     for p, row in zip(seed.prompts, rows):
         inp = row["instances"][0]["input"]
         assert p.turns == ((row["instruction"] + "\n\n" + inp) if inp.strip() else row["instruction"],)
-    code = load_benchmark(BenchmarkConfig(name="alpaca", path=str(SHIPPED / CODE_ALPACA[root]), num_samples=2))
-    row = first_row(SHIPPED / CODE_ALPACA[root])
-    assert code.prompts[0].turns == (row["instruction"] + "\n\n" + row["input"],)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_alpaca_prompt_appends_the_input_when_there_is_one(kind, tmp_path):
+    path = prompt_file(kind, "alpaca", tmp_path)
+    rows = read_records(path)
+    code = load_benchmark(BenchmarkConfig(name="alpaca", path=str(path), num_samples=20))
+    for p, row in zip(code.prompts, rows):
+        assert p.turns == ((row["instruction"] + "\n\n" + row["input"]) if row["input"] else row["instruction"],)
+    seed = {"instruction": "Name a colour.", "instances": [{"input": "Think of the sky.", "output": "Blue."}]}
+    assert load_benchmark(BenchmarkConfig(name="alpaca", path=str(write_records(tmp_path / "seed.jsonl", [seed])),
+                                          num_samples=1)).prompts[0].turns == ("Name a colour.\n\nThink of the sky.",)
 
 
 def test_math_prompt_uses_the_problem_field(tmp_path):
@@ -115,15 +128,17 @@ def test_an_unreadable_prompt_file_is_one_error_naming_it(tmp_path, suffix):
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"eval.benchmarks\[0\].path: required"):
+    with pytest.raises(ConfigError, match=r"eval.benchmarks\[0\]: name the dataset by exactly one public identity "
+                                          r"\(hub, url or origin\), or give your own file as path"):
         make_config(tmp_path, overrides=["eval.benchmarks=[{name: gsm8k, num_samples: 1}]"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_benchmark(BenchmarkConfig(name="gsm8k", path=str(tmp_path / "nope.jsonl"), num_samples=1))
 
 
-def test_prompt_ids_are_the_chat_template_with_a_generation_prompt_and_the_thinking_flag():
+def test_prompt_ids_are_the_chat_template_with_a_generation_prompt_and_the_thinking_flag(tmp_path):
     tok = build_byte_tokenizer()
-    prompt = load_benchmark(BenchmarkConfig(name="humaneval", path=str(SHIPPED / "humaneval.jsonl"), num_samples=1))
+    path = write_records(tmp_path / "h.jsonl", synthetic_records("humaneval", 1))
+    prompt = load_benchmark(BenchmarkConfig(name="humaneval", path=str(path), num_samples=1))
     messages = [{"role": "user", "content": prompt.prompts[0].turns[0]}]
     ids = chat_prompt_ids(tok, messages, enable_thinking=False)
     assert tok.decode(ids) == f"<|im_start|>user\n{messages[0]['content']}<|im_end|>\n<|im_start|>assistant\n"

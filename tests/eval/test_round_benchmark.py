@@ -16,13 +16,13 @@ from transformers import AutoConfig
 from extract.layers import configured_layer_ids
 from pipeline.config import load_config
 from pipeline.target import load_tokenizer, materialize_target
-from tests.conftest import CACHE, REPO
+from tests.conftest import CACHE, REPO, synthetic_records, write_records
 from dflash_model.export import export_zlab
 from dflash_model.model import DFlashDrafter, DrafterArgs
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DRAFTER_NO_PROGRESS": "1"}
+def run_bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DRAFTER_NO_PROGRESS": "1", **(env or {})}
     return subprocess.run([sys.executable, "benchmarks/bench_round.py", "--device", "cpu", "--repeats", "1", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -59,8 +59,11 @@ def test_export_mode_decodes_gsm8k_prompts_with_a_trained_drafter_layout(tmp_pat
     torch.manual_seed(0)
     export_zlab(DFlashDrafter(args), args, tmp_path / "export")
     out = tmp_path / "export.json"
+    mirror = tmp_path / "mirror"  # GSM8K test's mirror file name, made-up word problems in it
+    write_records(mirror / "gsm8k_test.jsonl", synthetic_records("gsm8k", 4))
     res = run_bench("--config", "configs/tiny.yaml", "--export", str(tmp_path / "export"), "--budgets", "4",
-                    "--prompts", "2", "--new-tokens", "8", "--name", "tiny_export", "--out", str(out))
+                    "--prompts", "2", "--new-tokens", "8", "--name", "tiny_export", "--out", str(out),
+                    env={"DRAFTER_DATA_DIR": str(mirror)})
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(out.read_text())["tiny_export"]
     assert set(summary["round_ms"]) == {"4", "chain", "ddtree@4"}

@@ -31,19 +31,28 @@ from pipeline.stage_dir import StageDir
 from pipeline.target import load_target, load_tokenizer, materialize_target, tokenizer_fingerprint
 from dflash_model.export import export_zlab
 from dflash_model.model import DFlashDrafter, DrafterArgs
+from tests.conftest import synthetic_records, write_records
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache"
-SMALL = [  # two benchmarks (one multi-turn), every method, two budgets; seconds on a CPU
-    "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1},"
-    " {name: mt_bench, path: data/prompts/mt_bench.jsonl, num_samples: 1}]",
-    "eval.budgets=[4,12]", "eval.max_new_tokens=12", "eval.warmup_tokens=2", "train.wandb.mode=disabled",
-]
+SMALL = ["eval.budgets=[4,12]", "eval.max_new_tokens=12", "eval.warmup_tokens=2", "train.wandb.mode=disabled"]
+
+
+def benchmarks(tmp_path: Path, gsm8k: int = 1, mt_bench: int | None = 1) -> str:
+    """The eval.benchmarks override: made-up GSM8K- and MT-Bench-layout prompt files written under tmp_path (one
+    single-turn and one multi-turn benchmark), `gsm8k` / `mt_bench` prompts of each (None: no MT-Bench)."""
+    g = write_records(tmp_path / "prompts" / "gsm8k.jsonl", synthetic_records("gsm8k", 8))
+    m = write_records(tmp_path / "prompts" / "mt_bench.jsonl", synthetic_records("mt_bench", 4))
+    entries = [f"{{name: gsm8k, path: {g}, num_samples: {gsm8k}}}"]
+    if mt_bench:
+        entries.append(f"{{name: mt_bench, path: {m}, num_samples: {mt_bench}}}")
+    return f"eval.benchmarks=[{', '.join(entries)}]"
 
 
 def make_config(tmp_path: Path, overrides=()):
-    return load_config(REPO / "configs/tiny.yaml",
-                       [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, *overrides])
+    """tiny.yaml with two benchmarks (one multi-turn), every method, two budgets: seconds on a CPU."""
+    return load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL,
+                                                    benchmarks(tmp_path), *overrides])
 
 
 def export_random_drafter(cfg, out: Path, *, seed=0, tokenizer_fp: dict | None = None, **arg_overrides) -> Path:
@@ -121,8 +130,8 @@ def test_the_timing_order_interleaves_the_units_per_prompt_and_skips_what_a_unit
 def test_ar_and_the_methods_are_timed_in_turn_prompt_by_prompt(tmp_path):
     """The units of a benchmark are timed interleaved, not one after another: each unit's timed span (first decode
     to last, in its sidecar) overlaps every other unit's."""
-    cfg = make_config(tmp_path, ["eval.methods=[ar,chain]", "eval.benchmarks=[{name: gsm8k, path: "
-                                 "data/prompts/gsm8k_test_100.jsonl, num_samples: 3}]", "eval.lossless_check=false"])
+    cfg = make_config(tmp_path, ["eval.methods=[ar,chain]", benchmarks(tmp_path, gsm8k=3, mt_bench=None),
+                                 "eval.lossless_check=false"])
     export_random_drafter(cfg, cfg.run_dir / "train")
     run_eval(cfg, force=False)
     spans = {name: s["timed"] for name, s in StageDir(cfg.run_dir, "eval").done_units().items()}
@@ -136,7 +145,7 @@ def test_mt_bench_second_turn_is_asked_after_the_targets_own_first_answer(cfg):
     location = materialize_target(cfg.target, cfg.cache_dir)
     tok = load_tokenizer(location, cfg.target)
     target = load_target(location, cfg.target)
-    prompt = EvalPrompt(id="mt_bench/81", benchmark="mt_bench", turns=("Write a haiku.", "Now make it rhyme."))
+    prompt = EvalPrompt(id="mt_bench/1000", benchmark="mt_bench", turns=("Write a haiku.", "Now make it rhyme."))
     gen = lambda ids: decode("ar", target, None, ids, max_new_tokens=12)  # noqa: E731
     (ids1, r1), (ids2, r2) = run_conversation(prompt, tok, gen, enable_thinking=False, max_prompt_tokens=4000)
     # the target's own greedy answer to turn 1, computed independently with HF generate
@@ -157,8 +166,7 @@ def test_mt_bench_second_turn_is_asked_after_the_targets_own_first_answer(cfg):
 @pytest.mark.parametrize("target_cache", ["auto", "static"])
 def test_hybrid_target_runs_ar_chain_and_tree_aware_ddtree(tmp_path, target_cache):
     cfg = make_config(tmp_path, ["target.model=random:qwen3_5_text", "eval.budgets=[4]",
-                                 "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]",
-                                 f"eval.target_cache={target_cache}"])
+                                 benchmarks(tmp_path, mt_bench=None), f"eval.target_cache={target_cache}"])
     export_random_drafter(cfg, cfg.run_dir / "train")
     manifest = run_eval(cfg, force=False)
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
@@ -194,8 +202,7 @@ def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written(tmp_path):
     finished unit nor a prompt already in a unit's journal (their records, timings included, come back unchanged)
     and every response appears exactly once."""
     overrides = [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", *SMALL, "eval.max_new_tokens=48",
-                 "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 5},"
-                 " {name: mt_bench, path: data/prompts/mt_bench.jsonl, num_samples: 1}]"]
+                 benchmarks(tmp_path, gsm8k=5, mt_bench=1)]
     cfg = load_config(REPO / "configs/tiny.yaml", overrides)
     export_random_drafter(cfg, cfg.run_dir / "train")
     shards, work = cfg.run_dir / "eval" / "shards", cfg.run_dir / "eval" / "work"
@@ -240,8 +247,7 @@ def test_kill_9_mid_unit_resumes_at_the_first_prompt_not_written(tmp_path):
 def test_split_ranks_share_the_units_and_the_last_rank_writes_the_report(tmp_path):
     from pipeline.stage_dir import RankInfo
 
-    cfg = make_config(tmp_path, ["eval.methods=[ar,chain]",
-                                 "eval.benchmarks=[{name: gsm8k, path: data/prompts/gsm8k_test_100.jsonl, num_samples: 1}]"])
+    cfg = make_config(tmp_path, ["eval.methods=[ar,chain]", benchmarks(tmp_path, mt_bench=None)])
     export_random_drafter(cfg, cfg.run_dir / "train")
     first = run_eval(cfg, force=False, ranks=RankInfo(0, 2))
     assert {k: v for k, v in first.items() if k != "seconds"} == {  # rank 0's summary: its unit; chain is rank 1's
@@ -272,14 +278,14 @@ def plant_curated_training_prompts(cfg, conversations: list[list[str]]) -> None:
 
 
 def test_report_has_the_lossless_check_and_names_eval_prompts_found_in_the_training_set(cfg):
-    gsm8k = json.loads((REPO / "data/prompts/gsm8k_test_100.jsonl").read_text().splitlines()[0])["question"]
-    mt = json.loads((REPO / "data/prompts/mt_bench.jsonl").read_text().splitlines()[0])["turns"]
+    gsm8k = synthetic_records("gsm8k", 1)[0]["question"]  # the first prompt of each benchmark (`benchmarks`)
+    mt = synthetic_records("mt_bench", 1)[0]["turns"]
     plant_curated_training_prompts(cfg, [[f"Please help: {gsm8k}"], mt])
     run_eval(cfg)
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
     o = report["overlap"]
     assert o["exact"] == 2 and o["near"] == 0
-    assert {e["eval_id"] for e in o["examples"]} == {"gsm8k/0", "mt_bench/81"}
+    assert {e["eval_id"] for e in o["examples"]} == {"gsm8k/0", "mt_bench/1000"}
     assert any("exact" in w and "training prompts" in w for w in report["verdict"]["warnings"])
     for c in report["cells"]:
         if c["method"] == "ar":
@@ -294,8 +300,7 @@ def test_the_fp32_subset_decodes_the_first_prompts_of_each_benchmark_whole_in_fp
     """eval.fp32_subset = 2: the first two prompts of each benchmark decoded again by AR and every method with fp32
     copies of the target and drafter (here the eval itself is fp32 too): identical, reported per cell and in the
     lossless table. (A decoder fault makes them differ: the fault-injection test below.)"""
-    cfg = make_config(tmp_path, ["eval.fp32_subset=2", "eval.benchmarks=[{name: gsm8k, path: "
-                                 "data/prompts/gsm8k_test_100.jsonl, num_samples: 3}]", "eval.budgets=[4]"])
+    cfg = make_config(tmp_path, ["eval.fp32_subset=2", benchmarks(tmp_path, gsm8k=3, mt_bench=None), "eval.budgets=[4]"])
     export_random_drafter(cfg, cfg.run_dir / "train")
     run_eval(cfg)
     report = json.loads((cfg.run_dir / "eval" / "report.json").read_text())
@@ -343,7 +348,7 @@ def test_lossless_check_finds_a_planted_divergence_and_replays_the_decoder_in_fp
     s = result[chain.name]
     assert s["divergences"] == 1 and s["not_near_tie"] == 1 and s["identical_or_near_tie"] == 0.5
     ex = s["not_near_tie_examples"][0]
-    assert (ex["prompt_id"], ex["turn"], ex["position"], ex["method_token"]) == ("mt_bench/81", 1, 3, worst)
+    assert (ex["prompt_id"], ex["turn"], ex["position"], ex["method_token"]) == ("mt_bench/1000", 1, 3, worst)
     assert ex["fp32_replay"] == "identical" and s["fp32_replay_identical"] == 1 and s["bugs"] == 0
     assert result[Unit("gsm8k", "chain").name]["divergences"] == 0
 

@@ -73,7 +73,8 @@ def test_ddtree_is_refused_with_a_reason_only_where_no_tree_can_be_verified():
 
 
 def test_units_cover_every_benchmark_method_and_budget(tmp_path):
-    cfg = make_config(tmp_path)  # tiny: gsm8k, humaneval, mt_bench x ar, chain, ddtree@{4,16}
+    three = "eval.benchmarks=[{name: gsm8k, path: a.jsonl}, {name: humaneval, path: b.jsonl}, {name: held_out}]"
+    cfg = make_config(tmp_path, overrides=[three])  # 3 benchmarks x ar, chain, ddtree@{4,16} (tiny)
     units, skipped = plan_units(cfg, None)
     assert [u.name for u in units[:4]] == ["gsm8k.ar", "gsm8k.chain", "gsm8k.ddtree-b4", "gsm8k.ddtree-b16"]
     assert len(units) == 3 * 4 and not skipped

@@ -12,17 +12,17 @@ import pytest
 from pipeline.config import ConfigError, describe_fields, load_config
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/tiny.yaml"
+CONFIG = REPO / "configs/qwen3-8b.yaml"  # 37 curate sources, 3 benchmarks (gsm8k, humaneval, mt_bench)
 
 
 def test_list_item_overrides_change_only_that_item():
-    base = load_config(TINY)
-    cfg = load_config(TINY, ["curate.sources[0].weight=2", "eval.benchmarks[1].num_samples=40", "eval.budgets[1]=32"])
+    base = load_config(CONFIG)
+    cfg = load_config(CONFIG, ["curate.sources[0].weight=2", "eval.benchmarks[1].num_samples=40", "eval.budgets[1]=32"])
     assert cfg.curate.sources[0].weight == 2.0 and isinstance(cfg.curate.sources[0].weight, float)
     assert [s.weight for s in cfg.curate.sources[1:]] == [s.weight for s in base.curate.sources[1:]]
     assert cfg.eval.benchmarks[1].name == "humaneval" and cfg.eval.benchmarks[1].num_samples == 40
     assert cfg.eval.benchmarks[0].num_samples == base.eval.benchmarks[0].num_samples
-    assert cfg.eval.budgets == [base.eval.budgets[0], 32]
+    assert cfg.eval.budgets == [base.eval.budgets[0], 32, *base.eval.budgets[2:]]
 
 
 def test_a_list_the_yaml_does_not_set_is_its_default():
@@ -30,17 +30,17 @@ def test_a_list_the_yaml_does_not_set_is_its_default():
 
 
 def test_a_whole_item_can_be_replaced_and_is_validated_as_a_section():
-    cfg = load_config(TINY, ["curate.sources[2]={name: extra, path: data/prompts/mt_bench.jsonl}"])
+    cfg = load_config(CONFIG, ["curate.sources[2]={name: extra, hub: org/extra}"])
     assert cfg.curate.sources[2].name == "extra" and cfg.curate.sources[2].weight == 1.0
     with pytest.raises(ConfigError, match=r"eval\.benchmarks\[0\]: expected a section \(mapping\), got int 3"):
-        load_config(TINY, ["eval.benchmarks[0]=3"])
+        load_config(CONFIG, ["eval.benchmarks[0]=3"])
 
 
 @pytest.mark.parametrize("override,message", [
-    ("curate.sources[5].weight=2",
-     r"override 'curate\.sources\[5\]\.weight=2': index 5 is out of range, 'curate\.sources' has 3 items "
-     r"\(indices 0-2\)"),
-    ("train.lr[0]=1", r"override 'train\.lr\[0\]=1': 'train\.lr' holds float 0\.001, not a list"),
+    ("curate.sources[37].weight=2",
+     r"override 'curate\.sources\[37\]\.weight=2': index 37 is out of range, 'curate\.sources' has 37 items "
+     r"\(indices 0-36\)"),
+    ("train.lr[0]=1", r"override 'train\.lr\[0\]=1': 'train\.lr' holds float 0\.0006, not a list"),
     ("curate.sourcez[0].weight=1", r"unknown config key 'curate\.sourcez'; did you mean 'curate\.sources'\?"),
     ("curate.sources[0].wieght=2",
      r"unknown config key 'curate\.sources\[0\]\.wieght'; did you mean 'curate\.sources\[0\]\.weight'\?"),
@@ -49,14 +49,14 @@ def test_a_whole_item_can_be_replaced_and_is_validated_as_a_section():
 ])
 def test_bad_list_overrides_are_one_line_errors_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(TINY, [override])
+        load_config(CONFIG, [override])
 
 
 def test_values_set_in_a_list_item_are_typed_and_range_checked():
     with pytest.raises(ConfigError, match=r"curate\.sources\[0\]\.weight: expected a number, got str 'heavy'"):
-        load_config(TINY, ["curate.sources[0].weight=heavy"])
+        load_config(CONFIG, ["curate.sources[0].weight=heavy"])
     with pytest.raises(ConfigError, match=r"eval\.benchmarks\[1\]\.num_samples: must be >= 1, got 0"):
-        load_config(TINY, ["eval.benchmarks[1].num_samples=0"])
+        load_config(CONFIG, ["eval.benchmarks[1].num_samples=0"])
 
 
 def test_the_config_reference_lists_the_fields_of_list_items():

@@ -11,10 +11,10 @@ import pytest
 from drafter.cli import main as drafter_main
 from pipeline.config import ConfigError, describe_fields, hashed_fields, load_config, section_hash
 from pipeline.errors import StageError
-from tests.conftest import REPO
+from tests.conftest import REPO, synthetic_records, write_records
 
 TINY = REPO / "configs/tiny.yaml"
-MT_BENCH = "data/prompts/mt_bench.jsonl"
+MT_BENCH = "own/mt_bench.jsonl"  # a path string: these configs are only loaded (nothing reads the file)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -51,6 +51,31 @@ MT_BENCH = "data/prompts/mt_bench.jsonl"
     ("eval.warmup_tokens=-1", "eval.warmup_tokens: must be >= 0, got -1"),
     ("eval.benchmarks=[{name: gsm8k, num_samples: 0, path: x.jsonl}]",
      "eval.benchmarks[0].num_samples: must be >= 1, got 0"),
+    ("curate.sources=[{name: a}]",
+     "curate.sources[0]: name the dataset by exactly one public identity (hub, url or origin), or give your own file"),
+    ("curate.sources=[{name: a, hub: org/set, url: 'https://x.org/a.jsonl'}]",
+     "curate.sources[0]: name the dataset by exactly one public identity (hub, url or origin)"),
+    ("curate.sources=[{name: a, path: own.jsonl, hub: org/set}]",
+     "curate.sources[0].path: your own file is read as it is; curate.sources[0].hub belongs to a public dataset"),
+    ("curate.sources=[{name: a, url: 'https://x.org/a.jsonl', subset: main}]",
+     "curate.sources[0].subset: only for a hub dataset (curate.sources[0].hub)"),
+    ("curate.sources=[{name: a, hub: 'not a hub id'}]", "curate.sources[0].hub: 'not a hub id' is not a hub dataset id"),
+    ("curate.sources=[{name: a, url: 'ftp://x.org/a.jsonl'}]", "curate.sources[0].url: 'ftp://x.org/a.jsonl' is not an"),
+    ("curate.sources=[{name: a, hub: org/set, sha256: abc}]", "curate.sources[0].sha256: expected 64 lower-case hex"),
+    ("curate.sources=[{name: a, hub: org/set, file: ../up.jsonl}]",
+     "curate.sources[0].file: '../up.jsonl' must be a name inside the mirror directory"),
+    ("curate.sources=[{name: a, hub: org/set, use: maybe}]", "curate.sources[0].use: 'maybe' is not one of"),
+    ("curate.sources=[{name: a, random_words: 5, hub: org/set}]",
+     "curate.sources[0].random_words: a generated entry reads no dataset; remove curate.sources[0].hub"),
+    ("curate.sources=[{name: a, random_words: 5, synthesize: {count: 3}}]",
+     "curate.sources[0]: curate.sources[0].synthesize and curate.sources[0].random_words exclude each other"),
+    ("curate.sources=[{name: a, synthesize: {count: 10, max_attempts: 5}}]",
+     "curate.sources[0].synthesize.max_attempts: must be >= curate.sources[0].synthesize.count (10), got 5"),
+    ("curate.sources=[{name: a, synthesize: {min_letter_share: 2}}]",
+     "curate.sources[0].synthesize.min_letter_share: must be in [0, 1], got 2.0"),
+    ("eval.benchmarks=[{name: held_out, path: x.jsonl}]",
+     "eval.benchmarks[0].name: a generated entry reads no dataset; remove eval.benchmarks[0].path"),
+    ("eval.benchmarks=[{name: gsm8k}]", "eval.benchmarks[0]: name the dataset by exactly one public identity"),
 ])
 def test_a_meaningless_value_is_one_line_naming_the_key_and_the_allowed_range(override, message):
     extra = ["drafter.num_key_value_heads=4"] if override.startswith("drafter.num_attention_heads") else []
@@ -102,7 +127,8 @@ def test_a_target_that_does_not_exist_is_one_line_not_a_transformers_traceback(c
 def test_eval_size_above_what_survives_dedup_is_a_stage_error_naming_the_key(tmp_path):
     from pipeline.curate.stage import run_curate
 
-    cfg = load_config(TINY, [f"runs_dir={tmp_path}", f"curate.sources=[{{name: mt, path: {MT_BENCH}}}]",
+    mt = write_records(tmp_path / "mt.jsonl", synthetic_records("mt_bench", 80))
+    cfg = load_config(TINY, [f"runs_dir={tmp_path}", f"curate.sources=[{{name: mt, path: {mt}}}]",
                              "curate.total=null", "curate.eval_size=1000"])
     with pytest.raises(StageError, match=r"^curate.eval_size=1,000 but only \d+ unique conversations survived"):
         run_curate(cfg)
@@ -118,7 +144,7 @@ def test_fields_declared_unhashed_stay_out_of_the_hash_and_the_rest_are_in():
     for changed in (["train.lr=1e-5"], ["train.num_anchors=3"], ["train.seed=1"]):
         assert section_hash(hashed_fields(load_config(TINY, changed).train)) != section_hash(hashed_fields(base.train))
     sources = hashed_fields(base.curate)["sources"]  # nested sections become plain values
-    assert json.loads(json.dumps(sources))[0]["name"] == "gsm8k"
+    assert json.loads(json.dumps(sources))[0]["name"] == "words"
 
 
 def test_the_config_reference_states_each_range():

@@ -15,6 +15,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.curate.clean import CLEAN_REASONS
 from pipeline.curate.stage import run_curate
 from pipeline.errors import StageError
+from tests.conftest import synthetic_records, write_records
 
 Q = "What is the capital of France? Answer in one sentence."
 A = "The capital of France is Paris."
@@ -193,22 +194,24 @@ def test_directory_source_reads_jsonl_json_lines_and_parquet_in_sorted_order(tmp
 
 
 def test_wrong_format_name_is_a_config_error_with_a_suggestion(tmp_path, capsys):
+    data = write_records(tmp_path / "alpaca.json", synthetic_records("alpaca", 10))
     with pytest.raises(ConfigError, match=r"curate.sources\[0\].format: 'alpacca' .*did you mean 'alpaca'"):
-        curate_config(tmp_path, [{"name": "x", "path": "data/prompts/code_alpaca_1k.json", "format": "alpacca"}])
+        curate_config(tmp_path, [{"name": "x", "path": str(data), "format": "alpacca"}])
     rc = cli_main(["curate", "--config", str(tmp_path / "cfg.yaml")])
     assert rc == 2 and "did you mean 'alpaca'" in capsys.readouterr().err
 
 
 def test_format_that_does_not_fit_the_records_makes_them_malformed(tmp_path):
-    cfg = curate_config(tmp_path, [{"name": "x", "path": "data/prompts/gsm8k_train_1k.jsonl", "format": "sharegpt"}])
-    with pytest.raises(StageError, match=r"(?s)1000 of 1000 raw records are malformed.*gsm8k_train_1k.jsonl:1: sharegpt record has no 'conversations'"):
+    data = write_records(tmp_path / "qa.jsonl", synthetic_records("gsm8k", 1000))
+    cfg = curate_config(tmp_path, [{"name": "x", "path": str(data), "format": "sharegpt"}])
+    with pytest.raises(StageError, match=r"(?s)1000 of 1000 raw records are malformed.*qa.jsonl:1: sharegpt record has no 'conversations'"):
         run_curate(cfg)
 
 
 @pytest.mark.parametrize("source, message", [
-    ({"name": "x", "path": "data/prompts/README.md"}, r"sources\[0\].path: .*not a .jsonl/.json/.parquet file"),
-    ({"name": "x", "path": "data/prompts/missing.jsonl"}, r"sources\[0\].path: .*does not exist"),
-    ({"name": "bad name", "path": "data/prompts/mt_bench.jsonl"}, r"sources\[0\].name: 'bad name'"),
+    ({"name": "x", "path": "README.md"}, r"sources\[0\].path: .*not a .jsonl/.json/.parquet file"),
+    ({"name": "x", "path": "missing/prompts.jsonl"}, r"sources\[0\].path: .*does not exist"),
+    ({"name": "bad name", "path": "README.md"}, r"sources\[0\].name: 'bad name'"),
 ])
 def test_bad_source_is_a_config_error_naming_the_key(tmp_path, source, message):
     with pytest.raises(ConfigError, match=message):
@@ -216,6 +219,6 @@ def test_bad_source_is_a_config_error_naming_the_key(tmp_path, source, message):
 
 
 def test_two_sources_with_one_name_are_refused(tmp_path):
-    s = {"name": "same", "path": "data/prompts/mt_bench.jsonl"}
+    s = {"name": "same", "path": str(write_records(tmp_path / "mt.jsonl", synthetic_records("mt_bench", 3)))}
     with pytest.raises(ConfigError, match=r"sources\[1\].name: 'same' is used by two sources"):
         run_curate(curate_config(tmp_path, [s, s]))

@@ -15,7 +15,6 @@ from pipeline.curate.dedup import (
     MINHASH_SEED, exact_duplicates, exact_key, minhash_signatures, near_duplicates, normalize, shingle_hashes,
 )
 from pipeline.curate.stage import run_curate
-from tests.conftest import prompt_records
 
 
 def curate_config(tmp_path, sources, **curate):
@@ -31,13 +30,12 @@ def write_jsonl(path, records):
 
 
 def gsm8k(n: int) -> list[dict]:
-    out = []
-    for r in prompt_records("gsm8k_train.parquet"):
-        if len(r["question"].split()) >= 45:  # long enough that one changed word keeps Jaccard > 0.85
-            out.append(r)
-        if len(out) == n:
-            return out
-    return out
+    """n made-up word problems of 50-60 words: long enough that one changed word keeps Jaccard > 0.85."""
+    gen = np.random.default_rng(0)
+    vocab = [w + s for w in ("apple", "crate", "train", "river", "coin", "garden", "ticket", "baker", "marble", "lamp")
+             for s in ("", "s", "ed", "ing", "er", "ly", "ful", "ness", "ish", "ward")] + [str(i) for i in range(100)]
+    return [{"question": " ".join(gen.choice(vocab, int(gen.integers(50, 61)))).capitalize() + "?",
+             "answer": f"#### {i}"} for i in range(n)]
 
 
 def one_word_changed(text: str) -> str:

@@ -13,13 +13,21 @@ from pipeline.config import load_config
 from pipeline.curate.mix import apportion
 from pipeline.curate.stage import run_curate
 from pipeline.files import sha256_file
-from tests.conftest import PROMPTS
+import pytest
 
-SOURCES = [
-    {"name": "gsm8k", "path": str(PROMPTS / "gsm8k_train.parquet"), "weight": 0.6},
-    {"name": "code", "path": str(PROMPTS / "code_alpaca_2k.parquet"), "weight": 0.3},
-    {"name": "humaneval", "path": str(PROMPTS / "humaneval.jsonl"), "weight": 0.1},
-]
+from tests.conftest import synthetic_records, write_records
+
+
+@pytest.fixture(scope="module")
+def SOURCES(tmp_path_factory):
+    """Three made-up sources of different sizes and layouts: 7473 word problems, 2017 instructions, 164 tasks."""
+    d = tmp_path_factory.mktemp("mix-sources")
+    return [
+        {"name": "gsm8k", "path": str(write_records(d / "qa.parquet", synthetic_records("gsm8k", 7473))), "weight": 0.6},
+        {"name": "code", "path": str(write_records(d / "code.json", synthetic_records("alpaca", 2017))), "weight": 0.3},
+        {"name": "humaneval", "path": str(write_records(d / "tasks.jsonl", synthetic_records("humaneval", 164))),
+         "weight": 0.1},
+    ]
 
 
 def curate_config(tmp_path, sources, name="t", seed=0, **curate):
@@ -43,7 +51,7 @@ def test_apportion_sums_exactly_and_respects_caps():
     assert apportion(5, [0.0, 1.0]) == [0, 5]
 
 
-def test_mixture_follows_weights_with_up_and_down_sampling(tmp_path):
+def test_mixture_follows_weights_with_up_and_down_sampling(tmp_path, SOURCES):
     cfg = curate_config(tmp_path, SOURCES, total=3000, eval_size=30, shard_size=700)
     m = run_curate(cfg)
     assert m["counts"]["train"] == 3000 and m["counts"]["eval"] == 30
@@ -69,7 +77,7 @@ def test_mixture_follows_weights_with_up_and_down_sampling(tmp_path):
     assert "| humaneval |" in report and "up x1.86" in report and "down x" in report
 
 
-def test_selection_is_deterministic_under_the_seed_and_changes_with_it(tmp_path):
+def test_selection_is_deterministic_under_the_seed_and_changes_with_it(tmp_path, SOURCES):
     runs = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         sources = [dict(s, max_samples=2000) for s in SOURCES[:2]]
@@ -84,15 +92,15 @@ def test_selection_is_deterministic_under_the_seed_and_changes_with_it(tmp_path)
     assert {r["id"] for r in runs["a"][3]} != {r["id"] for r in runs["c"][3]}
 
 
-def test_without_total_everything_unique_is_kept(tmp_path):
-    cfg = curate_config(tmp_path, [SOURCES[2], {"name": "mt", "path": str(PROMPTS / "mt_bench.jsonl")}],
-                        eval_size=4)
+def test_without_total_everything_unique_is_kept(tmp_path, SOURCES):
+    mt = write_records(tmp_path / "mt.jsonl", synthetic_records("mt_bench", 80))
+    cfg = curate_config(tmp_path, [SOURCES[2], {"name": "mt", "path": str(mt)}], eval_size=4)
     m = run_curate(cfg)
     assert m["counts"]["unique"] == 244 and m["counts"]["train"] == 240 and m["counts"]["repeats"] == 0
     assert Counter(r["source"] for r in rows(cfg, "eval")) == {"humaneval": 3, "mt": 1}  # by size: 164 vs 80
 
 
-def test_a_source_repeated_more_than_a_few_times_is_a_warning_in_the_log(tmp_path, caplog):
+def test_a_source_repeated_more_than_a_few_times_is_a_warning_in_the_log(tmp_path, caplog, SOURCES):
     def warnings_of(cfg) -> tuple[dict, list[str]]:
         caplog.clear()
         drafter_log = logging.getLogger("drafter")  # pipeline/log.py stops propagation to caplog's root logger

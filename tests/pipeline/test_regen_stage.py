@@ -21,12 +21,12 @@ from pipeline.regen.stage import run_regen, write_conversations
 from pipeline.errors import StageError
 from pipeline.stage_dir import RankInfo, StageDir
 from pipeline.target import load_target, load_tokenizer, materialize_target
-from tests.conftest import CACHE, REPO, make_config
+from tests.conftest import CACHE, REPO, make_config, synthetic_records
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-QUESTIONS = [json.loads(line)["question"] for line in (REPO / "data/prompts/gsm8k_test_100.jsonl").open()]
+QUESTIONS = [r["question"] for r in synthetic_records("gsm8k", 100)]  # made-up word problems
 
 
 def write_curated(run_dir: Path, conversations: list[list[dict]], per_shard: int = 1000) -> None:

@@ -3,7 +3,6 @@ backend token for token, the padded vocab rows are masked, multi-turn regenerati
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -12,14 +11,14 @@ from pipeline.regen.generator import Sampling
 from pipeline.regen.hf import HFGenerator
 from pipeline.regen.stage import build_generator, regenerate
 from pipeline.target import load_target, load_tokenizer, materialize_target
-from tests.conftest import REPO, make_config
+from tests.conftest import make_config, synthetic_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 # head_dim 32: vLLM's CPU attention has no kernel for the tiny default's 16
 RANDOM_INIT = ("target.random_init={hidden_size: 128, num_attention_heads: 4, num_key_value_heads: 2, "
                "head_dim: 32, intermediate_size: 256, num_hidden_layers: 4}")
-QUESTIONS = [json.loads(line)["question"] for line in (REPO / "data/prompts/gsm8k_test_100.jsonl").open()][:16]
+QUESTIONS = [r["question"] for r in synthetic_records("gsm8k", 16)]  # made-up word problems
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,16 @@ import pytest
 from pipeline.regen.stage import run_regen, write_conversations
 from pipeline.stage_dir import StageDir
 from pipeline.tokenize import run_tokenize
-from tests.conftest import REPO, make_config
+from tests.conftest import make_config, synthetic_records
 
 pytestmark = pytest.mark.slow
 
 
-def _real_prompts() -> list[list[dict]]:
-    data = REPO / "data" / "prompts"
-    gsm8k = [json.loads(line)["question"] for line in (data / "gsm8k_test_100.jsonl").open()][:2]
-    code = json.loads((data / "code_alpaca_1k.json").read_text())[0]
-    mt = json.loads((data / "mt_bench.jsonl").open().readline())["turns"]
+def _prompts() -> list[list[dict]]:
+    """Two word problems, an instruction with an input, and a two-turn chat (made up, in the public sets' layouts)."""
+    gsm8k = [r["question"] for r in synthetic_records("gsm8k", 2)]
+    code = synthetic_records("alpaca", 2)[1]
+    mt = synthetic_records("mt_bench", 1)[0]["turns"]
     return ([[{"role": "user", "content": q}] for q in gsm8k]
             + [[{"role": "user", "content": code["instruction"] + "\n" + code.get("input", "")}]]
             + [[{"role": "user", "content": t} for t in mt]])
@@ -37,7 +37,7 @@ def test_smollm2_loss_mask_decodes_to_exactly_the_generated_assistant_text(tmp_p
         "regen.max_new_tokens=32", "regen.max_samples=null", "regen.batch_size=4", "tokenize.min_loss_tokens=1"])
     curate = StageDir(cfg.run_dir, "curate")
     rows = [{"id": f"demo/{i}", "source": "demo", "messages": m, "metadata": "{}"}
-            for i, m in enumerate(_real_prompts())]
+            for i, m in enumerate(_prompts())]
     write_conversations(curate.shards / "train-00000.parquet", rows)
     curate.write_manifest(config_hash="curated-for-tests", fingerprint={}, started=time.time())
     try:

@@ -84,7 +84,7 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
     assert summary["stages"]["regen"] == {"seconds": regen_seconds, "exit": 0}  # a stage's time sums its calls
     assert set(summary["ablation"]) == {"ce", "kl", "ce+kl"}
     assert summary["train"]["steps"] == 2 and summary["data"]["regen"]["written"] > 0
-    assert "gsm8k/chain" in summary["eval"] and (tmp_path / "q" / "report.md").exists()
+    assert "held_out/chain" in summary["eval"] and (tmp_path / "q" / "report.md").exists()  # no mirror: held-out
     assert "## Loss ablation" in out.stdout
 
 

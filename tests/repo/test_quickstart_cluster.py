@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "quickstart-cluster.md"
 # Commands whose program is no part of this repository: checked for shell syntax (bash -n) and, where they name a
 # file of the repository, for that file.
-EXTERNAL = {"git", "cd", "source", "wandb", "hf", "cat"}
+EXTERNAL = {"git", "cd", "wandb", "hf", "cat"}
 ASSIGN = re.compile(r"[A-Z_][A-Z0-9_]*=")
 
 
@@ -149,6 +149,9 @@ def check_command(env: dict, argv: list[str]) -> None:
         pass
     elif prog == ".venv/bin/pip":
         check_pip(argv)
+    elif prog == "source":
+        assert argv[1:] == [".venv/bin/activate"], "the environment make setup / setup-gpu builds is .venv"
+        assert re.search(r"^VENV\s*\?=\s*\.venv$", (REPO / "Makefile").read_text(), re.M)
     elif prog in EXTERNAL:
         for a in argv[1:]:  # a repository file it names (not a run output) must exist
             if re.fullmatch(r"(configs|slurm|docs|benchmarks)/\S+", a):

@@ -80,9 +80,9 @@ def test_a_time_limited_training_job_requeues_itself_and_finishes_with_every_ste
     the step in flight and exits 75, the job requeues itself (`requeueable`, slurm/env.sh), the restart resumes
     after that step. 400 online steps of the tiny drafter take longer than one slot, so at least one requeue."""
     runs, steps = tmp_path / "runs", 400
-    data = f"runs_dir={runs} cache_dir={REPO / '.cache'} regen.backend=none"
+    data = f"runs_dir={runs} cache_dir={REPO / '.cache'} regen.max_samples=24"
     venv = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv"))
-    for stage in ("curate", "regen"):  # the data, directly (regen.backend=none keeps the answers, then tokenizes)
+    for stage in ("curate", "regen"):  # the data, directly (the tiny target answers its prompts, then tokenizes)
         out = _sh(f"{venv}/bin/drafter {stage} --config configs/tiny.yaml {data}", {"DRAFTER_NO_PROGRESS": "1"})
         assert out.returncode == 0, out.stderr[-2000:]
     env = {

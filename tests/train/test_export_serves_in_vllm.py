@@ -53,7 +53,7 @@ from extract.layers import forward_taps  # noqa: E402
 from extract.layers import configured_layer_ids  # noqa: E402
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
 from pipeline.target import load_target, load_tokenizer, materialize_target  # noqa: E402
-from tests.conftest import CACHE, REPO, make_config  # noqa: E402
+from tests.conftest import CACHE, REPO, make_config, synthetic_records  # noqa: E402
 from dflash_model.blocks import FULL, SLIDING, build_block_batch, sample_anchors  # noqa: E402
 from dflash_model.export import export_zlab, load_zlab  # noqa: E402
 from train.loss import dflash_loss  # noqa: E402
@@ -65,7 +65,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.usefixtures("one_t
 TINY = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
         "intermediate_size": 256, "num_hidden_layers": 4, "initializer_range": 0.2}
 B, WINDOW, NEW_TOKENS = 8, 10, 64
-QUESTIONS = [json.loads(line)["question"] for line in (REPO / "data/prompts/gsm8k_test_100.jsonl").open()][:4]
+QUESTIONS = [r["question"] for r in synthetic_records("gsm8k", 4)]  # made-up word problems
 
 
 def served_by_vllm(target_dir: str, drafter_dir: Path, prompts: list[list[int]], stop: list[int], tmp: Path) -> Served:
