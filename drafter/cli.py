@@ -68,7 +68,16 @@ def _unit_names_fn(name: str):
 def merge_stage(name: str, cfg: RunConfig) -> dict:
     """`drafter <stage> --merge` after a split run: the manifest once every rank's units are done, refused (naming
     the missing units) before. One rule for every split stage: `pipeline.stage_dir.merge_ranks`."""
-    return merge_ranks(StageDir(cfg.run_dir, name), _unit_names_fn(name)(cfg), lambda: _stage_fn(name)(cfg))
+    before = _manifest_mtime(cfg, name)
+    manifest = merge_ranks(StageDir(cfg.run_dir, name), _unit_names_fn(name)(cfg), lambda: _stage_fn(name)(cfg))
+    if _manifest_mtime(cfg, name) != before:  # the merge wrote it (not the last rank, which logged already)
+        _log_data_stage(name, cfg, manifest)
+    return manifest
+
+
+def _manifest_mtime(cfg: RunConfig, name: str) -> int | None:
+    path = cfg.run_dir / name / "manifest.json"
+    return path.stat().st_mtime_ns if path.exists() else None
 
 
 def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo | None = None) -> dict:
@@ -80,18 +89,32 @@ def run_stage(name: str, cfg: RunConfig, *, force: bool = False, ranks: RankInfo
     """
     from pipeline.config import save_config
 
-    manifest_path = cfg.run_dir / name / "manifest.json"
-    before = manifest_path.stat().st_mtime_ns if manifest_path.exists() else None
+    before = _manifest_mtime(cfg, name)
     manifest = _stage_fn(name)(cfg, force=force, ranks=ranks or RankInfo())
-    if before is None or not manifest_path.exists() or manifest_path.stat().st_mtime_ns != before:
+    after = _manifest_mtime(cfg, name)
+    if before is None or after is None or after != before:
         save_config(cfg, cfg.run_dir / name / "config.yaml")  # a finished stage's re-run writes nothing
+        if after is not None and after != before:  # complete now (a rank of a split run returns its summary first)
+            _log_data_stage(name, cfg, manifest)
     return manifest
+
+
+DATA_STAGES = ("curate", "regen", "tokenize", "extract")  # train and eval log their own W&B runs
+
+
+def _log_data_stage(name: str, cfg: RunConfig, manifest: dict) -> None:
+    """A data stage that just finished: its counts and rates as a W&B run in the pipeline's group."""
+    if name in DATA_STAGES and manifest.get("stage") == name:
+        from pipeline.wandb_run import log_stage_run
+
+        log_stage_run(cfg, name, manifest)
 
 
 # command -> (what it does, an example). `drafter <command> --help` shows both; `drafter --help` the first.
 COMMANDS = {
-    "plan": ("estimate samples, tokens, feature storage and GPU-hours of a run before anything runs (writes nothing)",
-             "drafter plan --config configs/qwen3.6-27b.yaml curate.total=200000"),
+    "plan": ("estimate samples, tokens, storage, GPU-hours and (--gpus N) wall-clock of a run before anything runs, "
+             "every rate with its source (writes nothing)",
+             "drafter plan --config configs/qwen3-8b.yaml --gpus 8"),
     "curate": ("read, adapt, clean, dedup and mix the prompt sources into train/eval parquet shards",
                "drafter curate --config configs/tiny.yaml curate.total=200"),
     "regen": ("let the target write every assistant turn (hf or vllm backend), then tokenize",
@@ -150,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = command("plan")
     _config_args(plan, required=True)
     plan.add_argument("--gpus", type=int, default=None, metavar="N",
-                      help="also print each stage's wall-clock on N GPUs of one node, with the scaling assumed")
+                      help="also print each stage's wall-clock on N GPUs of one node (stages in sequence), with "
+                           "the scaling assumed")
     for name in (*STAGES, "run"):
         p = command(name)
         _config_args(p)
@@ -275,10 +299,9 @@ def _dispatch(args) -> int:
         return 0
     cfg = load_config(args.config, args.overrides)
     if args.command == "plan":
-        from drafter.plan import estimate, format_paths, format_plan
+        from drafter.plan import estimate, format_plan
 
-        est = estimate(cfg)
-        print(format_plan(cfg, est) + "\n" + format_paths(cfg, est, args.gpus))
+        print(format_plan(cfg, estimate(cfg, gpus=args.gpus)))
         return 0
     ranks = rank_from_env(args.rank, args.world_size)
     if args.command == "extract" and args.verify:

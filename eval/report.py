@@ -25,6 +25,7 @@ import base64
 import html
 import io
 import math
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -55,6 +56,12 @@ class Table:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self.headers)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in self.rows)
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def geometric_mean(xs: list) -> float | None:
+    """exp(mean(log x)) over the positive numbers given (the mean of ratios); None when there are none."""
+    xs = [x for x in xs if x is not None and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
@@ -101,17 +108,30 @@ def _mean(xs: list) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def timing_disturbed(cell: dict) -> bool:
+    """A speedup above the cell's τ cannot be real: every round costs at least one target forward, at least an AR
+    step, and yields τ tokens on average, so speedup <= τ (the larger of τ mean and τ pooled, to be safe). Above it,
+    the timings were disturbed — most often AR measured while the machine was busy."""
+    s, taus = cell.get("speedup"), [t for t in (cell.get("tau_mean"), cell.get("tau_pooled")) if t is not None]
+    return s is not None and bool(taus) and s > max(taus)
+
+
 def verdict(report: dict) -> dict:
     """Which speculative method to use on this target, and how far to trust the numbers.
 
-    Per method (cell label), over benchmarks: mean speedup over AR, mean τ, the lossless share (responses
-    whose output equals AR's at temperature 0, pooled) and, where the lossless check ran, the share that is identical
-    or parts from AR only by bf16 rounding (`eval.lossless`: a near-tie, or a divergence its fp32 replay does not
-    reproduce; anything below 100 % there is a bug). best = the highest
-    mean speedup (mean τ when no speedup was measured). responses = (fewest, most) responses per cell. warnings:
-    plain sentences, one per concern — speculation slower than AR, cells on fewer than FEW_RESPONSES responses,
-    output differing from AR (a bug, or only near-ties), eval prompts found in the training prompts.
+    Per method (cell label): its speedup over AR on each benchmark, their geometric mean (the mean of ratios;
+    cells with disturbed timing, `timing_disturbed`, left out), the mean τ over benchmarks, the fewest responses of
+    its cells, the lossless share (responses whose output equals AR's at temperature 0, pooled) and, where the
+    lossless check ran, the share identical or parting from AR only by bf16 rounding (`eval.lossless`; below 100 %
+    there is a bug). per_benchmark: each benchmark's fastest method. best = the method with the highest
+    geometric-mean speedup (mean τ where no speedup was measured) among those whose every cell rests on at least
+    FEW_RESPONSES responses; None, with `no_best` saying why, when no method does. responses = (fewest, most)
+    responses per cell. warnings: plain sentences, one per concern — disturbed timings, speculation slower than AR,
+    cells on fewer than FEW_RESPONSES responses, output differing from AR (a bug, or only near-ties), eval prompts
+    found in the training prompts.
     """
+    disturbed = [c for c in report["cells"] if c["method"] != "ar" and timing_disturbed(c)]
+    trusted = lambda c: c.get("speedup") is not None and c not in disturbed  # noqa: E731
     methods = {}
     for label in _distinct(report, "label"):
         if label == "ar":
@@ -121,28 +141,50 @@ def verdict(report: dict) -> dict:
         near = [(c["lossless"]["identical_or_rounding"], c["responses"]) for c in cells
                 if (c.get("lossless") or {}).get("identical_or_rounding") is not None]
         methods[label] = {
-            "speedup": _mean([c.get("speedup") for c in cells]),
+            "speedup": geometric_mean([c["speedup"] for c in cells if trusted(c)]),
+            "speedup_by_benchmark": {c["benchmark"]: c.get("speedup") for c in cells},
             "tau": _mean([c.get("tau_mean") for c in cells]),
+            "responses": min(c["responses"] for c in cells),
             "lossless": sum(m * n for m, n in matched) / sum(n for _, n in matched) if matched else None,
             "lossless_or_rounding": sum(m * n for m, n in near) / sum(n for _, n in near) if near else None,
         }
     counts = [c["responses"] for c in report["cells"]]
-    out = {"best": None, "speedup": None, "tau": None, "lossless": None, "lossless_or_rounding": None,
-           "responses": [min(counts), max(counts)] if counts else [0, 0], "methods": methods, "warnings": []}
+    out = {"best": None, "no_best": None, "speedup": None, "tau": None, "lossless": None, "lossless_or_rounding": None,
+           "responses": [min(counts), max(counts)] if counts else [0, 0], "methods": methods, "per_benchmark": {},
+           "disturbed": [{"benchmark": c["benchmark"], "method": c["label"], "speedup": c["speedup"],
+                          "tau": c.get("tau_mean")} for c in disturbed], "warnings": []}
     if not methods:
         out["warnings"].append("No speculative method was run: there is nothing to compare with AR.")
         return out
+    for bench in _distinct(report, "benchmark"):
+        cells = [c for c in report["cells"] if c["benchmark"] == bench and c["method"] != "ar" and trusted(c)
+                 and c["responses"] >= FEW_RESPONSES]
+        top = max(cells, key=lambda c: c["speedup"], default=None)
+        out["per_benchmark"][bench] = {"best": top["label"] if top else None,
+                                       "speedup": top["speedup"] if top else None}
 
     def rank(label):
         m = methods[label]
         return (m["speedup"] is not None, m["speedup"] or 0.0, m["tau"] or 0.0)
 
-    best = max(methods, key=rank)
-    out.update(best=best, **methods[best])
-    if out["speedup"] is not None and out["speedup"] < 1:
+    for c in disturbed:
         out["warnings"].append(
-            f"Speculation does not pay off here: the best method, {best}, runs at {out['speedup']:.2f}x the speed of "
-            "plain autoregressive decoding (slower than AR).")
+            f"Disturbed timing: {c['benchmark']} {c['label']} shows a speedup of {c['speedup']:.2f}x, above its τ "
+            f"{fmt(max(t for t in (c.get('tau_mean'), c.get('tau_pooled')) if t is not None))}, which no speculative "
+            "decoder can reach (each round costs at least one target forward); the machine was busy while AR or this "
+            "method was timed. This speedup is left out of the verdict; rerun on a quiet machine.")
+    eligible = [lb for lb, m in methods.items() if m["responses"] >= FEW_RESPONSES]
+    if not eligible:
+        out["no_best"] = (f"no best method is chosen: the cells rest on as few as {out['responses'][0]} responses "
+                          f"(fewer than {FEW_RESPONSES}), and with τ and speed varying from prompt to prompt so few "
+                          "responses cannot rank the methods")
+    else:
+        best = max(eligible, key=rank)
+        out.update(best=best, **{k: methods[best][k] for k in ("speedup", "tau", "lossless", "lossless_or_rounding")})
+        if out["speedup"] is not None and out["speedup"] < 1:
+            out["warnings"].append(
+                f"Speculation does not pay off here: the best method, {best}, runs at {out['speedup']:.2f}x the speed "
+                "of plain autoregressive decoding (geometric mean over benchmarks; slower than AR).")
     if out["responses"][0] < FEW_RESPONSES:
         out["warnings"].append(
             f"Cells rest on as few as {out['responses'][0]} responses (fewer than {FEW_RESPONSES}): τ and speedup vary "
@@ -176,15 +218,41 @@ def verdict(report: dict) -> dict:
 
 def verdict_text(v: dict) -> str:
     """The verdict as one sentence (the warnings are separate paragraphs)."""
-    if v["best"] is None:
+    if not v["methods"]:
         return "No speculative method was run."
+    lo, hi = v["responses"]
+    per_cell = f"{lo}" if lo == hi else f"{lo}–{hi}"
+    if v["best"] is None:
+        ranked = sorted(v["methods"].items(), key=lambda kv: (kv[1]["speedup"] is None, -(kv[1]["speedup"] or 0), kv[0]))
+        means = ", ".join(f"{lb} {fmt(m['speedup'], '.2f', 'x')}" for lb, m in ranked)
+        return (f"No best method: {v['no_best'].removeprefix('no best method is chosen: ')}. Geometric-mean speedups "
+                f"over AR: {means}; {per_cell} responses per cell.")
     lossless = DASH if v["lossless"] is None else f"{v['lossless']:.0%}"
     if v.get("lossless_or_rounding") is not None:
         lossless += f" ({v['lossless_or_rounding']:.0%} identical or parting by bf16 rounding)"
-    lo, hi = v["responses"]
-    per_cell = f"{lo}" if lo == hi else f"{lo}–{hi}"
-    return (f"Best method: {v['best']} — speedup {fmt(v['speedup'], '.2f', 'x')} over AR, τ {fmt(v['tau'])}, "
+    by_bench = v["methods"][v["best"]]["speedup_by_benchmark"]
+    per_bench = ", ".join(f"{b} {fmt(x, '.2f', 'x')}" for b, x in sorted(by_bench.items()))
+    return (f"Best method: {v['best']} — speedup {fmt(v['speedup'], '.2f', 'x')} over AR (geometric mean over "
+            f"{len(by_bench)} benchmark{'s' if len(by_bench) != 1 else ''}: {per_bench}), τ {fmt(v['tau'])}, "
             f"{lossless} of responses identical to AR, {per_cell} responses per cell.")
+
+
+def per_benchmark_table(report: dict, v: dict) -> Table:
+    """benchmark x method: the speedup over AR (disturbed timings marked), the benchmark's fastest method (on at least
+    FEW_RESPONSES responses), and the geometric mean over benchmarks per method as the last row."""
+    labels = list(v["methods"])
+    rows = []
+    for b in _distinct(report, "benchmark"):
+        row = [b]
+        for lb in labels:
+            c = _cell(report, b, lb)
+            row.append(DASH if c is None else fmt(c.get("speedup"), ".2f", "x")
+                       + (" (disturbed)" if timing_disturbed(c) else ""))
+        row.append(v["per_benchmark"].get(b, {}).get("best") or DASH)
+        rows.append(row)
+    rows.append(["geometric mean", *(fmt(v["methods"][lb]["speedup"], ".2f", "x") for lb in labels),
+                 v["best"] or DASH])
+    return Table(["benchmark", *(f"speedup {lb}" for lb in labels), "fastest"], rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +286,17 @@ def cells_table(report: dict) -> Table:
                   "tok/s", "speedup", "same output as AR", "same or rounding"], rows)
 
 
+# What the lossless columns count; "same" is always token for token at temperature 0.
+LOSSLESS_TERMS = (
+    "Terms. Same output as AR: the method's generated token ids equal AR's for the same prompt and turn, token for "
+    "token (temperature 0, both in the run's dtype). Same or rounding: the same, or parting from AR only where bf16 "
+    "rounding decides (a near-tie, or a divergence the fp32 replay does not reproduce); below 100 % is a bug. fp32 "
+    "subset, same as fp32 AR (k / n): the first n prompts of the benchmark (eval.fp32_subset; first turn, "
+    "eval.max_new_tokens) decoded again by AR and by the method with fp32 copies of the target and the drafter; k "
+    "counts the prompts whose method output equals fp32 AR's token for token. With no bf16 rounding left to blame, "
+    "k must equal n.")
+
+
 def lossless_table(report: dict) -> Table:
     """Per speculative cell: responses that differ from AR, how many part at a near-tie (and the largest such gap),
     how many lie beyond the margin, how many of those the fp32 replay puts back on AR's output (rounding), the
@@ -236,7 +315,7 @@ def lossless_table(report: dict) -> Table:
                      DASH if not sub else f"{sub['prompts'] - len(sub['not_identical'])} / {sub['prompts']}"])
     return Table(["benchmark", "method", "responses", "differ from AR", "near-tie", "largest near-tie gap",
                   "beyond the margin", "fp32 replay identical", "bugs", "first bug (or beyond the margin)",
-                  "fp32 subset identical"], rows)
+                  "fp32 subset: same as fp32 AR"], rows)
 
 
 def overlap_text(report: dict) -> str:
@@ -303,21 +382,40 @@ def budget_table(report: dict) -> Table:
 # ----------------------------------------------------------------------------------------------
 
 
+FONT_PT = 10  # every text of a plot, legends included (readable at the size the HTML shows them)
+
+
 def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    matplotlib.rcParams.update({key: FONT_PT for key in ("font.size", "axes.labelsize", "axes.titlesize",
+                                                         "xtick.labelsize", "ytick.labelsize", "legend.fontsize",
+                                                         "figure.titlesize")})
     return plt
 
 
 def _png(fig) -> bytes:
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")  # "tight" takes in the legend beside the axes
     _plt().close(fig)
     return buf.getvalue()
+
+
+def _legend_outside(fig, axes) -> None:
+    """One legend to the right of the plot, outside every axes (never over the data): the labels of all `axes`,
+    each once, in first-seen order."""
+    handles: dict[str, Any] = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    if handles:
+        right = max(ax.get_position().x1 for ax in axes)
+        fig.legend(list(handles.values()), list(handles), loc="upper left", bbox_to_anchor=(right + 0.01, 0.95),
+                   bbox_transform=fig.transFigure, fontsize=FONT_PT, frameon=False)
 
 
 def _grouped_bars(groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str) -> bytes:
@@ -338,19 +436,24 @@ def _grouped_bars_figure(groups: list[str], series: dict[str, list[float | None]
     ax.set_xticks(range(len(groups)), groups, rotation=15)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    _legend_outside(fig, [ax])
     return fig
 
 
-def plot_tau_bars(report: dict) -> bytes:
+def tau_bars_figure(report: dict):
     labels = [lb for lb in _distinct(report, "label") if lb != "ar"]
     benches = _distinct(report, "benchmark")
     series = {lb: [(_cell(report, b, lb) or {}).get("tau_mean") for b in benches] for lb in labels}
-    return _grouped_bars(benches, series, "τ (per-response mean)", "Acceptance length τ per benchmark and method")
+    return _grouped_bars_figure(benches, series, "τ (per-response mean)", "Acceptance length τ per benchmark and method")
 
 
-def plot_tau_vs_budget(report: dict) -> bytes:
+def plot_tau_bars(report: dict) -> bytes:
+    return _png(tau_bars_figure(report))
+
+
+def tau_vs_budget_figure(report: dict):
     from eval.metrics import tau_vs_budget
 
     plt = _plt()
@@ -368,9 +471,14 @@ def plot_tau_vs_budget(report: dict) -> bytes:
     ax.set_xlabel("DDTree node budget")
     ax.set_ylabel("τ (per-response mean)")
     ax.set_title("τ vs budget")
-    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    fig.tight_layout()
+    _legend_outside(fig, [ax])
+    return fig
+
+
+def plot_tau_vs_budget(report: dict) -> bytes:
+    return _png(tau_vs_budget_figure(report))
 
 
 def _per_benchmark_axes(n: int):
@@ -379,7 +487,7 @@ def _per_benchmark_axes(n: int):
     return fig, axes[0]
 
 
-def plot_histograms(report: dict) -> bytes:
+def histograms_figure(report: dict):
     benches = _distinct(report, "benchmark")
     fig, axes = _per_benchmark_axes(len(benches))
     for ax, b in zip(axes, benches):
@@ -393,17 +501,26 @@ def plot_histograms(report: dict) -> bytes:
         ax.set_title(b)
         ax.set_xlabel("accepted length τ")
         ax.set_ylabel("share of rounds")
-        ax.legend(fontsize=7)
-    return _png(fig)
+    fig.tight_layout()
+    _legend_outside(fig, list(axes))
+    return fig
 
 
-def plot_speedup(report: dict) -> bytes:
+def plot_histograms(report: dict) -> bytes:
+    return _png(histograms_figure(report))
+
+
+def speedup_figure(report: dict):
     """Speedup over AR per benchmark and method; the dashed line at 1 is AR's own speed."""
     labels = [lb for lb in _distinct(report, "label") if lb != "ar"]
     benches = _distinct(report, "benchmark")
     series = {lb: [(_cell(report, b, lb) or {}).get("speedup") for b in benches] for lb in labels}
-    return _png(_grouped_bars_figure(benches, series, "speedup over AR (×)", "Speedup over autoregressive decoding",
-                                     reference=(1.0, "AR")))
+    return _grouped_bars_figure(benches, series, "speedup over AR (×)", "Speedup over autoregressive decoding",
+                                reference=(1.0, "AR"))
+
+
+def plot_speedup(report: dict) -> bytes:
+    return _png(speedup_figure(report))
 
 
 def plot_per_depth(report: dict) -> bytes:
@@ -430,8 +547,13 @@ def per_depth_figure(report: dict):
         ax.set_title(b)
         ax.set_xlabel("draft depth k")
         ax.set_ylabel("acceptance")
-        ax.legend(fontsize=6)
+    fig.tight_layout()
+    _legend_outside(fig, list(axes))
     return fig
+
+
+# Every plot of a report, as a figure (the PNGs are these, rendered): tests check their legends and fonts.
+FIGURES = (speedup_figure, tau_bars_figure, tau_vs_budget_figure, histograms_figure, per_depth_figure)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,7 +629,15 @@ def _notes_text(report: dict) -> str:
 
 def verdict_blocks(report: dict) -> list[tuple[str, Any]]:
     v = verdict(report)
-    return [("h2", "Verdict"), ("p", verdict_text(v)), *(("p", f"Warning: {w}") for w in v["warnings"])]
+    blocks = [("h2", "Verdict"), ("p", verdict_text(v)), *(("p", f"Warning: {w}") for w in v["warnings"])]
+    if v["methods"]:
+        blocks += [("table", per_benchmark_table(report, v)),
+                   ("p", "Speedup = AR time per output token ÷ the method's, AR timed in the same run, each prompt "
+                         "decoded by AR and every method in turn (timing noise falls on all alike). The verdict ranks "
+                         "methods by the geometric mean of their per-benchmark speedups; a speedup above the cell's τ "
+                         f"is impossible and marked disturbed; no method is ranked on fewer than {FEW_RESPONSES} "
+                         "responses per cell.")]
+    return blocks
 
 
 def report_blocks(report: dict) -> list[tuple[str, Any]]:
@@ -548,8 +678,8 @@ def report_blocks(report: dict) -> list[tuple[str, Any]]:
                          "target's fp32 logits: a gap of at most 0.5 logits between the two chosen tokens is a near-tie "
                          "(bf16 rounding picked one of two equally good tokens). A larger gap is replayed: AR and the "
                          "method decode that prompt again in fp32 through the divergence. If they agree, bf16 rounding "
-                         "made it; if they differ again, it is a bug. The fp32 subset (eval.fp32_subset) decodes the "
-                         "first prompts of each benchmark whole in fp32: there every output must equal AR's."),
+                         "made it; if they differ again, it is a bug."),
+                   ("p", LOSSLESS_TERMS),
                    ("table", lossless_table(report))]
     if "overlap" in report:
         blocks += [("h2", "Eval prompts in the training set"), ("pre", overlap_text(report))]
@@ -568,6 +698,23 @@ def write_report(report: dict, out_dir: Path) -> str:
     atomic_write_text(out_dir / "report.md", markdown_document(title, blocks))
     atomic_write_text(out_dir / "report.html", html_document(title, blocks))
     return tau_table(report).markdown()
+
+
+def card_results(report: dict) -> str:
+    """The model card's results section (`dflash_model.card.write_card_results`): the verdict, the τ and speedup table
+    and the settings they were measured under, in markdown."""
+    report = json_ready(report)
+    v = verdict(report)
+    st = report.get("settings") or {}
+    lines = [
+        f"Measured by `drafter eval` (run `{report.get('run')}`, {time.strftime('%Y-%m-%d')}) with dflash-pipeline's "
+        f"evaluator: the HF target on {st.get('device')} ({st.get('dtype')}), temperature {st.get('temperature')}, "
+        f"up to {st.get('max_new_tokens')} new tokens. Speedups are this evaluator's, not a serving engine's.",
+        "", verdict_text(v), *(f"\n- {w}" for w in v["warnings"]), "",
+        "τ (per-response mean acceptance length, bonus token included) and speedup over AR:", "",
+        tau_table(report).markdown(),
+    ]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------

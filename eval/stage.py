@@ -2,15 +2,16 @@
 scored with eval.metrics and written as runs/<run>/eval/report.{json,md,html}.
 
 `run_eval` reads top to bottom: the target and the drafter, refused where they do not fit (eval/drafter_inputs.py)
--> stage dir -> this rank's units (eval/units.py: `<benchmark>.ar`, `.chain`, `.ddtree-b<N>`), each decoding every
-prompt of its benchmark conversation by conversation (eval/conversation.py) with the engine (eval/engine/) -> once
+-> stage dir -> this rank's units (eval/units.py: `<benchmark>.ar`, `.chain`, `.ddtree-b<N>`), which decode every
+prompt of their benchmark conversation by conversation (eval/conversation.py) with the engine (eval/engine/),
+interleaved: each prompt by every unit in turn, so machine noise falls on AR and every method alike -> once
 every unit of every rank is done: the overlap and lossless checks (eval/lossless.py), the report (eval/report.py),
 the W&B run (eval/wandb_log.py) and the manifest.
 
 Resume is per prompt (kill -9 safe): a finished prompt's responses are appended to the unit's journal, so no
 journaled prompt is decoded again; the unit's shard is written from its journal once every prompt is in. Before a
-unit's first timed prompt every CUDA graph its prompts can use is captured (`eval.engine.decode.warm_up`), so
-timings are steady state. Units split over ranks (`--rank/--world-size`); whichever rank finishes last, or
+benchmark's first timed prompt every CUDA graph its units' prompts can use is captured (`eval.engine.decode.warm_up`),
+so timings are steady state. Units split over ranks (`--rank/--world-size`); whichever rank finishes last, or
 `drafter eval --merge`, aggregates the sidecar'd shards into the report and writes the manifest.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dflash_model.card import CARD_NAME, write_card_results
 from eval.conversation import longest_context, response_record, run_conversation, stop_token_ids
 from eval.drafter_inputs import (check_drafter_fits_target, check_drafter_tokenizer, drafter_dir, drafter_sha,
                                  load_drafter, trained_drafter)
@@ -27,8 +29,8 @@ from eval.lossless import check_lossless
 from eval.metrics import ResponseRecord, speedup, summarize
 from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
 from eval.prompts import LoadedBenchmark, benchmarks_in_use, chat_prompt_ids, format_content
-from eval.report import REPORT_FILES, cell_label, read_report, tau_table, write_report
-from eval.units import Unit, open_journal, plan_units, read_unit, write_unit
+from eval.report import REPORT_FILES, card_results, cell_label, read_report, tau_table, write_report
+from eval.units import Unit, interleaved, open_journal, plan_units, read_unit, write_unit
 from eval.wandb_log import log_eval_run
 from dflash_model.export import read_export
 from pipeline.config import ConfigError, RunConfig, config_record
@@ -77,6 +79,16 @@ def build_report(cfg: RunConfig, stage: StageDir, by_unit: dict[Unit, list[Respo
         cell["graphs_captured_while_timed"] = sidecars[u.name].get("graphs_captured_while_timed", 0)
         cells.append(cell)
     return {**header, "cells": cells}
+
+
+def update_card(dpath: Path, report: dict) -> None:
+    """The results section of the drafter's model card (README.md beside its weights) from this report, rewritten
+    atomically; a card of another kind, or one this user may not write (a hub snapshot), is left alone."""
+    try:
+        if write_card_results(dpath, card_results(report)):
+            log.info("model card results updated: %s", dpath / CARD_NAME)
+    except OSError as e:
+        log.warning("model card at %s not updated: %s", dpath / CARD_NAME, e)
 
 
 def check_overlap(cfg: RunConfig, benchmarks: dict[str, LoadedBenchmark]) -> dict | None:
@@ -173,7 +185,8 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
     lossless = check_lossless(cfg, responses, benchmarks, tokenizer, location)
     report = build_report(cfg, stage, responses, block_size=block_size, header=header, lossless=lossless)
     table = write_report(report, stage.path)
-    log_eval_run(cfg, report, stage.path)
+    update_card(dpath, report)
+    log_eval_run(cfg, report, stage.path, dpath)
     counts: dict[str, int] = {"units": len(units), "responses": sum(c["responses"] for c in report["cells"]),
                               "new_tokens": sum(c["new_tokens"] for c in report["cells"]),
                               "records_read": sum(b.read for b in benchmarks.values()),
@@ -194,9 +207,13 @@ def run_eval(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo(
 
 def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: dict[str, LoadedBenchmark],
                location: str, tokenizer, target_config, dpath: Path, block_size: int) -> None:
-    """Decode this rank's units, prompt by prompt: each finished prompt (all its turns) is appended to the unit's
-    journal, so a killed run resumes at the first prompt not journaled. Before a unit's first timed prompt,
-    `eval.engine.decode.warm_up` captures every CUDA graph its prompts can need (steady-state timings)."""
+    """Decode this rank's units benchmark by benchmark, interleaved per prompt (`eval.units.interleaved`): each
+    prompt is decoded by every unit of its benchmark in turn (AR, chain, DDTree per budget; the order rotates from
+    prompt to prompt), so a slow spell of the machine falls on every method alike instead of on whichever unit ran
+    then. Each finished prompt (all its turns) is appended to its unit's journal, so a killed run resumes at the
+    first prompt a unit has not journaled. Before the first timed prompt of a benchmark, `eval.engine.decode.warm_up`
+    captures every CUDA graph each unit's prompts can need (largest trees first: the shared buffers then never grow
+    later and drop graphs) and runs one short decode per unit, so timings are steady state."""
     import torch
 
     from eval.engine.decode import decode, warm_up
@@ -210,14 +227,9 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
         - block_size
     warm_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Warmup"}], enable_thinking=thinking)
     bar = progress(total=sum(len(benchmarks[u.benchmark].prompts) for u in units), desc="eval", unit="prompt")
-    for unit in units:
-        prompts = benchmarks[unit.benchmark].prompts
-        journal = open_journal(stage, unit)
-        done = {entry["prompt_id"] for entry in journal.items}
-        todo = [p for p in prompts if p.id not in done]
-        bar.update(len(prompts) - len(todo))
-        paths: tuple[set, set] = (set(), set())
+    paths: tuple[set, set] = (set(), set())
 
+    def generate_with(unit: Unit):
         @torch.inference_mode()
         def generate(ids: list[int], max_new: int = e.max_new_tokens):
             result = decode(unit.method, target, drafter, ids, max_new_tokens=max_new, budget=unit.budget,
@@ -226,32 +238,48 @@ def _run_units(cfg: RunConfig, stage: StageDir, units: list[Unit], benchmarks: d
             paths[0].add(result.verify_path)
             paths[1].add(result.draft_path)
             return result
+        return generate
 
+    for bench in dict.fromkeys(u.benchmark for u in units):
+        group = [u for u in units if u.benchmark == bench]
+        prompts = benchmarks[bench].prompts
+        journals = {u: open_journal(stage, u) for u in group}
+        done = {u: {entry["prompt_id"] for entry in journals[u].items} for u in group}
+        bar.update(sum(len(done[u]) for u in group))
+        todo = [p for p in prompts if any(p.id not in done[u] for u in group)]
         if todo and e.warmup_tokens > 0:
-            with torch.inference_mode():
-                longest = longest_context(todo, tokenizer, enable_thinking=thinking, max_new_tokens=e.max_new_tokens,
-                                          limit=max_prompt + e.max_new_tokens)
-                warm_up(unit.method, target, drafter, max_length=longest, budget=unit.budget,
-                        temperature=e.temperature, cache_impl=e.target_cache)
-            generate(warm_ids, min(e.warmup_tokens, e.max_new_tokens))
-        captured = GRAPH_LOG.captured
-        for prompt in todo:
-            paths[0].clear()
-            paths[1].clear()
-            responses, skipped = [], {}
-            for turn, item in enumerate(run_conversation(prompt, tokenizer, generate, enable_thinking=thinking,
-                                                         max_prompt_tokens=max_prompt)):
-                if isinstance(item, str):
-                    skipped[item] = skipped.get(item, 0) + 1
-                    continue
-                ids, result = item
-                responses.append(response_record(result, prompt_id=prompt.id, turn=turn, prompt_tokens=len(ids)))
-            journal.append({"prompt_id": prompt.id, "responses": [r.to_dict() for r in responses],
-                            "skipped": skipped, "verify_paths": sorted(paths[0]), "draft_paths": sorted(paths[1])})
-            bar.update(1)
-        late = GRAPH_LOG.captured - captured
-        if late:
-            log.warning("%s: %d CUDA graphs were captured during timed decoding (a shape the warm-up did not reach); "
-                        "the rounds that captured them are in the timings", unit.name, late)
-        write_unit(stage, unit, prompts, journal, graphs_captured_while_timed=late)
+            longest = longest_context(todo, tokenizer, enable_thinking=thinking, max_new_tokens=e.max_new_tokens,
+                                      limit=max_prompt + e.max_new_tokens)
+            for unit in sorted(group, key=lambda u: (u.method == "ddtree", u.budget or 0, u.method != "ar"),
+                               reverse=True):
+                with torch.inference_mode():
+                    warm_up(unit.method, target, drafter, max_length=longest, budget=unit.budget,
+                            temperature=e.temperature, cache_impl=e.target_cache)
+                generate_with(unit)(warm_ids, min(e.warmup_tokens, e.max_new_tokens))
+        late = {u: 0 for u in group}
+        for prompt, order in interleaved(group, prompts, done):
+            for unit in order:
+                paths[0].clear()
+                paths[1].clear()
+                captured, started = GRAPH_LOG.captured, time.time()
+                responses, skipped = [], {}
+                for turn, item in enumerate(run_conversation(prompt, tokenizer, generate_with(unit),
+                                                             enable_thinking=thinking, max_prompt_tokens=max_prompt)):
+                    if isinstance(item, str):
+                        skipped[item] = skipped.get(item, 0) + 1
+                        continue
+                    ids, result = item
+                    responses.append(response_record(result, prompt_id=prompt.id, turn=turn, prompt_tokens=len(ids)))
+                late[unit] += GRAPH_LOG.captured - captured
+                journals[unit].append({"prompt_id": prompt.id, "responses": [r.to_dict() for r in responses],
+                                       "skipped": skipped, "verify_paths": sorted(paths[0]),
+                                       "draft_paths": sorted(paths[1]), "timed": [started, time.time()]})
+                bar.update(1)
+        for unit in group:
+            if unit.name in stage.done_units():
+                continue
+            if late[unit]:
+                log.warning("%s: %d CUDA graphs were captured during timed decoding (a shape the warm-up did not "
+                            "reach); the rounds that captured them are in the timings", unit.name, late[unit])
+            write_unit(stage, unit, prompts, journals[unit], graphs_captured_while_timed=late[unit])
     bar.close()

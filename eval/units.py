@@ -33,7 +33,7 @@ RESPONSE_FIELDS = {"prompt_id": STR, "turn": INT, "prompt_tokens": INT, "num_new
                    "accept_lengths": [INT], "draft_depths": [INT], "decode_seconds": NUMBER, "prefill_seconds": NUMBER,
                    "phase_seconds": Optional(OBJECT), "output_ids": Optional([INT])}
 JOURNAL_ENTRY = {"prompt_id": STR, "responses": [RESPONSE_FIELDS], "skipped": COUNTS, "verify_paths": [STR],
-                 "draft_paths": [Optional(STR)]}
+                 "draft_paths": [Optional(STR)], "timed": Optional([NUMBER])}
 
 
 def open_journal(stage: StageDir, unit: "Unit") -> Journal:
@@ -73,6 +73,17 @@ def plan_units(cfg: RunConfig, tree_reason: str | None) -> tuple[list[Unit], lis
     return units, skipped
 
 
+def interleaved(units: list[Unit], prompts: list[EvalPrompt], done: dict[Unit, set[str]]):
+    """The timing order of one benchmark's units: (prompt, [units to decode it, in this order]) per prompt that some
+    unit has not journaled (`done`: unit -> journaled prompt ids), the units rotating by one from prompt to prompt
+    (prompt i starts with unit i mod n), so no method is always timed first or last after another's decode."""
+    for i, prompt in enumerate(prompts):
+        k = i % len(units) if units else 0
+        order = [u for u in units[k:] + units[:k] if prompt.id not in done[u]]
+        if order:
+            yield prompt, order
+
+
 def write_unit(stage: StageDir, unit: Unit, prompts: list[EvalPrompt], journal: Journal, **notes) -> None:
     """The unit's shard from its journal (one entry per prompt, written as each prompt finished), in prompt order;
     then its sidecar; then the journal goes."""
@@ -87,9 +98,11 @@ def write_unit(stage: StageDir, unit: Unit, prompts: list[EvalPrompt], journal: 
         with open(tmp, "w") as f:
             for r in records:
                 f.write(json.dumps(r.to_dict()) + "\n")
+    spans = [e["timed"] for e in entries.values() if e.get("timed")]
     stage.finish_unit(unit.name, [path], responses=len(records), new_tokens=sum(r.num_new_tokens for r in records),
                       skipped=skipped, verify_paths=sorted({v for e in entries.values() for v in e["verify_paths"]}),
-                      draft_paths=sorted({v for e in entries.values() for v in e["draft_paths"] if v}), **notes)
+                      draft_paths=sorted({v for e in entries.values() for v in e["draft_paths"] if v}),
+                      timed=[min(s[0] for s in spans), max(s[1] for s in spans)] if spans else None, **notes)
     journal.remove()
     log.info("%s: %d responses, %d new tokens", unit.name, len(records), sum(r.num_new_tokens for r in records))
 

@@ -1,5 +1,7 @@
 """The eval W&B run: the report's tables and plots, its verdict in the summary, and report.{json,md,html} as an
-artifact, in the W&B project and group of the train run (`train.wandb`; nothing when its mode is 'disabled')."""
+artifact, in the W&B project and group of the train run (`pipeline.wandb_run.open_run`; nothing when train.wandb.mode
+is 'disabled'). It uses the drafter it scored as an input artifact (`pipeline.wandb_run.drafter_artifact`, the same
+files the train run logged, hence the same artifact version): W&B links train -> drafter -> eval."""
 
 from __future__ import annotations
 
@@ -7,13 +9,15 @@ from pathlib import Path
 
 from eval.report import REPORT_FILES, json_ready, plot_per_depth, plot_speedup, tau_table, verdict, verdict_text
 from pipeline.config import RunConfig, to_dict
+from pipeline.wandb_run import DRAFTER_ARTIFACT_FILES, drafter_artifact, open_run, use_drafter
 
 
-def log_eval_run(cfg: RunConfig, report: dict, stage_path: Path) -> None:
-    """The eval W&B run (group = the run name, beside the train run): the report's tables, its verdict in the
-    summary, its speedup and per-position plots, and report.{json,md,html} as the `<run>-eval-report` artifact."""
-    w = cfg.train.wandb
-    if w.mode == "disabled":
+def log_eval_run(cfg: RunConfig, report: dict, stage_path: Path, drafter_dir: Path | None = None) -> None:
+    """The eval W&B run (group = the run name, beside the train run): the drafter at `drafter_dir` used as its input
+    artifact, the report's tables, its verdict in the summary, its speedup and per-position plots, and
+    report.{json,md,html} as the `<run>-eval-report` artifact."""
+    run = open_run(cfg, "eval", stage_path, config=json_ready(to_dict(cfg.eval)))
+    if run is None:
         return
     import io
 
@@ -22,10 +26,9 @@ def log_eval_run(cfg: RunConfig, report: dict, stage_path: Path) -> None:
 
     cols = ["benchmark", "method", "budget", "responses", "rounds", "new_tokens", "tau_mean", "tau_pooled",
             "tokens_per_second", "speedup", "ar_match"]
-    run = wandb.init(mode=w.mode, project=w.project, entity=w.entity, name=f"{w.run_name or cfg.name}-eval",
-                     group=cfg.name, job_type="eval", dir=str(stage_path), config=json_ready(to_dict(cfg.eval)),
-                     reinit="create_new", settings=wandb.Settings(quiet=True, console="off"))
     try:
+        if drafter_dir is not None and all((Path(drafter_dir) / f).is_file() for f in DRAFTER_ARTIFACT_FILES):
+            use_drafter(run, drafter_artifact(cfg, Path(drafter_dir)))
         report = json_ready(report)
         cells = report["cells"]
         tau = tau_table(report)

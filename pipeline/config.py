@@ -674,11 +674,15 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
         if path in MOVED_KEYS:
             raise ConfigError(f"config key '{path}' moved to '{MOVED_KEYS[path]}'")
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key '{path}'{hint}")
+            raise _unknown_key(names, key, prefix)
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
+
+
+def _unknown_key(names: list[str], key: str, prefix: str) -> ConfigError:
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+    hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{prefix + '.' if prefix else ''}{key}'{hint}")
 
 
 def _parse_scalar(text: str) -> Any:
@@ -697,18 +701,89 @@ def _looks_float(s: str) -> bool:
         return False
 
 
+_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
+
+
 def apply_override(data: dict, override: str) -> None:
-    """Apply one `a.b.c=value` override to a raw config dict in place."""
+    """Apply one override to a raw config dict in place: `a.b.c=value`, or into a list item by its index,
+    `curate.sources[0].weight=2`, `eval.benchmarks[1].num_samples=40`, `eval.budgets[1]=32`.
+
+    The path is walked along the schema (`RunConfig`'s dataclasses): a list the YAML does not set is its default
+    (`eval.budgets[0]=8` changes the first default budget). An index past the end, an index on a key that holds no
+    list, and an unknown key are refused in one line naming the override and the key."""
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     dotted, raw = override.split("=", 1)
     parts = dotted.strip().split(".")
-    node = data
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
+    node: Any = data
+    tp: Any = RunConfig
+    key = ""
+    for n, part in enumerate(parts):
+        m = _PART.fullmatch(part)
+        if not m:
+            raise ConfigError(f"override {override!r}: {part!r} is not a key or key[index]")
+        name, indices = m.group(1), [int(i) for i in re.findall(r"\d+", m.group(2))]
         if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: '{part}' is not a section")
-    node[parts[-1]] = _parse_scalar(raw)
+            raise ConfigError(f"override {override!r}: '{key}' is not a section")
+        if dataclasses.is_dataclass(tp):
+            fields = {f.name: f for f in dataclasses.fields(tp)}
+            if f"{key + '.' if key else ''}{name}" in MOVED_KEYS:
+                full = f"{key + '.' if key else ''}{name}"
+                raise ConfigError(f"config key '{full}' moved to '{MOVED_KEYS[full]}'")
+            if name not in fields:
+                raise _unknown_key(list(fields), name, key)
+            if name not in node and (indices or n < len(parts) - 1) and _plain_default(fields[name]) is not None:
+                node[name] = _plain_default(fields[name])
+            tp = typing.get_type_hints(tp)[name]
+        key = f"{key + '.' if key else ''}{name}"
+        last = n == len(parts) - 1
+        if not indices:
+            if last:
+                node[name] = _parse_scalar(raw)
+            else:
+                node = node.setdefault(name, {})
+                tp = _strip_optional(tp)
+            continue
+        if name not in node:
+            raise ConfigError(f"override {override!r}: '{key}' is not set, so it has no item {indices[0]}")
+        holder, slot = node, name
+        for index in indices:
+            items = holder[slot]
+            if not isinstance(items, list):
+                raise ConfigError(f"override {override!r}: '{key}' holds {type(items).__name__} {items!r}, not a list")
+            if index >= len(items):
+                raise ConfigError(f"override {override!r}: index {index} is out of range, '{key}' has {len(items)} "
+                                  f"item{'s' if len(items) != 1 else ''}"
+                                  + (f" (indices 0-{len(items) - 1})" if items else ""))
+            tp = _list_item_type(tp)
+            key = f"{key}[{index}]"
+            holder, slot = items, index
+        if last:
+            holder[slot] = _parse_scalar(raw)
+        else:
+            node = holder[slot]
+
+
+def _strip_optional(tp: Any) -> Any:
+    """Optional[X] -> X (a section or list that may be None); anything else unchanged."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def _list_item_type(tp: Any) -> Any:
+    tp = _strip_optional(tp)
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is list else Any
+
+
+def _plain_default(f: dataclasses.Field) -> Any:
+    """A field's default as plain YAML values (dataclass items as dicts), for an override into a list the YAML
+    does not set."""
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if isinstance(value, list):
+        return [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def _yaml_float_fix(obj: Any) -> Any:
@@ -935,8 +1010,11 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, 
             continue
         inner = _item_section(tp)
         if inner is not None:  # a list of sections (curate.sources) or an optional section (.synthesize)
-            rows.append((key, "[]" if typing.get_origin(tp) is list else "None", f.metadata.get("doc", "")))
-            rows += describe_fields(inner, key + ("[]." if typing.get_origin(tp) is list else "."))
+            listed = typing.get_origin(tp) is list
+            text = f.metadata.get("doc", "") + (f"; each item has the keys `{key}[].*` below (override one item: "
+                                                 f"`{key}[0].<field>=...`)" if listed else "")
+            rows.append((key, "[]" if listed else "None", text))
+            rows += describe_fields(inner, key + ("[]." if listed else "."))
             continue
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)

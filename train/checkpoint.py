@@ -37,6 +37,7 @@ _TAG = re.compile(r"^step-(\d{8})$")
 
 # Fields of trainer_state.json that must match to resume exactly: the data plan (other values would replay or skip
 # data) and the engine that wrote the checkpoint (DeepSpeed and the torch engine have different layouts).
+KEEP = 2  # complete checkpoints kept (the newest); `drafter plan` counts them in its storage line
 RESUME_FIELDS = ("world_size", "micro_batch_tokens", "grad_accum", "seed", "num_train_samples", "engine")
 
 
@@ -134,7 +135,7 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def save(engine, ckpt_dir: Path, state: dict, *, rank: int, device: torch.device, keep: int = 2) -> str:
+def save(engine, ckpt_dir: Path, state: dict, *, rank: int, device: torch.device, keep: int = KEEP) -> str:
     """Save a complete checkpoint for optimizer step `state['global_step']` on every rank (collective).
 
     Order: DeepSpeed tag (all ranks) -> per-rank RNG -> barrier -> rank 0 writes trainer_state.json and then

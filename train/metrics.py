@@ -165,7 +165,8 @@ class MetricsLogger:
         else:
             self.jsonl.truncate_after(resume_step)
         self.run = _wandb_init(cfg, Path(train_dir))
-        self.run_name = cfg.name
+        self.cfg = cfg
+        self.tokens_seen = 0
         self.t0 = time.time()
 
     def log(self, step: int, kind: str, metrics: dict) -> None:
@@ -173,17 +174,17 @@ class MetricsLogger:
         row.update({k: _plain(v) for k, v in metrics.items()})
         self.jsonl.write(row)
         if self.run is not None:
-            self.run.log({f"{kind}/{k}": v for k, v in row.items() if k not in ("step", "kind")}, step=int(step))
+            self.tokens_seen = row.get("tokens_seen", self.tokens_seen)
+            self.run.log(wandb_row(row, self.tokens_seen), step=int(step))
 
     def log_export(self, export_dir: Path, info: dict) -> None:
-        """The z-lab export as a W&B model artifact `<run>-drafter` (its files; `info` as metadata)."""
+        """The z-lab export as the W&B model artifact `<run>-drafter` (`pipeline.wandb_run.drafter_artifact`: config
+        and weights; `info` as metadata), the artifact `drafter eval` uses."""
         if self.run is None:
             return
-        import wandb
+        from pipeline.wandb_run import drafter_artifact
 
-        artifact = wandb.Artifact(f"{self.run_name}-drafter", type="model", metadata=info)
-        artifact.add_dir(str(export_dir))
-        self.run.log_artifact(artifact)
+        self.run.log_artifact(drafter_artifact(self.cfg, Path(export_dir), metadata=info))
 
     def finish(self, exit_code: int = 0) -> None:
         """End the W&B run (marked failed with a non-zero `exit_code`); the JSONL file needs no closing."""
@@ -198,20 +199,41 @@ def _plain(v):
     return v
 
 
+# The x-axes of the train run's charts: every `train/*` and `eval/*` metric against the optimizer step, and the losses
+# and acceptance again under `tokens/*` against the training tokens seen (`define_axes`).
+STEP_AXIS, TOKENS_AXIS = "optimizer_step", "tokens_seen"
+TOKENS_METRICS = ("loss", "ce", "tau_hat", "accept_len")
+
+
+def wandb_row(row: dict, tokens_seen: float) -> dict:
+    """One JSONL row as W&B metrics: `<kind>/<metric>`, both axes, and `tokens/<kind>_<metric>` for TOKENS_METRICS."""
+    kind = row["kind"]
+    out = {f"{kind}/{k}": v for k, v in row.items() if k not in ("step", "kind")}
+    out[STEP_AXIS], out[TOKENS_AXIS] = row["step"], tokens_seen
+    out.update({f"tokens/{kind}_{k}": row[k] for k in TOKENS_METRICS if k in row})
+    return out
+
+
+def define_axes(run) -> None:
+    run.define_metric(STEP_AXIS)
+    run.define_metric(TOKENS_AXIS)
+    for prefix in ("train/*", "eval/*"):
+        run.define_metric(prefix, step_metric=STEP_AXIS)
+    run.define_metric("tokens/*", step_metric=TOKENS_AXIS)
+
+
 def _wandb_init(cfg: RunConfig, train_dir: Path):
-    """A W&B run under `<train_dir>/wandb/`; its id is kept in `wandb_id.txt` so a resumed run continues it.
-    group = the run name: the train and eval runs of one pipeline run sit together."""
+    """The train W&B run (`pipeline.wandb_run.open_run`) under `<train_dir>/wandb/`; its id is kept in `wandb_id.txt`
+    so a resumed run continues it. Named the run (or train.wandb.run_name), in the run's group, console captured."""
+    from pipeline.wandb_run import open_run
+
     w = cfg.train.wandb
     if w.mode == "disabled":
         return None
-    import wandb
-
     id_file = train_dir / "wandb_id.txt"
     run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
     atomic_write_text(id_file, run_id + "\n")
-    (train_dir / "wandb").mkdir(parents=True, exist_ok=True)
-    return wandb.init(
-        project=w.project, entity=w.entity, name=w.run_name or cfg.name, mode=w.mode, dir=str(train_dir),
-        group=cfg.name, job_type="train", id=run_id, resume="allow", config=to_dict(cfg),
-        settings=wandb.Settings(quiet=True, console="off"),
-    )
+    run = open_run(cfg, "train", train_dir, config=to_dict(cfg), run_id=run_id,
+                   name=w.run_name or cfg.name)
+    define_axes(run)
+    return run

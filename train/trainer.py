@@ -30,6 +30,7 @@ from train import checkpoint
 from train.data import EVAL_EPOCH, MicroBatchDataset, RunPlan, batch_to, make_loader, rank_micro_batches
 from train.distributed import DistEnv, all_gather_objects, barrier, rank0_first
 from train.engine import TrainForward, build_engine, compile_layers, current_lr, engine_kind
+from dflash_model.card import CARD_NAME
 from dflash_model.export import export_zlab, load_zlab
 from train.inputs import TrainInputs, frozen_pieces_of, read_frozen_target
 from train.loss import default_gamma, kl_share
@@ -259,7 +260,7 @@ class Trainer:
         final_eval = self.evaluate()
         if self.last_saved != self.position["global_step"]:
             self.save()
-        export_info = self.export(self.out_dir / "export")
+        export_info = self.export(self.out_dir / "export", final_eval)
         replicas = replica_digests(self.drafter, self.out_dir, self.dist.rank, self.dist.world_size, self.sharded)
         last_train = None
         if self.logger is not None:
@@ -277,21 +278,48 @@ class Trainer:
                  "final_eval": final_eval, "final_train": last_train}
         return TrainResult(counts, extra, final_eval)
 
-    def export(self, out_dir: Path) -> dict | None:
-        """Write the z-lab layout (rank 0), read it back with load_zlab and compare every tensor. Returns
-        {"path", "files": [{name, bytes, sha256}], "verified": True} on rank 0, None elsewhere."""
+    def export(self, out_dir: Path, final_eval: dict | None = None) -> dict | None:
+        """Write the z-lab layout with its model card (rank 0), read it back with load_zlab and compare every tensor.
+        Returns {"path", "files": [{name, bytes, sha256}] (the drafter's files: config and weights; the card, which
+        `drafter eval` rewrites, is not among them), "verified": True} on rank 0, None elsewhere."""
         with full_parameters(self.drafter, self.sharded):
             if not self.dist.is_main:
                 return None
-            export_zlab(self.drafter, self.args, out_dir)
+            export_zlab(self.drafter, self.args, out_dir, target=self.cfg.target.model,
+                        training=self.card_facts(final_eval))
             state = load_zlab(out_dir)[0].state_dict()
             ref = self.drafter.state_dict()
             bad = [k for k in ref if k not in state or not torch.equal(state[k].to(ref[k].dtype).cpu(), ref[k].cpu())]
             if bad or set(state) - set(ref):
                 raise StageError(f"exported drafter at {out_dir} does not read back equal: {bad[:5]}")
         files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)}
-                 for f in sorted(Path(out_dir).iterdir()) if f.is_file()]
+                 for f in sorted(Path(out_dir).iterdir()) if f.is_file() and f.name != CARD_NAME]
         return {"path": str(out_dir), "files": files, "verified": True}
+
+    def card_facts(self, final_eval: dict | None) -> dict:
+        """The model card's "Training data" rows: what this run trained on and how long."""
+        cfg = self.cfg
+        sources = ", ".join(f"{s.name} ({s.weight:g})" for s in cfg.curate.sources if s.weight > 0)
+        if cfg.regen.backend == "none":
+            answers = "the datasets' own (regen.backend=none)"
+        else:
+            answers = (f"written by the target ({cfg.regen.backend}, temperature {cfg.regen.temperature:g}, "
+                       f"{cfg.regen.samples_per_prompt} per prompt, up to {cfg.regen.max_new_tokens} tokens)")
+        facts = {
+            "target": cfg.target.model + (f" @ {cfg.target.revision}" if cfg.target.revision else "")
+            + f" (thinking {'on' if cfg.target.enable_thinking else 'off'})",
+            "prompt sources in the config (weight; curate's report says which were found)": sources or "none",
+            "answers": answers,
+            "training samples": f"{len(self.plan.train_idx):,} ({len(self.plan.eval_idx):,} held out)",
+            "features": "online (the target's forward in every step)" if cfg.train.online
+            else f"extracted, stored as {cfg.extract.storage_dtype}",
+            "optimizer steps": f"{self.position['global_step']:,} ({int(self.position['tokens_seen']):,} tokens seen, "
+                               f"{self.dist.world_size} rank(s))",
+            "loss": cfg.train.loss + (f" (KL weight {cfg.train.kl_weight:g})" if cfg.train.loss == "ce+kl" else ""),
+        }
+        if final_eval:
+            facts["held-out loss / τ̂"] = f"{final_eval['loss']:.4f} / {final_eval['tau_hat']:.3f}"
+        return facts
 
 
 def full_parameters(drafter: torch.nn.Module, sharded: bool):

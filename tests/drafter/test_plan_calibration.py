@@ -11,7 +11,7 @@ import pytest
 
 from drafter.calibration import load_table, measured, shape_name
 from drafter.cli import main as drafter_main
-from drafter.plan import H200_BF16_FLOPS, KNOWN_TARGETS, MFU, estimate, target_shape
+from drafter.plan import ASSUMED_MFU, KNOWN_TARGETS, estimate, target_shape
 from pipeline.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ def test_the_27b_config_costs_extraction_at_its_measured_rate_and_says_so(capsys
     assert "this run: backend vllm, features bfloat16" in src["extract"]  # measured with hf / fp8: said, not hidden
     assert est["gpu_hours"]["extract"] == pytest.approx(est["total_tokens"] / 8350 / 3600)
     for stage in ("regen", "train"):  # never measured at this shape
-        assert src[stage].startswith(f"assumed MFU {MFU[stage]}")
+        assert src[stage].startswith(f"assumed MFU {ASSUMED_MFU[stage][0]:.2f}")
     assert drafter_main(["plan", "--config", str(REPO / "configs/qwen3.6-27b.yaml")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"extract\s+measured: 8,350 tok/s", out) and re.search(r"train\s+assumed MFU 0.45", out)
@@ -55,9 +55,9 @@ def test_a_shape_without_a_row_falls_back_to_the_assumed_mfu_and_says_so(tmp_pat
     cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}"])  # random:qwen3, a toy shape
     assert shape_name(target_shape(cfg)) is None
     est = estimate(cfg)
-    for stage, source in est["rate_sources"].items():
-        assert source == (f"assumed MFU {MFU[stage]} of the H200's {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s bf16 peak "
-                          "(no calibration row)"), stage
+    for stage, (mfu, why) in ASSUMED_MFU.items():
+        assert est["rate_sources"][stage] == (f"assumed MFU {mfu:.2f} of the H200's 989 TFLOP/s bf16 peak ({why}; "
+                                              "no calibration row)"), stage
     none = estimate(load_config(REPO / "configs/qwen3-8b.yaml", ["regen.backend=none"]))
     assert none["gpu_hours"]["regen"] == 0 and none["rate_sources"]["regen"].startswith("no regeneration")
 
@@ -68,7 +68,7 @@ def test_every_calibration_row_names_a_known_shape_a_stage_and_a_committed_sourc
         set(shapes)
     benchmarks = (REPO / "docs/benchmarks.md").read_text()
     for r in rows:
-        assert r.stage in MFU and re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.date) and r.command.split()[0] in (
+        assert r.stage in ASSUMED_MFU and re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.date) and r.command.split()[0] in (
             "python", "python3"), r
         cited = re.findall(r"docs/results/\S+?\.json", r.source)
         sections = re.findall(r'"([^"]+)"', r.source)
@@ -92,7 +92,7 @@ def test_plan_on_8_gpus_prints_each_paths_wall_clock_storage_the_cheaper_path_an
         assert est["samples"] == 913_000
         off, on = est["paths"]["offline"], est["paths"]["online"]
         assert off["gpu_hours"] == est["gpu_hours"]  # the configs train offline
-        assert off["feature_bytes"] == est["storage_bytes"] > 5e13 and on["feature_bytes"] == 0
+        assert off["feature_bytes"] == est["feature_bytes"] > 5e13 and on["feature_bytes"] == 0
         assert on["gpu_hours"]["extract"] == 0 and on["gpu_hours"]["regen"] == off["gpu_hours"]["regen"]
         forward = est["total_tokens"] * cfg.train.epochs / measured("extract", target_shape(cfg), backend="hf").tok_s
         assert on["gpu_hours"]["train"] == pytest.approx(off["gpu_hours"]["train"] + forward / 3600)
@@ -105,11 +105,13 @@ def test_plan_on_8_gpus_prints_each_paths_wall_clock_storage_the_cheaper_path_an
         assert drafter_main(["plan", "--config", str(REPO / f"configs/{name}.yaml"), "--gpus", "8"]) == 0
         out = capsys.readouterr().out
         assert re.search(r"extract\s+measured: [\d,]+ tok/s", out)
-        assert re.search(r"offline\s+regen [\d,.]+ \| extract [\d,.]+ \| train [\d,.]+ \| total [\d,.]+ GPU-h; .* TB\) "
-                         r"of features", out)
-        assert re.search(r"online\s+regen [\d,.]+ \| extract 0\.0 \| train [\d,.]+ \| total [\d,.]+ GPU-h; no features", out)
+        assert re.search(r"offline\s+regen [\d,.]+ \| extract [\d,.]+ \| train [\d,.]+ \| eval [\d,.]+ \| total "
+                         r"[\d,.]+ GPU-h; .* TB\) of features", out)
+        assert re.search(r"online\s+regen [\d,.]+ \| extract 0\.0 \| train [\d,.]+ \| eval [\d,.]+ \| total [\d,.]+ "
+                         r"GPU-h; no features", out)
         assert "cheaper: offline (" in out and "wall-clock on 8 GPU(s) of one node" in out
-        assert re.search(r"offline\s+regen [\d,.]+ h \| extract [\d,.]+ h \| train [\d,.]+ h \| total [\d,.]+ h", out)
+        assert re.search(r"offline\s+regen [\d,.]+ h \| extract [\d,.]+ h \| train [\d,.]+ h \| eval [\d,.]+ (h|min) "
+                         r"\| total [\d,.]+ h", out)
         assert re.search(r"train\s+measured 100\.1% on 2x NVIDIA H200 \(one host\)", out)
 
 

@@ -102,11 +102,42 @@ def test_eval_writes_every_report_and_greedy_speculation_reproduces_ar(cfg, caps
     html = (out / "report.html").read_text()
     assert "href=" not in html and html.count("data:image/png;base64,") == 5  # + the speedup plot
     assert (out / "report.md").read_text().split("\n## ")[1].startswith("Verdict")
+    card = (cfg.run_dir / "train" / "export" / "README.md").read_text()  # the eval's results in the model card
+    results = card.split("<!-- drafter-eval:start -->")[1].split("<!-- drafter-eval:end -->")[0]
+    assert "Measured by `drafter eval` (run `tiny`" in results and "| gsm8k |" in results and "τ chain" in results
     printed = capsys.readouterr().out
     assert "[eval]" in printed and "| gsm8k |" in printed and "τ chain (speedup)" in printed
     # a finished eval with the same config is a no-op that prints the table again
     assert run_eval(cfg, force=False)["finished_at"] == manifest["finished_at"]
     assert "| mt_bench |" in capsys.readouterr().out
+
+
+def test_the_timing_order_interleaves_the_units_per_prompt_and_skips_what_a_unit_journaled():
+    from eval.prompts import EvalPrompt
+    from eval.units import Unit, interleaved
+
+    units = [Unit("gsm8k", "ar"), Unit("gsm8k", "chain"), Unit("gsm8k", "ddtree", 4)]
+    prompts = [EvalPrompt(id=f"p{i}", benchmark="gsm8k", turns=("q",)) for i in range(4)]
+    order = [(p.id, [u.label for u in us]) for p, us in interleaved(units, prompts, {u: set() for u in units})]
+    assert order == [("p0", ["ar", "chain", "ddtree@4"]), ("p1", ["chain", "ddtree@4", "ar"]),
+                     ("p2", ["ddtree@4", "ar", "chain"]), ("p3", ["ar", "chain", "ddtree@4"])]
+    resumed = {units[0]: {"p0", "p1"}, units[1]: {"p0"}, units[2]: {"p0", "p1", "p2", "p3"}}  # after a kill
+    order = [(p.id, [u.label for u in us]) for p, us in interleaved(units, prompts, resumed)]
+    assert order == [("p1", ["chain"]), ("p2", ["ar", "chain"]), ("p3", ["ar", "chain"])]
+
+
+@pytest.mark.slow
+def test_ar_and_the_methods_are_timed_in_turn_prompt_by_prompt(tmp_path):
+    """The units of a benchmark are timed interleaved, not one after another: each unit's timed span (first decode
+    to last, in its sidecar) overlaps every other unit's."""
+    cfg = make_config(tmp_path, ["eval.methods=[ar,chain]", benchmarks(tmp_path, gsm8k=3, mt_bench=None),
+                                 "eval.lossless_check=false"])
+    export_random_drafter(cfg, cfg.run_dir / "train")
+    run_eval(cfg, force=False)
+    spans = {name: s["timed"] for name, s in StageDir(cfg.run_dir, "eval").done_units().items()}
+    assert set(spans) == {"gsm8k.ar", "gsm8k.chain"}
+    (a0, a1), (c0, c1) = spans["gsm8k.ar"], spans["gsm8k.chain"]
+    assert a0 < c1 and c0 < a1, spans  # one after the other would give a1 <= c0
 
 
 @pytest.mark.slow
@@ -296,7 +327,7 @@ def test_the_fp32_subset_decodes_the_first_prompts_of_each_benchmark_whole_in_fp
         assert sub == {"prompts": 2, "max_new_tokens": cfg.eval.max_new_tokens, "identical": 1.0, "not_identical": []}
     assert not any("decoded in fp32" in w for w in report["verdict"]["warnings"])
     md = (cfg.run_dir / "eval" / "report.md").read_text()
-    assert "fp32 subset identical" in md and "| 2 / 2 |" in md
+    assert "fp32 subset: same as fp32 AR" in md and "| 2 / 2 |" in md
 
 
 def test_lossless_check_finds_a_planted_divergence_and_replays_the_decoder_in_fp32(cfg):

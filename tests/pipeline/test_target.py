@@ -68,6 +68,8 @@ def test_a_vllm_this_project_cannot_run_is_one_config_error_naming_what_to_insta
 
 
 def test_the_installed_vllm_passes_the_check_and_a_multimodal_target_runs_its_language_model_only(tiny_cfg):
+    import os
+
     pytest.importorskip("vllm")
     from transformers import AutoConfig
 
@@ -81,10 +83,10 @@ def test_the_installed_vllm_passes_the_check_and_a_multimodal_target_runs_its_la
     assert kw["language_model_only"] is True
     plain = vllm_engine_kwargs(location, tiny_cfg.target, VLLMConfig(), max_model_len=64)
     assert "language_model_only" not in plain
+    assert os.environ["DRAFTER_NO_PROGRESS"] == "1" and kw["use_tqdm_on_load"] is False  # vLLM's loading bar off too
     # no flashinfer here (nor in a minimal CUDA install): vLLM's own fallbacks are asked for instead of its default
     # picks, which import flashinfer inside the engine (seen on the GPU: the sampler, the Gated-DeltaNet prefill)
     import importlib.util
-    import os
 
     assert importlib.util.find_spec("flashinfer") is None
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"

@@ -1,10 +1,14 @@
 """The SLURM launchers, for real: a single-node SLURM cluster on localhost (slurm/ci-slurm.sh) runs the tiny
 pipeline through `slurm/pipeline.sh` — curate, a 2-task regen array + merge, a 2-task extract array + merge, a
-2-process torchrun training job and a 2-task eval array + merge — as one afterok dependency chain."""
+2-process torchrun training job and a 2-task eval array + merge — as one afterok dependency chain; and a training
+job with a 2-minute time limit stops at SLURM's warning with a checkpoint, requeues itself and finishes, every step
+logged once."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,7 +33,8 @@ def _sh(script: str, env: dict | None = None, timeout: int = 900) -> subprocess.
 
 @pytest.fixture(scope="module")
 def slurm_cluster():
-    env = {"SLURM_FAKE_CPUS": "8", "SLURM_FAKE_GPUS": "2"}
+    # a requeued job waits the step-credential lifetime before it starts again: 20 s here instead of SLURM's 120
+    env = {"SLURM_FAKE_CPUS": "8", "SLURM_FAKE_GPUS": "2", "SLURM_CRED_EXPIRE": "20"}
     start = _sh(f"bash {CI_SLURM} start", env, timeout=300)
     assert start.returncode == 0, start.stdout + start.stderr
     yield env
@@ -68,3 +73,39 @@ def test_pipeline_runs_as_a_slurm_dependency_chain_with_arrays_and_torchrun(slur
     assert (run / "train" / "export" / "model.safetensors").exists()
     for p in REPO.glob("slurm-drafter-*.out"):
         p.unlink()
+
+
+def test_a_time_limited_training_job_requeues_itself_and_finishes_with_every_step_once(slurm_cluster, tmp_path):
+    """--time 2 min, USR1 60 s before it: the batch shell passes SIGTERM to the torchrun step, the rank checkpoints
+    the step in flight and exits 75, the job requeues itself (`requeueable`, slurm/env.sh), the restart resumes
+    after that step. 400 online steps of the tiny drafter take longer than one slot, so at least one requeue."""
+    runs, steps = tmp_path / "runs", 400
+    data = f"runs_dir={runs} cache_dir={REPO / '.cache'} regen.max_samples=24"
+    venv = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv"))
+    for stage in ("curate", "regen"):  # the data, directly (the tiny target answers its prompts, then tokenizes)
+        out = _sh(f"{venv}/bin/drafter {stage} --config configs/tiny.yaml {data}", {"DRAFTER_NO_PROGRESS": "1"})
+        assert out.returncode == 0, out.stderr[-2000:]
+    env = {
+        "CONFIG": "configs/tiny.yaml",
+        "ARGS": f"{data} train.online=true train.engine=torch train.max_steps={steps} train.log_every=1 "
+                "train.eval_every=0 train.save_every=0 train.wandb.mode=disabled",
+        "SBATCH_FLAGS": f"--cpus-per-task=1 --output={tmp_path}/train-%j.out",
+        "DRAFTER_VENV": str(venv), "OMP_NUM_THREADS": "1",
+    }
+    submit = _sh("slurm/pipeline.sh --stages train --time train=2 --signal-margin 60 --gpus-per-node 1", env)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    (job,) = [line.split()[1] for line in submit.stdout.strip().splitlines()]
+    wait = _sh(f"source {CI_SLURM}; slurm_wait {job} 840", env, timeout=900)
+    log = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("train-*.out"))
+    assert wait.returncode == 0, wait.stderr + log[-4000:]
+    state = _sh(f"scontrol -o show job {job}", env).stdout
+    restarts = int(re.search(r"Restarts=(\d+)", state).group(1))
+    assert "JobState=COMPLETED" in state and restarts >= 1, state
+    assert log.count("requeueing job") == restarts, log[-4000:]
+    stopped = [int(k) for k in re.findall(r"stopped by SIGTERM after step (\d+) of", log)]
+    resumed = [int(k) for k in re.findall(r"resumed from step-\d+ \(step (\d+),", log)]
+    assert len(stopped) == restarts and resumed == stopped, (stopped, resumed)  # each restart resumes where it stopped
+    rows = [json.loads(line) for line in (runs / "tiny" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, steps + 1))  # every step once
+    assert (runs / "tiny" / "train" / "manifest.json").exists()
+    assert (runs / "tiny" / "train" / "export" / "model.safetensors").exists()

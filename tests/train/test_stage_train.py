@@ -149,7 +149,13 @@ def test_train_logs_jsonl_and_wandb_offline_and_exports_a_drafter_that_loads_bac
     (model,) = [r for r in records if r.HasField("artifact") and r.artifact.type == "model"]
     assert model.artifact.name == f"{cfg.name}-drafter"
     export = cfg.run_dir / "train" / "export"
-    assert wandb_artifact_files(model) == {f.name: md5_b64(f) for f in export.iterdir() if f.is_file()}
+    # the drafter is its config and weights (the model card, which eval rewrites, is no part of the artifact)
+    assert wandb_artifact_files(model) == {f: md5_b64(export / f) for f in ("config.json", "model.safetensors")}
+
+    card = (export / "README.md").read_text()  # the model card: what the drafter was trained on
+    assert "| optimizer steps | 6 (" in card and "| tapped target layers | [1, 3, 5] of" in card
+    assert "| held-out loss / τ̂ |" in card and "No eval has run on this drafter yet" in card
+    assert [f["name"] for f in manifest["export"]["files"]] == ["config.json", "model.safetensors"]
 
     drafter, args = load_zlab(cfg.run_dir / "train" / "export")
     assert args.target_layer_ids == manifest["fingerprint"]["features"]["layer_ids"] == [1, 3, 5]
