@@ -78,8 +78,10 @@ def test_pipeline_runs_as_a_slurm_dependency_chain_with_arrays_and_torchrun(slur
 def test_a_time_limited_training_job_requeues_itself_and_finishes_with_every_step_once(slurm_cluster, tmp_path):
     """--time 2 min, USR1 60 s before it: the batch shell passes SIGTERM to the torchrun step, the rank checkpoints
     the step in flight and exits 75, the job requeues itself (`requeueable`, slurm/env.sh), the restart resumes
-    after that step. 400 online steps of the tiny drafter take longer than one slot, so at least one requeue."""
-    runs, steps = tmp_path / "runs", 400
+    after that step. 600 online steps of the tiny drafter take longer than one slot on a quiet 2-core machine (about
+    6 steps/s), so at least one requeue; a loaded machine needs more. A stop that comes before the first step (a slow
+    start) leaves no checkpoint: that restart starts over, and every checkpointed stop is resumed exactly there."""
+    runs, steps = tmp_path / "runs", 600
     data = f"runs_dir={runs} cache_dir={REPO / '.cache'} regen.max_samples=24"
     venv = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv"))
     for stage in ("curate", "regen"):  # the data, directly (the tiny target answers its prompts, then tokenizes)
@@ -104,7 +106,7 @@ def test_a_time_limited_training_job_requeues_itself_and_finishes_with_every_ste
     assert log.count("requeueing job") == restarts, log[-4000:]
     stopped = [int(k) for k in re.findall(r"stopped by SIGTERM after step (\d+) of", log)]
     resumed = [int(k) for k in re.findall(r"resumed from step-\d+ \(step (\d+),", log)]
-    assert len(stopped) == restarts and resumed == stopped, (stopped, resumed)  # each restart resumes where it stopped
+    assert 1 <= len(stopped) <= restarts and resumed == stopped, (stopped, resumed)  # resumed where it stopped
     rows = [json.loads(line) for line in (runs / "tiny" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, steps + 1))  # every step once
     assert (runs / "tiny" / "train" / "manifest.json").exists()
