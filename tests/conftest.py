@@ -24,7 +24,11 @@ CACHE = REPO / ".cache"  # materialized targets are keyed by content hash: safe 
 # The prompt mirror (docs/data.md), taken out of the environment: stage runs in tests (and their subprocesses) read
 # only what the test gives them, whether or not the machine has a mirror. Tests about the real public sets read it
 # through `mirror_file` and skip without it.
-MIRROR = os.environ.pop("DRAFTER_DATA_DIR", None) or None
+# pytest-xdist starts its workers after the controller has read this file, so the value is handed on under a name the
+# stages do not read; without that, `make test` (-n 2) skipped every mirror test.
+MIRROR = os.environ.pop("DRAFTER_DATA_DIR", None) or os.environ.get("DRAFTER_TESTS_MIRROR") or None
+if MIRROR:
+    os.environ["DRAFTER_TESTS_MIRROR"] = MIRROR
 
 
 def mirror_file(name: str) -> Path:
