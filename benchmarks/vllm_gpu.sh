@@ -12,12 +12,13 @@
 #
 # Steps, in order, each run once (a marker in --work records it, failed or not; --retry STEP runs it again):
 #   env       GPU, torch, transformers, vLLM and the project's check_vllm
-#   regen     bench_regen.py: the hf fast path (static KV + CUDA graphs) vs regen's vllm backend on SmolLM2
-#   extract   bench_extract.py on the Qwen3-8B shape: --backend vllm (bf16 + fp8 features, one engine), --backend hf
-#   verify8b  drafter curate/regen/tokenize/extract (vllm, its tap check first) + `extract --verify` on that shape
+#   verify8b  drafter curate/regen/tokenize/extract (vllm, its tap check first) + `extract --verify` on the Qwen3-8B
+#             shape (random init, saved once to --work/models)
+#   hybrid    drafter curate/regen/tokenize/extract (vllm) + `extract --verify` on a 4-layer Qwen3.6-27B-shape hybrid
 #   smol      drafter curate -> regen (vllm) -> tokenize -> train (online) for SmolLM2: the export to serve
 #   serve     bench_vllm_serve.py on that export (+ --parity, --mixed-swa)
-#   hybrid    drafter curate/regen/tokenize/extract (vllm) + `extract --verify` on a 4-layer Qwen3.6-27B-shape hybrid
+#   regen     bench_regen.py: the hf fast path (static KV + CUDA graphs) vs regen's vllm backend on SmolLM2
+#   extract   bench_extract.py on the Qwen3-8B shape: --backend vllm (bf16 + fp8 features, one engine), --backend hf
 # A step starts only when the call has the time it needs left (--budget-s, default 560 s: one call is at most 10
 # minutes); the next call goes on from there. Each call ends by copying results.jsonl, steps.log, summary.md and
 # logs.tgz (every step's log and result JSON) into --out.
@@ -156,8 +157,20 @@ stages() {  # CONFIG STAGE...: each `drafter STAGE --config CONFIG` in turn, sto
   done
 }
 
+save_shape() {  # the random-init $SHAPE target with the byte tokenizer in $MODELS/$SHAPE (kept when there)
+  [ -f "$MODELS/$SHAPE/config.json" ] && return 0
+  "$PY" - "$SHAPE" "$MODELS/$SHAPE" "$DEVICE" "$DTYPE" <<'PY'
+import sys, torch
+from pathlib import Path
+from benchmarks.bench_extract import build_target, save_target
+shape, model_dir, device, dtype = sys.argv[1:]
+model, _ = build_target(shape, torch.device(device), getattr(torch, dtype), ".cache")
+save_target(model, Path(model_dir))
+PY
+}
+
 step_verify8b() {
-  [ -f "$MODELS/$SHAPE/config.json" ] || { echo "no $MODELS/$SHAPE: the extract step saves it"; return 3; }
+  save_shape || return $?
   write_config "$WORK/cfg-verify8b.yaml" verify8b "$MODELS/$SHAPE" "" none $N_CURATE
   stages "$WORK/cfg-verify8b.yaml" curate regen tokenize extract || return $?
   timeboxed "${DRAFTER[@]}" extract --verify --config "$WORK/cfg-verify8b.yaml"
@@ -201,11 +214,11 @@ rms_norm_eps: 1.0e-6}" none 128
 }
 
 step env 30
-step regen 150
-step extract 240
 step verify8b 200
+step hybrid 150
 step smol 300
 step serve 200
-step hybrid 150
-[ -f "$WORK/done.hybrid" ] && log "all steps done"
+step regen 150
+step extract 240
+[ -f "$WORK/done.extract" ] && log "all steps done"
 exit 0
