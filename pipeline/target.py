@@ -296,7 +296,7 @@ def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, a
     kwargs = dict(dtype=dtype, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(location, config=hf_config(location, tcfg), **kwargs)
     model.to(device).eval().requires_grad_(False)
     kernels, on_gpu = gated_delta_kernels(model), torch.device(device).type == "cuda"
     if kernels == "fla" and not on_gpu:
@@ -388,10 +388,22 @@ def _weights_sha(location: str) -> str | None:
 
 
 def hf_config(location: str, tcfg: TargetConfig):
-    """The target's full HF config (`AutoConfig`, with the run's revision and trust_remote_code)."""
+    """The target's full HF config (`AutoConfig`, with the run's revision and trust_remote_code), as transformers'
+    own class for its model type. vLLM registers config classes of its own for some model types (0.26: `qwen3_5`,
+    `qwen3_5_moe`) over transformers' in the process that imports it; transformers' auto classes then no longer
+    recognise the wrapper and hand the whole multimodal config to the text model (`'Qwen3_5Config' object has no
+    attribute 'vocab_size'`). The tap check runs an HF forward in the process that built the vLLM engine, so a
+    config that came back as vLLM's class is re-read with transformers' own."""
+    import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    return AutoConfig.from_pretrained(location, revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+    kwargs = dict(revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
+    config = AutoConfig.from_pretrained(location, **kwargs)
+    native = getattr(transformers, CONFIG_MAPPING_NAMES.get(config.model_type, ""), None)
+    if native is not None and type(config).__module__.startswith("vllm."):
+        config = native.from_pretrained(location, revision=tcfg.revision)
+    return config
 
 
 def text_config(config):

@@ -116,3 +116,37 @@ def test_a_random_qwen3_5_target_is_a_multimodal_checkpoint_whose_language_model
     ids = torch.randint(3, 259, (1, 16))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, wrapper(input_ids=ids).logits)
+
+
+def test_a_qwen3_5_target_loads_after_vllm_registered_its_own_config_class_for_the_model_type(tmp_path, monkeypatch):
+    """vLLM 0.26 registers its own `Qwen3_5Config` (and text config) for `qwen3_5` in the process that imports it;
+    the extract stage's tap check then runs an HF forward in that process, where transformers' auto class handed the
+    whole wrapper config to the text model (`'Qwen3_5Config' object has no attribute 'vocab_size'`, seen on the GPU).
+    With a foreign class registered the same way, `load_target` still loads the language model, with the same
+    logits as without it."""
+    import torch
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.qwen3_5 import configuration_qwen3_5 as native
+
+    from pipeline.config import TargetConfig
+    from pipeline.target import hf_config, load_target
+
+    class Qwen3_5TextConfig(native.Qwen3_5TextConfig):
+        pass
+
+    class Qwen3_5Config(native.Qwen3_5Config):
+        sub_configs = {"vision_config": native.Qwen3_5VisionConfig, "text_config": Qwen3_5TextConfig}
+
+    for cls in (Qwen3_5TextConfig, Qwen3_5Config):
+        cls.__module__ = "vllm.transformers_utils.configs.qwen3_5"  # where vLLM's classes live
+    tcfg = TargetConfig(model="random:qwen3_5", random_init={"num_hidden_layers": 4}, device="cpu", dtype="float32")
+    location = open_target(tcfg, tmp_path).location
+    ids = torch.randint(3, 259, (1, 12))
+    with torch.no_grad():
+        before = load_target(location, tcfg)(ids).logits
+    monkeypatch.setitem(CONFIG_MAPPING._extra_content, "qwen3_5", Qwen3_5Config)
+    from transformers import AutoConfig
+    assert type(AutoConfig.from_pretrained(location)) is Qwen3_5Config  # the registration took, as vLLM's does
+    assert type(hf_config(location, tcfg)) is native.Qwen3_5Config
+    with torch.no_grad():
+        assert torch.equal(load_target(location, tcfg)(ids).logits, before)
