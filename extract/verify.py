@@ -85,8 +85,16 @@ def layer_report(candidate: torch.Tensor, reference: torch.Tensor, layer_ids: li
 
 
 def layer_passes(row: dict, min_mean: float, min_token: float) -> bool:
-    """The verdict on one layer (or one sample's layer): finite, mean cosine and every token's cosine high enough."""
-    return row["finite"] and row["cos_mean"] >= min_mean and row["cos_min"] >= min_token
+    """The verdict on one layer over every checked sample: finite, mean cosine and every token's cosine high enough."""
+    return tokens_pass(row, min_token) and row["cos_mean"] >= min_mean
+
+
+def tokens_pass(row: dict, min_token: float) -> bool:
+    """One sample's layer: finite and every token's cosine high enough. The mean bound judges the pooled layer
+    only: one sample's mean wanders with its length (bf16 rounding over 36 layers left one 0.9988 sample in a
+    passing 0.9991 layer), while a token below the bound also fails the pooled verdict, so a sample named as
+    failed always comes with a failed verdict."""
+    return row["finite"] and row["cos_min"] >= min_token
 
 
 def format_table(rows: list[dict], min_mean: float, min_token: float) -> str:
@@ -168,7 +176,7 @@ def compare_with_hf(cfg: RunConfig, ctx: ExtractContext, samples: list[dict]) ->
     """(per-layer report over all samples, per-sample records) of ``samples``' features against an unbatched HF
     forward of their tokens (`forward_taps`), judged by `extract.verify_min_cosine` / `verify_min_token_cosine`.
     The HF target is loaded for this and released after (its GPU memory too)."""
-    min_mean, min_token = cfg.extract.verify_min_cosine, cfg.extract.verify_min_token_cosine
+    min_token = cfg.extract.verify_min_token_cosine
     device = resolve_device(cfg.target.device)
     model = load_target(ctx.location, cfg.target, device=device, dtype=resolve_dtype(cfg.target.dtype, device))
     cand, ref, checked = [], [], []
@@ -179,7 +187,7 @@ def compare_with_hf(cfg: RunConfig, ctx: ExtractContext, samples: list[dict]) ->
             per_layer = layer_report(cand[-1], ref[-1], ctx.tap_ids)
             checked.append({"id": s["id"], "shard": s["shard"], "row": s["row"], "rank": s["rank"],
                             "tokens": len(cand[-1]), "cos_min": min(r["cos_min"] for r in per_layer),
-                            "failed_layers": [r["layer"] for r in per_layer if not layer_passes(r, min_mean, min_token)]})
+                            "failed_layers": [r["layer"] for r in per_layer if not tokens_pass(r, min_token)]})
     finally:
         del model
         if device.type == "cuda":

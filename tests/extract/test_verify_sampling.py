@@ -124,3 +124,15 @@ def test_the_report_names_the_checked_samples_with_shard_and_rank_and_another_se
     assert {(c["shard"], c["row"]) for c in a["checked"]} != {(c["shard"], c["row"]) for c in b["checked"]}
     assert all(f"{c['id']} ({c['shard']}#{c['row']})" in printed for c in a["checked"])
     assert (cfg.run_dir / "extract" / INDEX_FILE).exists()
+
+
+def test_a_sample_is_named_failed_only_for_what_also_fails_the_pooled_verdict():
+    """One sample's mean cosine below the bound (its tokens all above) is rounding noise the pooled mean judges: on
+    the 8B shape on a GPU one sample sat at 0.9988 in a layer whose pooled mean passed; naming it FAILED beside a
+    PASSED verdict told the user two things. A token below the bound, or a non-finite value, fails both."""
+    from extract.verify import layer_passes, tokens_pass
+
+    noisy = {"finite": True, "cos_mean": 0.9988, "cos_min": 0.9987}
+    assert tokens_pass(noisy, 0.99) and not layer_passes(noisy, 0.999, 0.99)
+    for bad in ({"finite": True, "cos_mean": 0.9995, "cos_min": 0.95}, {"finite": False, "cos_mean": 1.0, "cos_min": 1.0}):
+        assert not tokens_pass(bad, 0.99) and not layer_passes(bad, 0.999, 0.99)
