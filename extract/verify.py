@@ -91,9 +91,9 @@ def layer_passes(row: dict, min_mean: float, min_token: float) -> bool:
 
 def tokens_pass(row: dict, min_token: float) -> bool:
     """One sample's layer: finite and every token's cosine high enough. The mean bound judges the pooled layer
-    only: one sample's mean wanders with its length (bf16 rounding over 36 layers left one 0.9988 sample in a
-    passing 0.9991 layer), while a token below the bound also fails the pooled verdict, so a sample named as
-    failed always comes with a failed verdict."""
+    only: one sample's mean wanders with its length and content (bf16 rounding grows with depth, so a deep layer
+    can pass pooled while one short sample sits just under the bound), while a token below the bound also fails
+    the pooled verdict, so a sample named as failed always comes with a failed verdict."""
     return row["finite"] and row["cos_min"] >= min_token
 
 
