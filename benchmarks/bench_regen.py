@@ -287,9 +287,7 @@ def main() -> None:
             if reference is None:
                 reference, row["same_as_ref"] = (mode, bs, ids), "ref"
             else:
-                common = min(len(ids), len(reference[2]))
-                same = sum(a == b for a, b in zip(ids[:common], reference[2][:common]))
-                row["same_as_ref"] = f"{same}/{common}"
+                row.update(agreement(ids, reference[2]))
             rows.append(row)
             print(f"# {json.dumps(row)}", flush=True)
 
@@ -303,10 +301,29 @@ def main() -> None:
             print(f"| {r['mode']} | {r['batch']} | {r['prompts']} | - | error: {r['error']} | | | | |{extra}")
         else:
             print(f"| {r['mode']} | {r['batch']} | {r['prompts']} | {r['graphs']} | {r['gen_tokens']} | "
-                  f"{r['seconds']} | {r['tok_s']} | {r['stopped']} | {r['same_as_ref']} |{extra}")
+                  f"{r['seconds']} | {r['tok_s']} | {r['stopped']} | {r['same_as_ref']}"
+                  + (f" (prefix {r['prefix_agreement']})" if r.get("prefix_agreement") is not None else "") + f" |{extra}")
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "rows": rows,
                                                "summary": {"regen_tok_s": summary(rows)}}, indent=2))
+
+
+def agreement(ids: list[list[int]], ref: list[list[int]]) -> dict:
+    """How far greedy outputs follow the reference mode's, prompt by prompt (``ids[i]`` and ``ref[i]``: the token
+    ids one prompt got). ``same_as_ref``: "k/n" responses identical token for token; ``prefix_agreement``: the share
+    of the reference's tokens produced identically before the first difference. Two bf16 engines part at near
+    ties and then write different text, so whole-response identity undersells them; the prefix share says how
+    long they agree."""
+    n = min(len(ids), len(ref))
+    same = sum(a == b for a, b in zip(ids[:n], ref[:n]))
+    prefix = 0
+    for a, b in zip(ids[:n], ref[:n]):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        prefix += k
+    total = sum(len(b) for b in ref[:n])
+    return {"same_as_ref": f"{same}/{n}", "prefix_agreement": round(prefix / total, 4) if total else None}
 
 
 def summary(rows: list[dict]) -> dict:

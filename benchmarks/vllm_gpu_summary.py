@@ -48,6 +48,7 @@ def summarize(work: Path) -> dict:
         out["regen_tok_s"] = {"vllm": vl[0]["tok_s"] if vl else None, "hf": best_hf["tok_s"] if best_hf else None,
                               "hf_batch": best_hf["batch"] if best_hf else None}
         out["regen_same_as_hf"] = vl[0]["same_as_ref"] if vl else None
+        out["regen_prefix_agreement"] = vl[0].get("prefix_agreement") if vl else None
         out["regen_prompts"] = vl[0]["prompts"] if vl else None
     ext = {}
     for f in sorted(js.glob("bench_extract-*.json")):

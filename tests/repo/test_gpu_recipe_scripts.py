@@ -151,7 +151,8 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
     (work / "json" / "bench_regen.json").write_text(json.dumps({"env": {"device_name": "GPU X"}, "rows": [
         {"mode": "static", "batch": 256, "prompts": 8, "tok_s": 10.0, "same_as_ref": "ref"},
         {"mode": "static", "batch": 512, "prompts": 8, "tok_s": 20.0, "same_as_ref": "8/8"},
-        {"mode": "vllm", "batch": "engine", "prompts": 8, "tok_s": 30.0, "same_as_ref": "7/8"}]}))
+        {"mode": "vllm", "batch": "engine", "prompts": 8, "tok_s": 30.0, "same_as_ref": "7/8",
+         "prefix_agreement": 0.97}]}))
     for backend, dtype, tps in [("vllm", "bfloat16", 100.0), ("vllm", "fp8", 120.0), ("hf", "bfloat16", 90.0)]:
         (work / "json" / f"bench_extract-{backend}-s-{dtype}-cuda.json").write_text(json.dumps(
             {"backend": backend, "storage_dtype": dtype, "end_to_end_tps": tps, "shape": "s", "vllm": "0.26.0",
@@ -159,6 +160,7 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
     s = summarize(work)
     assert s["vllm_version"] == "0.26.0" and s["device"] == "GPU X"
     assert s["regen_tok_s"] == {"vllm": 30.0, "hf": 20.0, "hf_batch": 512} and s["regen_same_as_hf"] == "7/8"
+    assert s["regen_prefix_agreement"] == 0.97
     assert s["extract_tok_s"] == {"vllm": 100.0, "hf": 90.0} and s["extract_tok_s_fp8"] == {"vllm": 120.0}
     assert s["failed"] == ["serve"] and s["missing"] == ["hybrid", "smol", "verify8b"]
     assert "serve_full" not in s and "extract_verify_passed" not in s
@@ -249,3 +251,15 @@ def test_hybrid_gpu_script_takes_every_measurement_at_toy_size_on_the_cpu_over_c
     assert all(r["same_as_ref"] in ("ref", "8/8") for r in s["regen_rows"])
     assert s["train"]["target_forward_ms"] > 0 and s["train"]["variant"] == "trainer-dense-online-row2"
     assert s["train_max_micro_batch"] == {"variant": "trainer-dense-online", "sequences": 2, "peak_mem_gib": None}
+
+
+def test_regen_agreement_counts_identical_responses_and_the_shared_prefix_of_those_that_part():
+    """bench_regen's comparison of a mode with the reference: whole responses identical, and the share of the
+    reference's tokens written identically before the first difference (greedy bf16 engines part at near ties)."""
+    from benchmarks.bench_regen import agreement
+
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    got = [[1, 2, 3, 4], [5, 6, 0, 8], [9]]  # identical; parts after 2 of 4; stops early after 1 of 2
+    assert agreement(got, ref) == {"same_as_ref": "1/3", "prefix_agreement": round(7 / 10, 4)}
+    assert agreement(ref, ref) == {"same_as_ref": "3/3", "prefix_agreement": 1.0}
+    assert agreement([[0, 2, 3, 4]], ref[:1])["prefix_agreement"] == 0.0
