@@ -19,6 +19,7 @@
 #   serve     bench_vllm_serve.py on that export (+ --parity, --mixed-swa)
 #   regen     bench_regen.py: the hf fast path (static KV + CUDA graphs) vs regen's vllm backend on SmolLM2
 #   extract   bench_extract.py on the Qwen3-8B shape: --backend vllm (bf16 + fp8 features, one engine), --backend hf
+# --skip STEP (repeatable) leaves out a step whose results an earlier session committed (e.g. --skip verify8b).
 # A step starts only when the call has the time it needs left (--budget-s, default 560 s: one call is at most 10
 # minutes); the next call goes on from there. Each call ends by copying results.jsonl, steps.log, summary.md and
 # logs.tgz (every step's log and result JSON) into --out.
@@ -29,7 +30,7 @@ unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 PY="${PYTHON:-python3}"
-BUNDLE="" OUT="" WORK="/tmp/vllm-gpu" BUDGET_S=560 SMOKE="" RETRY=()
+BUNDLE="" OUT="" WORK="/tmp/vllm-gpu" BUDGET_S=560 SMOKE="" RETRY=() SKIP=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE="$2"; shift 2 ;;
@@ -38,6 +39,7 @@ while [ $# -gt 0 ]; do
     --budget-s) BUDGET_S="$2"; shift 2 ;;
     --cpu-smoke) SMOKE=1; shift ;;
     --retry) RETRY+=("$2"); shift 2 ;;
+    --skip) SKIP+=("$2"); shift 2 ;;
     *) echo "vllm_gpu.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -46,7 +48,12 @@ done
 T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
 mkdir -p "$WORK/logs" "$OUT"; OUT="$(cd "$OUT" && pwd)"
 touch "$WORK/results.jsonl"
+STEPS=(env verify8b hybrid smol serve regen extract)
 for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
+for s in "${SKIP[@]}"; do  # a step measured in an earlier session (its results committed): not run in this --work
+  [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "vllm_gpu.sh: --skip $s: no such step (${STEPS[*]})" >&2; exit 2; }
+  [ -f "$WORK/done.$s" ] || echo skipped > "$WORK/done.$s"
+done
 source benchmarks/gpu_steps.sh  # left, log, step, timeboxed
 finish() {
   "$PY" benchmarks/vllm_gpu_summary.py --work "$WORK" --out "$OUT/summary.json" > /dev/null 2>&1

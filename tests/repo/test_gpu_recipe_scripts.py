@@ -141,9 +141,17 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
     failed or did not run is named)."""
     from benchmarks.vllm_gpu_summary import summarize
 
-    for args in ([], ["--out", str(tmp_path / "o")]):
-        run = subprocess.run(["bash", "benchmarks/vllm_gpu.sh", *args], cwd=REPO, capture_output=True, text=True)
+    for args in ([], ["--out", str(tmp_path / "o")], ["--cpu-smoke", "--out", str(tmp_path / "o"), "--skip", "serv"]):
+        run = subprocess.run(["bash", "benchmarks/vllm_gpu.sh", *args], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "DRAFTER_DATA_DIR": str(tmp_path)})
         assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    # a step an earlier session measured is left out with --skip: here every one, so the call runs none
+    steps = ["env", "verify8b", "hybrid", "smol", "serve", "regen", "extract"]
+    run = subprocess.run(["bash", "benchmarks/vllm_gpu.sh", "--cpu-smoke", "--out", str(tmp_path / "o"), "--work",
+                          str(tmp_path / "w"), *[a for s in steps for a in ("--skip", s)]], cwd=REPO,
+                         capture_output=True, text=True, env={**os.environ, "DRAFTER_DATA_DIR": str(tmp_path)})
+    assert run.returncode == 0 and "all steps done" in run.stdout and " step " not in run.stdout, run.stdout
+    assert (tmp_path / "w" / "results.jsonl").read_text() == ""
     work = tmp_path / "work"
     (work / "json").mkdir(parents=True)
     (work / "results.jsonl").write_text("\n".join(json.dumps({"step": s, "rc": rc, "seconds": 5}) for s, rc in
