@@ -44,23 +44,10 @@ from tqdm.auto import tqdm  # noqa: E402
 _FMT = "%(asctime)s %(levelname).1s [%(name)s] %(message)s"
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is when a record is emitted, not the stream it was when the first logger was
-    made: a redirection made later (`contextlib.redirect_stderr`, W&B's console capture, a test's capture) sees the
-    stage's log lines."""
-
-    def __init__(self):
-        logging.Handler.__init__(self)
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-
 def get_logger(name: str) -> logging.Logger:
     logger = logging.getLogger(f"drafter.{name}")
     if not logging.getLogger("drafter").handlers:
-        handler = _StderrHandler()
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(_FMT, "%H:%M:%S"))
         root = logging.getLogger("drafter")
         root.addHandler(handler)
