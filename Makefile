@@ -44,8 +44,9 @@ demo: setup
 	@echo "report: runs/$$($(PY) -c 'import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).name)' $(CONFIG))/eval/report.md"
 
 # `make test` runs on two pytest-xdist workers, one file per worker at a time (module fixtures stay on one worker;
-# the files with slow tests go first, tests/conftest.py): on 2 cores the slow tier's subprocesses and engines overlap.
-XDIST ?= -n 2 --dist loadfile
+# the longest files go first, tests/conftest.py, in the order given there: --no-loadscope-reorder keeps xdist from
+# ordering the files by their number of tests): on 2 cores the slow tier's subprocesses and engines overlap.
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup browser
 	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q $(XDIST) tests $(ARGS)

@@ -230,13 +230,17 @@ def load_hub(hub: str, subset: str | None, split: str, revision: str | None, dat
         not_cached = f"cached at revision {cached_at}, not {revision}"
     except Exception as e:  # noqa: BLE001 - not cached (ValueError), cached without that split, ...
         not_cached = f"{type(e).__name__}: {_first_line(e)}"
-    if _hub_unreachable is not None:
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    local_builder = hub in _PACKAGED_DATASETS_MODULES  # `json` + data_files: datasets' own builder, no hub involved
+    if _hub_unreachable is not None and not local_builder:
         raise DatasetMissing(f"{where} not in the cache {cache} ({not_cached}) and the hub is unreachable "
                              f"({_hub_unreachable})")
     try:
         ds = datasets.load_dataset(hub, subset, split=split, revision=revision, cache_dir=cache, **kwargs)
     except ConnectionError as e:  # offline or unreachable
-        _hub_unreachable = _first_line(e)
+        if not local_builder:
+            _hub_unreachable = _first_line(e)
         raise DatasetMissing(f"{where} not in the cache {cache} and the hub is unreachable "
                              f"({_hub_unreachable})") from e
     except Exception as e:  # noqa: BLE001 - no such dataset / split / config: one line, not a traceback

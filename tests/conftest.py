@@ -61,14 +61,30 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# The files that take longest under `make test`, longest first. Two workers finish together only when the long files
+# start early: a long file handed out last runs alone at the end while the other worker idles.
+LONGEST_FILES = (
+    "tests/slurm/test_slurm_pipeline.py",
+    "tests/repo/test_gpu_recipe_scripts.py",
+    "tests/train/test_export_serves_in_vllm.py",
+    "tests/train/test_deepspeed_two_ranks.py",
+    "tests/train/test_bench_multi_gpu_cpu.py",
+    "tests/eval/test_triton_kernels.py",
+    "tests/extract/test_vllm.py",
+    "tests/pipeline/test_curate_synthesize.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: -n 2 --dist loadfile) the files that hold slow tests are handed out first, so
-    that no worker starts a long end-to-end file while the other has nothing left; within a file, and in a run
-    without workers, the order is pytest's."""
+    """Under pytest-xdist (`make test`: -n 2 --dist loadfile --no-loadscope-reorder, so that xdist keeps this order
+    instead of ordering files by their number of tests) the files are handed out longest first: `LONGEST_FILES`, then
+    the other files that hold slow tests, then the rest; within a file, and in a run without workers, the order is
+    pytest's."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: every other order is kept
+    rank = {REPO / name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: (rank.get(item.path, len(rank)), item.path not in slow_files))  # stable
 
 
 # Synthetic stand-ins for the public prompt formats, written by the tests that need files of those layouts (made-up

@@ -112,6 +112,18 @@ def test_after_the_hub_proved_unreachable_cached_datasets_still_load_without_ano
         locate(SourceConfig(name="x", hub="testorg/absent"), "x", "s", data_dir=None, cache_dir=tmp_path / "cache")
 
 
+def test_a_packaged_builder_over_local_files_loads_after_the_hub_proved_unreachable(tmp_path):
+    """`hub: json` + data_files needs no hub: an earlier hub failure in the process (another source, another run)
+    does not refuse it."""
+    with pytest.raises(DatasetMissing, match="hub is unreachable"):  # offline (HF_HUB_OFFLINE=1): the memo is set
+        locate(SourceConfig(name="x", hub="testorg/absent"), "x", "s", data_dir=None, cache_dir=tmp_path / "cache")
+    assert ds_mod._hub_unreachable is not None
+    data = write_records(tmp_path / "qa.jsonl", synthetic_records("gsm8k", 7))
+    found = locate(SourceConfig(name="qa", hub="json", data_files=str(data)), "qa", "s", data_dir=None,
+                   cache_dir=tmp_path / "cache")
+    assert found.where == "hub" and found.checksum["rows"] == 7
+
+
 def test_a_missing_dataset_is_one_line_that_says_where_it_looked_and_how_to_get_it(tmp_path, capsys):
     mirror = tmp_path / "mirror"
     mirror.mkdir()
