@@ -52,7 +52,7 @@ test: setup browser
 	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q $(XDIST) tests $(ARGS)
 
 test-fast: setup
-	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q -m "not slow" tests $(ARGS)
+	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q $(XDIST) -m "not slow" tests $(ARGS)
 
 plan curate regen tokenize extract train eval run: setup
 	$(DRAFTER) $@ --config $(CONFIG) $(ARGS)
