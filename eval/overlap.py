@@ -65,11 +65,19 @@ def find_overlap(eval_sets: dict[str, set[int]], train_batches: Iterable[tuple[l
                  threshold: float = NEAR_CONTAINMENT) -> list[OverlapHit]:
     """Every (eval prompt, training conversation) pair with containment >= threshold, best first per eval prompt.
 
-    eval_sets: eval prompt id -> content shingles (`eval_shingles`); prompts without shingles are skipped."""
+    eval_sets: eval prompt id -> content shingles (`eval_shingles`); prompts without shingles are skipped.
+    A training conversation that shares fewer shingles with all eval prompts together than the threshold asks of
+    the smallest eval prompt is passed over; for the others, an inverted index (shingle -> eval prompts holding it)
+    counts |S_e ∩ S_t| for just the eval prompts the conversation touches. `find_overlap_reference` is the same
+    result by intersecting every pair."""
     eval_sets = {k: v for k, v in eval_sets.items() if v}
     if not eval_sets:
         return []
-    every = np.fromiter(set().union(*eval_sets.values()), dtype=np.uint32)
+    index: dict[int, list[str]] = {}
+    for eval_id, s in eval_sets.items():
+        for h in s:
+            index.setdefault(h, []).append(eval_id)
+    every = np.fromiter(index, dtype=np.uint32)
     every.sort()
     need = max(1, int(np.ceil(threshold * min(len(v) for v in eval_sets.values()))))
     hits: list[OverlapHit] = []
@@ -78,11 +86,30 @@ def find_overlap(eval_sets: dict[str, set[int]], train_batches: Iterable[tuple[l
         shared = np.isin(hashes, every, assume_unique=False)
         per_doc = np.add.reduceat(shared.astype(np.int64), offsets[:-1]) if len(texts) else np.zeros(0)
         for d in np.flatnonzero(per_doc >= need):
-            train = set(hashes[offsets[d]:offsets[d + 1]].tolist())
-            for eval_id, s in eval_sets.items():
-                c = len(s & train) / len(s)
+            lo, hi = offsets[d], offsets[d + 1]
+            counts: dict[str, int] = {}
+            for h in set(hashes[lo:hi][shared[lo:hi]].tolist()):  # each shared shingle once: S_t is a set
+                for eval_id in index[h]:
+                    counts[eval_id] = counts.get(eval_id, 0) + 1
+            for eval_id, n in counts.items():
+                c = n / len(eval_sets[eval_id])
                 if c >= threshold:
                     hits.append(OverlapHit(eval_id, ids[d], round(c, 4)))
+    hits.sort(key=lambda h: (h.eval_id, -h.containment, h.train_id))
+    return hits
+
+
+def find_overlap_reference(eval_sets: dict[str, set[int]], train_batches: Iterable[tuple[list[str], list[str]]],
+                           threshold: float = NEAR_CONTAINMENT) -> list[OverlapHit]:
+    """`find_overlap` by its definition: c(e, t) = |S_e ∩ S_t| / |S_e| for every pair (tests, small inputs)."""
+    hits = []
+    for ids, texts in train_batches:
+        hashes, offsets = shingle_hashes(texts)
+        for d, train_id in enumerate(ids):
+            train = set(hashes[offsets[d]:offsets[d + 1]].tolist())
+            for eval_id, s in eval_sets.items():
+                if s and len(s & train) / len(s) >= threshold:
+                    hits.append(OverlapHit(eval_id, train_id, round(len(s & train) / len(s), 4)))
     hits.sort(key=lambda h: (h.eval_id, -h.containment, h.train_id))
     return hits
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eval.overlap import eval_shingles, find_overlap, summarize_overlap, training_prompts
+from eval.overlap import eval_shingles, find_overlap, find_overlap_reference, summarize_overlap, training_prompts
 from eval.prompts import FORMAT_AFFIXES, format_content, format_gsm8k
 from pipeline.config import BenchmarkConfig
 from pipeline.curate.schema import CONVERSATION_SCHEMA
@@ -68,6 +68,30 @@ def test_planted_duplicates_are_found_and_classified(tmp_path):
     summary = summarize_overlap(hits, eval_prompts=20, train_conversations=504, against="test shard")
     assert summary["exact"] == 2 and summary["near"] == 1
     json.dumps(summary)
+
+
+def test_the_indexed_search_equals_every_pair_intersected(tmp_path):
+    """`find_overlap` (inverted index over the candidates) equals `find_overlap_reference` (every pair), hits and
+    containments alike, at several thresholds: planted copies, one-word edits, partial copies (one repeated: a
+    shingle counts once) and unrelated prompts,
+    over several batches, with eval prompts of a few shingles among them."""
+    questions = made_up_questions(40, seed=2) + ["Apples and coins", "Crate of marbles now"]
+    sets = gsm8k_eval_sets(questions)
+    gen = np.random.default_rng(3)
+    train = {f"train/{i}": q for i, q in enumerate(made_up_questions(300, seed=4))}
+    for i, q in enumerate(questions[:30]):
+        words = q.split(" ")
+        cut = int(gen.integers(len(words) // 2, len(words) + 1))
+        part = " ".join(words[:len(words) // 2])
+        train[f"copy/{i}"] = [q, one_word_changed(q), " ".join(words[:cut]), f"Say it: {q} Now.",
+                              f"{part} {part} {part}"][i % 5]  # the last: half the prompt, its shingles repeated
+    shard = write_train_shard(tmp_path / "train-00000.parquet", train)
+    for threshold in (0.5, 0.8, 1.0):
+        batches = list(training_prompts([shard]))
+        small = [(ids[k:k + 37], texts[k:k + 37]) for ids, texts in batches for k in range(0, len(ids), 37)]
+        fast = find_overlap(sets, small, threshold)
+        assert fast == find_overlap_reference(sets, small, threshold)
+        assert len({h.eval_id for h in fast}) >= 12  # the exact copies at least: not an empty agreement
 
 
 MIRROR_EVAL = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl", "mt_bench": "mt_bench.jsonl"}
