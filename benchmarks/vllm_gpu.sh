@@ -222,7 +222,7 @@ rms_norm_eps: 1.0e-6}" none 128
 
 step env 30
 step verify8b 200
-step hybrid 150
+step hybrid 330
 step smol 300
 step serve 200
 step regen 150
