@@ -108,8 +108,9 @@ def find_overlap_reference(eval_sets: dict[str, set[int]], train_batches: Iterab
         for d, train_id in enumerate(ids):
             train = set(hashes[offsets[d]:offsets[d + 1]].tolist())
             for eval_id, s in eval_sets.items():
-                if s and len(s & train) / len(s) >= threshold:
-                    hits.append(OverlapHit(eval_id, train_id, round(len(s & train) / len(s), 4)))
+                c = len(s & train) / len(s) if s else 0.0
+                if s and c >= threshold:
+                    hits.append(OverlapHit(eval_id, train_id, round(c, 4)))
     hits.sort(key=lambda h: (h.eval_id, -h.containment, h.train_id))
     return hits
 

@@ -239,10 +239,10 @@ def load_hub(hub: str, subset: str | None, split: str, revision: str | None, dat
     try:
         ds = datasets.load_dataset(hub, subset, split=split, revision=revision, cache_dir=cache, **kwargs)
     except ConnectionError as e:  # offline or unreachable
+        reason = _first_line(e)
         if not local_builder:
-            _hub_unreachable = _first_line(e)
-        raise DatasetMissing(f"{where} not in the cache {cache} and the hub is unreachable "
-                             f"({_hub_unreachable})") from e
+            _hub_unreachable = reason
+        raise DatasetMissing(f"{where} not in the cache {cache} and the hub is unreachable ({reason})") from e
     except Exception as e:  # noqa: BLE001 - no such dataset / split / config: one line, not a traceback
         raise DatasetMissing(f"{where}: {type(e).__name__}: {_first_line(e)}") from e
     got = hub_checksum(ds)["revision"]

@@ -73,8 +73,7 @@ def test_planted_duplicates_are_found_and_classified(tmp_path):
 def test_the_indexed_search_equals_every_pair_intersected(tmp_path):
     """`find_overlap` (inverted index over the candidates) equals `find_overlap_reference` (every pair), hits and
     containments alike, at several thresholds: planted copies, one-word edits, partial copies (one repeated: a
-    shingle counts once) and unrelated prompts,
-    over several batches, with eval prompts of a few shingles among them."""
+    shingle counts once) and unrelated prompts, over several batches, with eval prompts of a few shingles among them."""
     questions = made_up_questions(40, seed=2) + ["Apples and coins", "Crate of marbles now"]
     sets = gsm8k_eval_sets(questions)
     gen = np.random.default_rng(3)

@@ -65,7 +65,8 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
         return subprocess.run(
             ["bash", "benchmarks/quality_gpu.sh", "--out", tmp_path / "q", "--runs-dir", tmp_path / "runs",
              "--config", "configs/tiny.yaml", "--device", "cpu", "--ablation-steps", "2", "--train-steps", "2",
-             "--ablation-micro-batch-tokens", "2048", "--quick", *extra, "--", "train.online=true", f"cache_dir={REPO / '.cache'}"],
+             "--ablation-micro-batch-tokens", "2048", "--quick", *extra,
+             "--", "train.online=true", f"cache_dir={REPO / '.cache'}"],
             cwd=REPO, capture_output=True, text=True, timeout=1500,
             env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
 
@@ -87,7 +88,8 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
     for loss in ("ce", "kl", "ce+kl"):  # each ablation run trained with its loss at the micro-batch it was given
         manifest = json.loads((tmp_path / "runs" / f"tiny-abl-{loss.replace('+', '-')}" / "train" / "manifest.json")
                               .read_text())
-        assert (manifest["settings"]["train"]["loss"], manifest["settings"]["train"]["micro_batch_tokens"]) == (loss, 2048)
+        train = manifest["settings"]["train"]
+        assert (train["loss"], train["micro_batch_tokens"]) == (loss, 2048)
     assert summary["train"]["steps"] == 2 and summary["data"]["regen"]["written"] > 0
     assert "held_out/chain" in summary["eval"] and (tmp_path / "q" / "report.md").exists()  # no mirror: held-out
     assert "## Loss ablation" in out.stdout
