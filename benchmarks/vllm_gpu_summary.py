@@ -4,7 +4,8 @@ from the step results the run wrote (its --work dir's json/ folder and results.j
     python benchmarks/vllm_gpu_summary.py --work /tmp/vllm-gpu [--out summary.json]
 
 Keys: vllm_version, device, regen_tok_s {vllm, hf} (SmolLM2, the hf fast path at the largest batch) and
-regen_same_as_hf, extract_tok_s {vllm, hf} (Qwen3-8B shape, bf16 features) and extract_tok_s_fp8 {vllm},
+regen_same_as_hf, regen_fp32_same_as_hf (the fp32 equality sample), regen_curve (generated tokens/s per mode and
+batch), extract_tok_s {vllm, hf} (Qwen3-8B shape, bf16 features) and extract_tok_s_fp8 {vllm},
 extract_ceilings (compute roofline, disk ceiling), extract_verify_passed (the stage's tap check and `extract
 --verify` on the vllm-written features), hybrid_verify_passed, serve_full {greedy_identical, acceptance_len_vllm,
 tau_ours, speedup_vllm, speedup_ours, parity}, serve_mixed_swa {greedy_identical, passed, ...} or {error}; a step
@@ -16,6 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+
+STEPS = ("env", "verify8b", "hybrid", "smol", "serve", "regen32", "regen", "regencurve", "extract")
 
 
 def _load(path: Path):
@@ -36,7 +40,7 @@ def summarize(work: Path) -> dict:
         steps[r["step"]] = r
     out: dict = {"steps": {k: {"rc": v["rc"], "seconds": v["seconds"]} for k, v in steps.items()}}
     out["failed"] = sorted(k for k, v in steps.items() if v["rc"] != 0)
-    out["missing"] = sorted({"env", "regen", "extract", "verify8b", "smol", "serve", "hybrid"} - set(steps))
+    out["missing"] = sorted(set(STEPS) - set(steps))
 
     regen = _load(js / "bench_regen.json")
     if regen:
@@ -50,6 +54,16 @@ def summarize(work: Path) -> dict:
         out["regen_same_as_hf"] = vl[0]["same_as_ref"] if vl else None
         out["regen_prefix_agreement"] = vl[0].get("prefix_agreement") if vl else None
         out["regen_prompts"] = vl[0]["prompts"] if vl else None
+    fp32 = _load(js / "bench_regen_fp32.json")
+    if fp32:
+        vl = [r for r in fp32["rows"] if r["mode"] == "vllm" and "tok_s" in r]
+        out["regen_fp32_same_as_hf"] = vl[0]["same_as_ref"] if vl else None
+        out["regen_fp32_prefix_agreement"] = vl[0].get("prefix_agreement") if vl else None
+    curve = _load(js / "bench_regen_curve.json")
+    if curve:
+        out.setdefault("device", curve["env"].get("device_name"))
+        out["regen_curve"] = [{"mode": r["mode"], "batch": r["batch"], "tok_s": r["tok_s"]}
+                              for r in curve["rows"] if "tok_s" in r]
     ext = {}
     for f in sorted(js.glob("bench_extract-*.json")):
         r = _load(f)

@@ -152,7 +152,7 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
                              env={**os.environ, "DRAFTER_DATA_DIR": str(tmp_path)})
         assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     # a step an earlier session measured is left out with --skip: here every one, so the call runs none
-    steps = ["env", "verify8b", "hybrid", "smol", "serve", "regen", "extract"]
+    steps = ["env", "verify8b", "hybrid", "smol", "serve", "regen32", "regen", "regencurve", "extract"]
     run = subprocess.run(["bash", "benchmarks/vllm_gpu.sh", "--cpu-smoke", "--out", str(tmp_path / "o"), "--work",
                           str(tmp_path / "w"), *[a for s in steps for a in ("--skip", s)]], cwd=REPO,
                          capture_output=True, text=True, env={**os.environ, "DRAFTER_DATA_DIR": str(tmp_path)})
@@ -167,6 +167,12 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
         {"mode": "static", "batch": 512, "prompts": 8, "tok_s": 20.0, "same_as_ref": "8/8"},
         {"mode": "vllm", "batch": "engine", "prompts": 8, "tok_s": 30.0, "same_as_ref": "7/8",
          "prefix_agreement": 0.97}]}))
+    (work / "json" / "bench_regen_fp32.json").write_text(json.dumps({"env": {}, "rows": [
+        {"mode": "static", "batch": 4, "prompts": 4, "tok_s": 1.0, "same_as_ref": "ref"},
+        {"mode": "vllm", "batch": "engine", "prompts": 4, "tok_s": 2.0, "same_as_ref": "4/4", "prefix_agreement": 1.0}]}))
+    (work / "json" / "bench_regen_curve.json").write_text(json.dumps({"env": {}, "rows": [
+        {"mode": "static", "batch": 256, "tok_s": 5.0}, {"mode": "static", "batch": 512, "tok_s": 9.0},
+        {"mode": "static", "batch": 1024, "error": "CUDA out of memory"}]}))
     for backend, dtype, tps in [("vllm", "bfloat16", 100.0), ("vllm", "fp8", 120.0), ("hf", "bfloat16", 90.0)]:
         (work / "json" / f"bench_extract-{backend}-s-{dtype}-cuda.json").write_text(json.dumps(
             {"backend": backend, "storage_dtype": dtype, "end_to_end_tps": tps, "shape": "s", "vllm": "0.26.0",
@@ -176,7 +182,9 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
     assert s["regen_tok_s"] == {"vllm": 30.0, "hf": 20.0, "hf_batch": 512} and s["regen_same_as_hf"] == "7/8"
     assert s["regen_prefix_agreement"] == 0.97
     assert s["extract_tok_s"] == {"vllm": 100.0, "hf": 90.0} and s["extract_tok_s_fp8"] == {"vllm": 120.0}
-    assert s["failed"] == ["serve"] and s["missing"] == ["hybrid", "smol", "verify8b"]
+    assert s["regen_fp32_same_as_hf"] == "4/4" and s["regen_fp32_prefix_agreement"] == 1.0
+    assert s["regen_curve"] == [{"mode": "static", "batch": 256, "tok_s": 5.0}, {"mode": "static", "batch": 512, "tok_s": 9.0}]
+    assert s["failed"] == ["serve"] and s["missing"] == ["hybrid", "regen32", "regencurve", "smol", "verify8b"]
     assert "serve_full" not in s and "extract_verify_passed" not in s
 
 
