@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from pipeline.cuda_graphs import GRAPH_LOG  # noqa: E402
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
 from pipeline.regen.generator import Sampling  # noqa: E402
 from pipeline.regen.hf import HFGenerator  # noqa: E402
@@ -169,13 +170,18 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device):
     # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning); the static loop decodes one whole batch so that the
     # step graphs of its key buckets are captured before the clock starts
     warm = limits[:batch_size] if mode != "generate" else [min(8, m) for m in limits[:batch_size]]
-    gen.generate(prompts[:batch_size], warm)
-    _sync(device)
-    t0 = time.perf_counter()
-    outs = gen.generate(prompts, limits)
-    _sync(device)
-    graphs = bool(gen.static and gen.static.on_graphs())
-    return outs, time.perf_counter() - t0, graphs
+    try:
+        gen.generate(prompts[:batch_size], warm)
+        _sync(device)
+        captured = GRAPH_LOG.captured
+        t0 = time.perf_counter()
+        outs = gen.generate(prompts, limits)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        graphs = bool(gen.static and gen.static.on_graphs())
+        return outs, seconds, graphs, GRAPH_LOG.captured - captured
+    finally:  # the next batch size (or the vLLM engine) gets the memory back: K/V slots and graph pools
+        gen.close()
 
 
 def run_vllm(args, location, tok, stop, prompts, limits):
@@ -272,7 +278,8 @@ def main() -> None:
                     outs, secs = run_vllm(args, vllm_location(args, location), tok, stop, prompts[:n], limits[:n])
                     row["graphs"] = device.type == "cuda"
                 else:
-                    outs, secs, row["graphs"] = run_hf(mode, model, tok, stop, prompts[:n], limits[:n], bs, device)
+                    outs, secs, row["graphs"], row["graphs_captured_timed"] = run_hf(mode, model, tok, stop,
+                                                                                      prompts[:n], limits[:n], bs, device)
             except Exception as e:  # report and go on: one broken mode must not hide the others
                 row.update(error=f"{type(e).__name__}: {e}"[:300])
                 rows.append(row)
@@ -288,6 +295,8 @@ def main() -> None:
                 reference, row["same_as_ref"] = (mode, bs, ids), "ref"
             else:
                 row.update(agreement(ids, reference[2]))
+                if row["same_as_ref"] != f"{len(ids)}/{len(ids)}":
+                    row.update(first_divergences(model, prompts[:n], ids, reference[2]))
             rows.append(row)
             print(f"# {json.dumps(row)}", flush=True)
 
@@ -324,6 +333,33 @@ def agreement(ids: list[list[int]], ref: list[list[int]]) -> dict:
         prefix += k
     total = sum(len(b) for b in ref[:n])
     return {"same_as_ref": f"{same}/{n}", "prefix_agreement": round(prefix / total, 4) if total else None}
+
+
+@torch.inference_mode()
+def first_divergences(model, prompts: list[list[int]], ids: list[list[int]], ref: list[list[int]],
+                      limit: int = 32) -> dict:
+    """Where a mode's greedy output first parts from the reference's, what the reference model's logits say there:
+    per diverging response (the first `limit`), the position k and the gap logit[ref[k]] - logit[ids[k]] of one
+    forward over prompt + ref[:k], beside the logits' scale (max |logit|). Two correct engines part only at near
+    ties (a gap of a few rounding errors); a gap of the logits' own size is an engine computing something else.
+    Responses that agree until one of them ends are counted apart (`ended_apart`)."""
+    device = next(model.parameters()).device
+    out, ended = [], 0
+    for i, (a, b) in enumerate(zip(ids, ref)):
+        if a == b:
+            continue
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        if k == min(len(a), len(b)):
+            ended += 1
+            continue
+        if len(out) < limit:
+            logits = model(torch.tensor([prompts[i] + b[:k]], device=device)).logits[0, -1].float()
+            out.append({"prompt": i, "position": k, "gap": round(float(logits[b[k]] - logits[a[k]]), 6),
+                        "logit_scale": round(float(logits.abs().max()), 3)})
+    gaps = [d["gap"] for d in out]
+    return {"divergences": out, "ended_apart": ended, "max_gap": max(gaps) if gaps else None}
 
 
 def summary(rows: list[dict]) -> dict:

@@ -59,6 +59,9 @@ def summarize(work: Path) -> dict:
         vl = [r for r in fp32["rows"] if r["mode"] == "vllm" and "tok_s" in r]
         out["regen_fp32_same_as_hf"] = vl[0]["same_as_ref"] if vl else None
         out["regen_fp32_prefix_agreement"] = vl[0].get("prefix_agreement") if vl else None
+        if vl and "divergences" in vl[0]:  # where the outputs part: the reference's logit gap (near tie or not)
+            out["regen_fp32_divergences"] = {"max_gap": vl[0]["max_gap"], "ended_apart": vl[0]["ended_apart"],
+                                             "at": vl[0]["divergences"]}
     curve = _load(js / "bench_regen_curve.json")
     if curve:
         out.setdefault("device", curve["env"].get("device_name"))

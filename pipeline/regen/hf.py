@@ -8,6 +8,7 @@ Two decode loops with the same semantics (see pipeline.regen.generator for the i
 
 from __future__ import annotations
 
+import gc
 from typing import Sequence
 
 import torch
@@ -67,27 +68,32 @@ class HFGenerator:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list[Generation | None] = [None] * len(prompts)
         stop = set(self.stop_ids)
+        # the first (longest) batch's K/V length for every batch: one static state and one set of step graphs
+        span = max((len(p) for p in prompts), default=0) + max(max_new_tokens, default=0)
         for start in range(0, len(order), self.batch_size):
             idx = order[start: start + self.batch_size]
             batch, limits = [prompts[i] for i in idx], [max_new_tokens[i] for i in idx]
             seed = seeds[idx[0]] if seeds is not None else 0
-            for i, stream in zip(idx, self._generate_batch(batch, limits, seed)):
+            for i, stream in zip(idx, self._generate_batch(batch, limits, seed, span)):
                 results[i] = cut_at_stop(stream, max_new_tokens[i], stop)
         return results
 
     def close(self) -> None:
+        """Drop the model, the static state and its graphs (a state and its step graphs refer to each other: only
+        a collection frees them) and hand the freed memory back to the device."""
         self.model = self.static = None
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     # -- decode loops --------------------------------------------------------------------------
-    def _generate_batch(self, batch: list[list[int]], limits: list[int], seed: int) -> list[list[int]]:
+    def _generate_batch(self, batch: list[list[int]], limits: list[int], seed: int, span: int) -> list[list[int]]:
         if self.static is not None:
             gen = None
             if not self.sampling.greedy:
                 gen = torch.Generator(device=self.device).manual_seed(seed)
             pad_to = self.batch_size if self.static.use_graphs else None
-            return self.static.generate(batch, limits, pad_to=pad_to, generator=gen)
+            return self.static.generate(batch, limits, pad_to=pad_to, cache_len=span, generator=gen)
         return self._generate_plain(batch, limits, seed)
 
     @torch.inference_mode()

@@ -248,19 +248,21 @@ class StaticDecoder:
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[list[int]], limits: Sequence[int], *, pad_to: int | None = None,
-                 generator: torch.Generator | None = None) -> list[list[int]]:
+                 cache_len: int = 0, generator: torch.Generator | None = None) -> list[list[int]]:
         """prompts: token id lists; limits: max new tokens per prompt. Returns the raw generated stream of
         each prompt (max(limits) tokens, to be cut at the first stop id / its limit by the caller).
-        `pad_to` fills the batch with dummy rows up to that size so one captured graph serves every batch."""
+        `pad_to` fills the batch with dummy rows up to that size and `cache_len` sizes the K/V slots at least that
+        long, so that every batch of a run has one shape: one state, whose captured step graphs serve them all
+        (a batch of another shape frees the state and captures its graphs again)."""
         with torch.inference_mode(), attention_implementation(self.model, self.attention):
-            return self._generate(prompts, limits, pad_to=pad_to, generator=generator)
+            return self._generate(prompts, limits, pad_to=pad_to, cache_len=cache_len, generator=generator)
 
-    def _generate(self, prompts, limits, *, pad_to, generator) -> list[list[int]]:
+    def _generate(self, prompts, limits, *, pad_to, cache_len, generator) -> list[list[int]]:
         n = len(prompts)
         rows = list(prompts) + [prompts[0]] * max(0, (pad_to or n) - n)
         lens = torch.tensor([len(p) for p in rows], device=self.device)
         width, steps = int(lens.max()), max(limits)
-        cache_len = -(-(width + steps) // self.length_bucket) * self.length_bucket
+        cache_len = -(-max(width + steps, cache_len) // self.length_bucket) * self.length_bucket
         state = self._prepare(len(rows), cache_len)
 
         pad = width - lens  # [B] left padding per row
@@ -354,10 +356,11 @@ class StaticDecoder:
             state.cache = HybridSlotCache(self.model.config, state.slots)
         width = ids.shape[1]
         neg = torch.finfo(self.dtype).min
-        keys = torch.arange(cache_len, device=self.device)
         logits = None
         for a in range(0, width, self.prefill_chunk):
             b = min(width, a + self.prefill_chunk)
+            live = min(cache_len, -(-b // self.length_bucket) * self.length_bucket)  # the buckets written so far
+            keys = torch.arange(live, device=self.device)
             q = torch.arange(a, b, device=self.device)
             seen = (keys[None, None, :] <= q[None, :, None]) & (
                 (keys[None, None, :] >= pad[:, None, None]) | (keys[None, None, :] == q[None, :, None])
@@ -366,7 +369,7 @@ class StaticDecoder:
             pos = (q[None, :] - pad[:, None]).clamp(min=0)
             real = (q[None, :] >= pad[:, None]).to(self.dtype)  # [B, Q] 1 on prompt slots, 0 on padding
             state.slots.set_write_pos(a)
-            state.slots.live = cache_len
+            state.slots.live = live
             out = self.model(input_ids=ids[:, a:b], position_ids=pos, attention_mask=self._masks(mask, real),
                              past_key_values=state.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1, :]

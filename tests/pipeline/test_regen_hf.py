@@ -114,6 +114,28 @@ def test_a_batch_compacted_to_its_unfinished_rows_decodes_what_the_full_batch_wo
     assert a[0].token_ids != a[4].token_ids
 
 
+def test_every_batch_of_a_run_decodes_on_one_static_state(target, monkeypatch):
+    """Batches of different widths (8-slot buckets: the longest prompts need more slots than the rest) reuse the
+    first batch's K/V slots instead of allocating their own: on a GPU one state means its step graphs are captured
+    once per run, not once per batch shape. Greedy output still equals model.generate's."""
+    import pipeline.regen.static_decode as static_decode
+
+    allocated = []
+
+    class CountingSlotCache(static_decode.SlotCache):
+        def __init__(self, max_len, device):
+            super().__init__(max_len, device)
+            allocated.append(max_len)
+
+    monkeypatch.setattr(static_decode, "SlotCache", CountingSlotCache)
+    prompts = sorted(target[3], key=len)[1:]  # four prompts of four different lengths: two batches of two
+    assert len({len(p) for p in prompts}) == 4 and len(prompts[-1]) - len(prompts[0]) > 8
+    limits = [20] * 4
+    reference = _gen(target, "generate", 1).generate(prompts, limits)
+    outs = _gen(target, "static", 2, length_bucket=8).generate(prompts, limits)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert allocated == [-(-(len(prompts[-1]) + 20) // 8) * 8], allocated
+
 def test_padded_vocab_rows_are_never_generated(target):
     model, tok, _, prompts = target
     assert model.config.vocab_size > len(tok)
@@ -171,3 +193,25 @@ def test_static_decode_on_cuda_replays_its_checked_graph_and_equals_generate(tar
     outs = gens["static"].generate(prompts, limits)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert gens["static"].static.on_graphs(), "the decode step fell back to eager (capture or self-check failed)"
+
+
+def test_bench_regen_names_the_logit_gap_where_two_greedy_outputs_part(target):
+    """benchmarks/bench_regen.py's divergence report: an output that takes the runner-up token at position 3 parts
+    there with the gap top-1 minus runner-up of the reference's logits; one that agrees until it ends early is
+    counted apart; identical outputs are not reported."""
+    from benchmarks.bench_regen import first_divergences
+
+    model, _, _, prompts = target
+    prompts = prompts[:3]
+    ref = [o.token_ids for o in _gen(target, "generate", 1).generate(prompts, [8, 8, 8])]
+    assert all(len(r) == 8 for r in ref)
+    logits = model(torch.tensor([prompts[0] + ref[0][:3]])).logits[0, -1]
+    top2 = logits.topk(2)
+    assert int(top2.indices[0]) == ref[0][3]
+    swapped = ref[0][:3] + [int(top2.indices[1])] + ref[0][4:]
+    got = first_divergences(model, prompts, [swapped, ref[1][:5], ref[2]], ref)
+    assert got["ended_apart"] == 1 and len(got["divergences"]) == 1
+    d = got["divergences"][0]
+    assert d["prompt"] == 0 and d["position"] == 3
+    assert d["gap"] == pytest.approx(float(top2.values[0] - top2.values[1]), abs=1e-5) and d["gap"] > 0
+    assert got["max_gap"] == d["gap"] and d["logit_scale"] == pytest.approx(float(logits.abs().max()), abs=1e-3)

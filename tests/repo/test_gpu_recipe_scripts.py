@@ -169,7 +169,9 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
          "prefix_agreement": 0.97}]}))
     (work / "json" / "bench_regen_fp32.json").write_text(json.dumps({"env": {}, "rows": [
         {"mode": "static", "batch": 4, "prompts": 4, "tok_s": 1.0, "same_as_ref": "ref"},
-        {"mode": "vllm", "batch": "engine", "prompts": 4, "tok_s": 2.0, "same_as_ref": "4/4", "prefix_agreement": 1.0}]}))
+        {"mode": "vllm", "batch": "engine", "prompts": 4, "tok_s": 2.0, "same_as_ref": "3/4", "prefix_agreement": 0.9,
+         "divergences": [{"prompt": 2, "position": 7, "gap": 1e-5, "logit_scale": 20.0}], "ended_apart": 0,
+         "max_gap": 1e-5}]}))
     (work / "json" / "bench_regen_curve.json").write_text(json.dumps({"env": {}, "rows": [
         {"mode": "static", "batch": 256, "tok_s": 5.0}, {"mode": "static", "batch": 512, "tok_s": 9.0},
         {"mode": "static", "batch": 1024, "error": "CUDA out of memory"}]}))
@@ -182,7 +184,8 @@ def test_vllm_gpu_script_refuses_a_call_without_out_or_bundle_and_its_summary_re
     assert s["regen_tok_s"] == {"vllm": 30.0, "hf": 20.0, "hf_batch": 512} and s["regen_same_as_hf"] == "7/8"
     assert s["regen_prefix_agreement"] == 0.97
     assert s["extract_tok_s"] == {"vllm": 100.0, "hf": 90.0} and s["extract_tok_s_fp8"] == {"vllm": 120.0}
-    assert s["regen_fp32_same_as_hf"] == "4/4" and s["regen_fp32_prefix_agreement"] == 1.0
+    assert s["regen_fp32_same_as_hf"] == "3/4" and s["regen_fp32_prefix_agreement"] == 0.9
+    assert s["regen_fp32_divergences"]["max_gap"] == 1e-5 and s["regen_fp32_divergences"]["at"][0]["position"] == 7
     assert s["regen_curve"] == [{"mode": "static", "batch": 256, "tok_s": 5.0}, {"mode": "static", "batch": 512, "tok_s": 9.0}]
     assert s["failed"] == ["serve"] and s["missing"] == ["hybrid", "regen32", "regencurve", "smol", "verify8b"]
     assert "serve_full" not in s and "extract_verify_passed" not in s
