@@ -97,15 +97,37 @@ def _raising(fused):
 
 
 @pytest.mark.parametrize("breakage, seed", [(_wrong_scale, 13), (_raising, 14)], ids=["disagrees_with_hf", "fails"])
-def test_a_broken_fused_forward_is_dropped_and_decoding_stays_exact(breakage, seed):
+def test_a_broken_fused_forward_is_dropped_and_decoding_stays_exact(breakage, seed, caplog):
     target = tiny_target("llama")
     cache = target_cache(target, TAPS, "fused")
     breakage(cache.fused)
     prompt = prompts(1, seed)[0]
     greedy = naive_greedy(target, prompt, 20 + BLOCK)
     oracle = OracleDrafter(target, prompt, greedy, seed=0)
-    res = decode("ddtree", target, oracle, prompt, max_new_tokens=20, budget=16, cache_impl="fused")
+    with caplog.at_level("WARNING"):
+        res = decode("ddtree", target, oracle, prompt, max_new_tokens=20, budget=16, cache_impl="fused")
     assert cache.fused is None and res.output_ids == greedy[:20]
+    if breakage is _wrong_scale:  # the warning says which outputs differ: the logits, every tap, the worst rows
+        line = next(r.getMessage() for r in caplog.records if "differs from HF's" in r.getMessage())
+        assert "logits " in line and "worst rows " in line
+        assert len(line.split("taps ")[1].split(";")[0].split()) == len(TAPS)
+
+
+def test_the_disagreement_report_names_the_first_tap_and_the_rows_that_differ():
+    """A forward wrong from the second tap's layer on and only in tree rows 2-3 (what a mask error past the bonus
+    row looks like) is reported that way: tap 0 equal, taps 1.. not; rows 2 and 3 the worst."""
+    from eval.engine.cache.kv import disagreement
+
+    g = torch.Generator().manual_seed(0)
+    logits, features = torch.randn(5, 32, generator=g), torch.randn(5, 3 * 8, generator=g)
+    bad_logits, bad_features = logits.clone(), features.clone()
+    bad_logits[2:4] += 5.0
+    bad_features[:, 8:] += 1.0
+    text = disagreement((bad_logits, bad_features), (logits, features), 3)
+    taps = [float(x) for x in text.split("taps ")[1].split(";")[0].split()]
+    assert taps[0] == 0.0 and taps[1] > 0.1 and taps[2] > 0.1
+    worst = text.split("worst rows ")[1].split(", ")
+    assert {w.split(":")[0] for w in worst[:2]} == {"2", "3"} and worst[2].endswith("0.00e+00")
 
 
 def test_targets_the_fused_forward_cannot_rebuild_are_refused_and_use_hf():

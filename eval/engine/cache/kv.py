@@ -73,6 +73,20 @@ class StaticKV(Cache):
         raise RuntimeError("StaticKV has no implicit length: pass position_ids and a 4-D mask")
 
 
+def disagreement(got: tuple[Tensor, Tensor | None], ref: tuple[Tensor, Tensor | None], taps: int) -> str:
+    """Where two verify forwards' (logits [N, V], features [N, taps*D] or None) differ, for the log: the relative
+    error of the logits and of each tap's block, and the tree rows (0 = the bonus token) whose logits differ most —
+    a wrong layer shows in one tap onward, a wrong mask or position in the rows past the first."""
+    parts = [f"logits {relative_error(got[0], ref[0]):.2e}"]
+    if ref[1] is not None and taps:
+        blocks = zip(got[1].chunk(taps, dim=-1), ref[1].chunk(taps, dim=-1))
+        parts.append("taps " + " ".join(f"{relative_error(g, r):.2e}" for g, r in blocks))
+    rows = [relative_error(g, r) for g, r in zip(got[0], ref[0])]
+    worst = sorted(range(len(rows)), key=lambda i: -rows[i])[:4]
+    parts.append("worst rows " + ", ".join(f"{i}: {rows[i]:.2e}" for i in worst))
+    return "; ".join(parts)
+
+
 class KVTargetCache(TargetCache):
     """A target with only (full or sliding) attention layers; dynamic (reference) or static (+ CUDA graphs)."""
 
@@ -216,7 +230,8 @@ class KVTargetCache(TargetCache):
             return
         err = max(relative_error(g, r) for g, r in zip(got, ref) if r is not None)
         if err > rounding_tolerance(self.forward.dtype):
-            log.warning("fused verify forward differs from HF's (relative error %.2e): using HF's forward", err)
+            log.warning("fused verify forward differs from HF's (relative error %.2e; %s): using HF's forward", err,
+                        disagreement(got, ref, len(self.forward.tap_ids)))
             self.fused = None
         else:
             log.info("fused verify forward checked against HF's: relative error %.2e", err)
