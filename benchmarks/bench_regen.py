@@ -325,14 +325,17 @@ def agreement(ids: list[list[int]], ref: list[list[int]]) -> dict:
     long they agree."""
     n = min(len(ids), len(ref))
     same = sum(a == b for a, b in zip(ids[:n], ref[:n]))
-    prefix = 0
-    for a, b in zip(ids[:n], ref[:n]):
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        prefix += k
+    prefix = sum(common_prefix(a, b) for a, b in zip(ids[:n], ref[:n]))
     total = sum(len(b) for b in ref[:n])
     return {"same_as_ref": f"{same}/{n}", "prefix_agreement": round(prefix / total, 4) if total else None}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two outputs share before they first differ."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
 
 
 @torch.inference_mode()
@@ -348,9 +351,7 @@ def first_divergences(model, prompts: list[list[int]], ids: list[list[int]], ref
     for i, (a, b) in enumerate(zip(ids, ref)):
         if a == b:
             continue
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
+        k = common_prefix(a, b)
         if k == min(len(a), len(b)):
             ended += 1
             continue

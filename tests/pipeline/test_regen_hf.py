@@ -136,6 +136,7 @@ def test_every_batch_of_a_run_decodes_on_one_static_state(target, monkeypatch):
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert allocated == [-(-(len(prompts[-1]) + 20) // 8) * 8], allocated
 
+
 def test_padded_vocab_rows_are_never_generated(target):
     model, tok, _, prompts = target
     assert model.config.vocab_size > len(tok)
