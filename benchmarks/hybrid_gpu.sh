@@ -22,6 +22,7 @@
 #   train     bench_train.py --shape qwen3.6-27b: online training with the 27B target resident ([S,S,S,S,F] drafter,
 #             window 2048, seq 3072, 512 anchors): tokens/s, step = target forward + drafter, peak memory, MFU
 #   trainmax  bench_train.py --max-batch: the largest micro-batch (sequences in one row) that fits beside the target
+# --skip STEP (repeatable) leaves a step out of this --work: the summary names it under "missing".
 # A step starts only when the call has the time it needs left (--budget-s, default 560 s: one device call is at most
 # 10 minutes). Each call ends by writing summary.json (benchmarks/hybrid_gpu_summary.py: what the steps so far
 # measured, the steps that failed or did not run named) and copying results.jsonl, steps.log, summary.md and logs.tgz
@@ -40,7 +41,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-BUNDLE="" OUT="" WORK="/tmp/hybrid-gpu" BUDGET_S=560 SMOKE="" RECORD="" RETRY=()
+BUNDLE="" OUT="" WORK="/tmp/hybrid-gpu" BUDGET_S=560 SMOKE="" RECORD="" RETRY=() SKIP=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE="$2"; shift 2 ;;
@@ -50,18 +51,22 @@ while [ $# -gt 0 ]; do
     --cpu-smoke) SMOKE=1; shift ;;
     --record) RECORD=1; shift ;;
     --retry) RETRY+=("$2"); shift 2 ;;
+    --skip) SKIP+=("$2"); shift 2 ;;
     *) echo "hybrid_gpu.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
 STEPS=(env tests regen round extract train trainmax)
 [ -n "$OUT" ] || { echo "hybrid_gpu.sh: --out DIR is required" >&2; exit 2; }
-for s in "${RETRY[@]}"; do
-  [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "hybrid_gpu.sh: --retry $s: no such step (${STEPS[*]})" >&2; exit 2; }
+for s in "${RETRY[@]}" "${SKIP[@]}"; do
+  [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "hybrid_gpu.sh: no such step: $s (${STEPS[*]})" >&2; exit 2; }
 done
 T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
 mkdir -p "$WORK/logs" "$WORK/json" "$OUT"; OUT="$(cd "$OUT" && pwd)"
 touch "$WORK/results.jsonl"
 for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
+for s in "${SKIP[@]}"; do  # left out of this --work (no results line: the summary names it missing)
+  [ -f "$WORK/done.$s" ] || echo skipped > "$WORK/done.$s"
+done
 source benchmarks/gpu_steps.sh  # left, log, step, timeboxed
 finish() {
   "$PY" benchmarks/hybrid_gpu_summary.py --work "$WORK" --out "$OUT/summary.json" \

@@ -204,7 +204,8 @@ def test_hybrid_gpu_script_refuses_bad_arguments_and_its_summary_keeps_the_hybri
     leaves its keys out; --record keeps the summary it replaces under that one's date."""
     from benchmarks.hybrid_gpu_summary import main, record, summarize
 
-    for args in ([], ["--out", tmp_path / "o", "--retry", "nonsense"], ["--out", tmp_path / "o", "--bogus"]):
+    for args in ([], ["--out", tmp_path / "o", "--retry", "nonsense"], ["--out", tmp_path / "o", "--skip", "nonsense"],
+                 ["--out", tmp_path / "o", "--bogus"]):
         run = _hybrid(*args)
         assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     work = tmp_path / "work"
@@ -240,6 +241,24 @@ def test_hybrid_gpu_script_refuses_bad_arguments_and_its_summary_keeps_the_hybri
     assert json.loads((recorded.parent / "2030-05-06" / "summary.json").read_text())["chain_verify_ms"] == 30.0
     record(s, recorded)  # the same date again: nothing more kept
     assert sorted(p.name for p in recorded.parent.iterdir()) == ["2030-05-06", "summary.json"]
+
+
+def test_hybrid_gpu_script_skip_leaves_steps_out_and_the_summary_names_them_missing(tmp_path):
+    """`--skip STEP` marks a step done without running it (a later call of the same --work does not run it either),
+    and the summary lists it under missing, not failed: here every step but env is skipped."""
+    skipped = ["tests", "regen", "round", "extract", "train", "trainmax"]
+    args = ["--cpu-smoke", "--out", tmp_path / "out", "--work", tmp_path / "work"]
+    for s in skipped:
+        args += ["--skip", s]
+    run = _hybrid(*args, env={"DRAFTER_DATA_DIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"]["missing"] == skipped and summary["steps"]["failed"] == []
+    assert list(summary["steps"]["seconds"]) == ["env"]
+    assert all((tmp_path / "work" / f"done.{s}").read_text().strip() == "skipped" for s in skipped)
+    again = _hybrid("--cpu-smoke", "--out", tmp_path / "out", "--work", tmp_path / "work",
+                    env={"DRAFTER_DATA_DIR": str(tmp_path)})
+    assert again.returncode == 0 and "step regen" not in again.stdout and "step env" not in again.stdout
 
 
 @pytest.mark.slow
