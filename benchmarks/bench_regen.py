@@ -15,6 +15,10 @@ Modes (each runs the same prompts; the table also says whether its outputs equal
         --num-prompts 2048 --max-new-tokens 256 --batch-size 256,512 --modes static,static-nofold,generate \\
         --generate-prompts 512 --json $OUT/bench_regen.json
 
+`--profile` decodes one more batch of each static row under torch.profiler and prints where a decode step's time
+goes: wall ms per step, kernel ms per step (the GPU's busy time) and the share the GPU idles, the top kernels and
+host ops (the JSON row's "profile").
+
 `--generate-prompts` caps the prompts given to the slow `generate` mode (its tok/s is per-step bound, so
 fewer prompts measure it as well); agreement is then computed on the common prompts.
 
@@ -85,6 +89,8 @@ def parse_args() -> argparse.Namespace:
                    "max_num_seqs; default: vLLM's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--profile", action="store_true", help="static modes: after the timed run, one more batch under "
+                   "torch.profiler: where a decode step's time goes (kernels, host ops, the GPU's idle share)")
     return p.parse_args()
 
 
@@ -163,7 +169,7 @@ def vllm_location(args, location):
     return materialize_target(TargetConfig(model=f"gguf:{Path(args.model) / args.gguf_file}"), REPO / ".cache")
 
 
-def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device):
+def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=False):
     gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
                       batch_size=batch_size, decode="generate" if mode == "generate" else "static",
                       cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold")
@@ -179,9 +185,65 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device):
         _sync(device)
         seconds = time.perf_counter() - t0
         graphs = bool(gen.static and gen.static.on_graphs())
-        return outs, seconds, graphs, GRAPH_LOG.captured - captured
+        found = profile_batch(gen, prompts[:batch_size], limits[:batch_size], device) if profile and gen.static else None
+        return outs, seconds, graphs, GRAPH_LOG.captured - captured, found
     finally:  # the next batch size (or the vLLM engine) gets the memory back: K/V slots and graph pools
         gen.close()
+
+
+def profile_batch(gen: HFGenerator, prompts, limits, device, top: int = 12) -> dict:
+    """Where one static-decode batch's time goes: `prompts` (one batch, graphs already captured by the timed run)
+    decoded again under torch.profiler. Decode steps are counted at the decoder's step; per step: the batch's wall
+    time, the kernel time (the GPU's busy time: kernels inside replayed graphs included), the share of the wall the
+    GPU idles (host work between kernels: Python, launches, syncs), the kernels and the host ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    steps, inner = [0], gen.static._step
+
+    def counted(state):
+        steps[0] += 1
+        return inner(state)
+
+    gen.static._step = counted
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            t0 = time.perf_counter()
+            gen.generate(prompts, limits)
+            _sync(device)
+            wall = time.perf_counter() - t0
+    finally:
+        del gen.static._step  # the class's method again
+    n = max(steps[0], 1)
+    kernels, host = [], []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", 0) or 0
+        if cuda and dev_us > 0 and getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU:
+            kernels.append({"name": e.key[:120], "calls_per_step": round(e.count / n, 2),
+                            "us_per_step": round(dev_us / n, 1)})
+        elif e.self_cpu_time_total > 0:
+            host.append({"name": e.key[:120], "calls_per_step": round(e.count / n, 2),
+                         "us_per_step": round(e.self_cpu_time_total / n, 1)})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    host.sort(key=lambda k: -k["us_per_step"])
+    wall_ms = 1e3 * wall / n
+    kernel_ms = sum(k["us_per_step"] for k in kernels) / 1e3 if cuda else None
+    return {"batch": len(prompts), "decode_steps": steps[0], "wall_ms_per_step": round(wall_ms, 3),
+            "kernel_ms_per_step": None if kernel_ms is None else round(kernel_ms, 3),
+            "gpu_idle_share": None if kernel_ms is None else round(max(0.0, 1 - kernel_ms / wall_ms), 3),
+            "kernels": kernels[:top], "host_ops": host[:top]}
+
+
+def print_profile(mode: str, p: dict) -> None:
+    print(f"\n{mode} decode profile: one batch of {p['batch']} rows, {p['decode_steps']} decode steps, "
+          f"{p['wall_ms_per_step']} ms per step (the prefill's share included)")
+    if p["kernel_ms_per_step"] is not None:
+        print(f"kernels {p['kernel_ms_per_step']} ms per step: the GPU idles {p['gpu_idle_share']:.0%} of the wall")
+    for title, rows in (("kernel", p["kernels"]), ("host op (self CPU time)", p["host_ops"])):
+        if rows:
+            print(f"{'us/step':>9} {'calls':>6}  {title}")
+            for r in rows:
+                print(f"{r['us_per_step']:9.1f} {r['calls_per_step']:6.2f}  {r['name']}")
 
 
 def run_vllm(args, location, tok, stop, prompts, limits):
@@ -278,8 +340,11 @@ def main() -> None:
                     outs, secs = run_vllm(args, vllm_location(args, location), tok, stop, prompts[:n], limits[:n])
                     row["graphs"] = device.type == "cuda"
                 else:
-                    outs, secs, row["graphs"], row["graphs_captured_timed"] = run_hf(mode, model, tok, stop,
-                                                                                      prompts[:n], limits[:n], bs, device)
+                    outs, secs, row["graphs"], row["graphs_captured_timed"], found = run_hf(
+                        mode, model, tok, stop, prompts[:n], limits[:n], bs, device, profile=args.profile)
+                    if found:
+                        row["profile"] = found
+                        print_profile(mode, found)
             except Exception as e:  # report and go on: one broken mode must not hide the others
                 row.update(error=f"{type(e).__name__}: {e}"[:300])
                 rows.append(row)

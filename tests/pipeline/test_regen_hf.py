@@ -216,3 +216,20 @@ def test_bench_regen_names_the_logit_gap_where_two_greedy_outputs_part(target):
     assert d["prompt"] == 0 and d["position"] == 3
     assert d["gap"] == pytest.approx(float(top2.values[0] - top2.values[1]), abs=1e-5) and d["gap"] > 0
     assert got["max_gap"] == d["gap"] and d["logit_scale"] == pytest.approx(float(logits.abs().max()), abs=1e-3)
+
+
+def test_bench_regen_profile_counts_every_decode_step_and_leaves_the_decoder_as_it_was(target):
+    """benchmarks/bench_regen.py --profile: one batch decoded again under torch.profiler, its steps counted at the
+    decoder's step (limit 9 -> 8 one-token steps after the prefill), per-step wall and host ops reported (no kernel
+    time on the CPU); afterwards the decoder steps through its own method again and decodes the same tokens."""
+    from benchmarks.bench_regen import profile_batch
+
+    prompts = target[3][:3]
+    gen = _gen(target, "static", 3)
+    before = [o.token_ids for o in gen.generate(prompts, [9, 9, 9])]
+    found = profile_batch(gen, prompts, [9, 9, 9], torch.device("cpu"))
+    assert found["batch"] == 3 and found["decode_steps"] == 8
+    assert found["wall_ms_per_step"] > 0 and found["kernel_ms_per_step"] is None and found["kernels"] == []
+    assert found["host_ops"] and all(op["us_per_step"] > 0 for op in found["host_ops"])
+    assert "_step" not in vars(gen.static)
+    assert [o.token_ids for o in gen.generate(prompts, [9, 9, 9])] == before
