@@ -33,6 +33,7 @@
 # sets (GSM8K train, Code Alpaca, Alpaca seed tasks) from $DRAFTER_DATA_DIR, the cache or the hub: installed / set,
 # or carried by --bundle (benchmarks/offline_bundle.sh pack --out .bundle --no-gguf --data-dir "$DRAFTER_DATA_DIR"
 # --data gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl; parts over several calls).
+# REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256; 256 does not fit an 80 GB card).
 # PYTHON=... picks the interpreter. Exit status 0 unless the arguments or the bundle are wrong.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -99,8 +100,8 @@ else
   fi
   SHAPE=qwen3.6-27b TRAIN_SHAPE=qwen3.6-27b
   # batch 256 needs the H200's memory: 54 GB of weights + 144 MiB of fp32 states per row + K/V
-  REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size 64,256 --modes generate,static
-              --generate-prompts 256)
+  REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-64,256}"
+              --modes generate,static --generate-prompts 256)
   ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
   EXTRACT_ARGS=(--extract-tokens 100000)
   TRAIN_ARGS=(--variants qwen3.6-27b --steps 3 --warmup 2 --timeout 400)

@@ -20,7 +20,8 @@
 #   regen32   bench_regen.py in fp32 on a sample: regen's vllm backend token for token against the hf fast path
 #             (bf16 kernels round differently, so greedy paths part at near ties; fp32 is the equality check)
 #   regen     bench_regen.py: the hf fast path (static KV + CUDA graphs) vs regen's vllm backend on SmolLM2
-#   regencurve bench_regen.py: generated tokens/s of the hf fast path over batch size, vLLM at full concurrency
+#   regencurve bench_regen.py: generated tokens/s of the hf fast path over batch size (each row's decode step
+#             profiled: kernels, host ops, the GPU's idle share), vLLM at full concurrency
 #   extract   bench_extract.py on the Qwen3-8B shape: --backend vllm (bf16 + fp8 features, one engine), --backend hf
 # --skip STEP (repeatable) leaves out a step whose results an earlier session committed (e.g. --skip verify8b).
 # A step starts only when the call has the time it needs left (--budget-s, default 560 s: one call is at most 10
@@ -124,7 +125,7 @@ step_regencurve() {
   local modes=static,vllm; [ -n "$SMOKE" ] && modes=static-nograph,vllm
   timeboxed "$PY" benchmarks/bench_regen.py --model "$(smol_dir)" --device $DEVICE --dtype $DTYPE \
     --num-prompts $N_CURVE --max-new-tokens $NEW_REGEN --batch-size $CURVE --modes $modes \
-    --gpu-memory-utilization $MEM --max-num-seqs $N_CURVE --json "$JSON/bench_regen_curve.json"
+    --gpu-memory-utilization $MEM --max-num-seqs $N_CURVE --profile --json "$JSON/bench_regen_curve.json"
 }
 
 step_extract() {
