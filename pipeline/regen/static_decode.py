@@ -50,7 +50,7 @@ from transformers.cache_utils import DynamicCache
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
 from pipeline.recurrent_cache import LINEAR_ATTENTION, bind_linear_states, layer_types, linear_attention_layers, \
-    stack_linear_states
+    linear_state_buffers, prebind_linear_states, stack_linear_states
 from pipeline.regen.generator import Sampling, mask_padded_vocab, sample_next
 from pipeline.target import text_config
 
@@ -396,8 +396,12 @@ class StaticDecoder:
     def _prefill(self, state: _State, ids: torch.Tensor, pad: torch.Tensor, cache_len: int) -> torch.Tensor:
         """ids [B, P] left-padded -> logits [B, V] at the last prompt slot; fills cache slots 0..P-1 (and a hybrid's
         Gated-DeltaNet states: HF's cache made for this batch, its states then moved into the stacked buffers)."""
-        if self.linear:
+        if self.linear:  # HF's prefill writes the Gated-DeltaNet states straight into the stacked buffers
             state.cache = HybridSlotCache(self.model.config, state.slots)
+            if state.conv is None:
+                state.conv, state.recurrent = linear_state_buffers(self.model.config, self.linear, ids.shape[0],
+                                                                   self.dtype, self.device)
+            prebind_linear_states(state.cache, self.linear, state.conv, state.recurrent)
         width = ids.shape[1]
         neg = torch.finfo(self.dtype).min
         logits = None

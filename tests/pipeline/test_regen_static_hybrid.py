@@ -166,6 +166,37 @@ def test_hf_cache_entries_are_views_of_the_stacked_states_the_step_advances(hybr
     assert not torch.equal(before, gen.static._state.recurrent)
 
 
+def test_a_prefill_writes_its_states_into_the_prebound_buffers_equal_to_hfs_own_cache(hybrid):
+    """pipeline.recurrent_cache: buffers made from the config (linear_state_buffers) have the shapes and dtypes of HF's
+    own states, and handed to HF's cache before a prefill (prebind_linear_states) they receive the prefill's states
+    in place (no second set of states is allocated: each HF entry still points into the buffers afterwards), equal
+    to what HF's own cache holds after the same prefill; stack_linear_states then keeps those buffers without a copy."""
+    from pipeline.recurrent_cache import linear_attention_layers, linear_state_buffers, prebind_linear_states, \
+        stack_linear_states
+
+    model, tok, eot, prompts = hybrid
+    ids = torch.tensor([prompts[1][:12], prompts[3][:12]])
+    linear = linear_attention_layers(model.config)
+    own = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=own, use_cache=True)
+    conv, recurrent = linear_state_buffers(model.config, linear, 2, torch.float32, "cpu")
+    for j, i in enumerate(linear):
+        assert conv[j].shape == own.layers[i].conv_states[0].shape and conv.dtype == own.layers[i].conv_states[0].dtype
+        assert recurrent[j].shape == own.layers[i].recurrent_states[0].shape
+        assert recurrent.dtype == own.layers[i].recurrent_states[0].dtype
+    cache = DynamicCache(config=model.config)
+    assert prebind_linear_states(cache, linear, conv, recurrent)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    for j, i in enumerate(linear):
+        assert cache.layers[i].conv_states[0].data_ptr() == conv[j].data_ptr()
+        assert cache.layers[i].recurrent_states[0].data_ptr() == recurrent[j].data_ptr()
+        torch.testing.assert_close(conv[j], own.layers[i].conv_states[0], rtol=0, atol=0)
+        torch.testing.assert_close(recurrent[j], own.layers[i].recurrent_states[0], rtol=1e-6, atol=1e-6)
+    assert recurrent.abs().sum() > 0
+    kept = stack_linear_states(cache, linear, conv, recurrent)
+    assert kept[0] is conv and kept[1] is recurrent
+
+
 def test_a_compacted_hybrid_batch_decodes_what_the_full_batch_would_and_sampling_repeats(hybrid, monkeypatch):
     """Three of five rows end at 9 tokens: at the check after step 16 the two others move, with their conv windows
     and recurrent states, to the first rows of the buffers and decode on at batch 2. Greedy output equals
