@@ -6,6 +6,7 @@ Modes (each runs the same prompts; the table also says whether its outputs equal
   static-nograph  the same loop without CUDA graphs (what runs on CPU)
   static-nofold   static with transformers' sdpa attention (K/V repeated per query head)
   static-sdpa     static with the folded one-token step on torch's fused SDPA kernel instead of two GEMMs
+  static-compiled static with the decoder layers' norms and MLPs torch.compile'd (compile_pointwise)
   vllm            offline vLLM `LLM.generate` on the same prompt ids
 
     # CPU, here (SmolLM2 from configs/smollm2-135m.yaml, fp32):
@@ -67,7 +68,7 @@ from pipeline.regen.generator import Sampling  # noqa: E402
 from pipeline.regen.hf import HFGenerator  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "smollm2-135m.yaml"  # its public prompt sets (mirror or hub, docs/data.md)
-MODES = ("generate", "static", "static-nograph", "static-nofold", "static-sdpa", "vllm")
+MODES = ("generate", "static", "static-nograph", "static-nofold", "static-sdpa", "static-compiled", "vllm")
 
 
 def parse_args() -> argparse.Namespace:
@@ -191,7 +192,7 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
     gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
                       batch_size=batch_size, decode="generate" if mode == "generate" else "static",
                       cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold",
-                      decode_gemm=mode != "static-sdpa")
+                      decode_gemm=mode != "static-sdpa", compile_pointwise=mode == "static-compiled")
     # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning); the static loop decodes one whole batch so that the
     # step graphs of its key buckets are captured before the clock starts
     warm = limits[:batch_size] if mode != "generate" else [min(8, m) for m in limits[:batch_size]]

@@ -35,7 +35,8 @@ class _VocabLimit:
 class HFGenerator:
     def __init__(self, model, *, pad_id: int, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
                  batch_size: int, decode: str = "auto", cuda_graphs: bool = True, gqa_fold: bool = True,
-                 decode_gemm: bool = True, length_bucket: int = 128, min_compact_batch: int = 8):
+                 decode_gemm: bool = True, compile_pointwise: bool = False, length_bucket: int = 128,
+                 min_compact_batch: int = 8):
         self.model = model
         self.device = next(model.parameters()).device
         self.pad_id = pad_id
@@ -52,7 +53,8 @@ class HFGenerator:
         self.decode = decode
         self.static = (StaticDecoder(model, vocab_limit=vocab_limit, stop_ids=self.stop_ids, sampling=sampling,
                                      cuda_graphs=cuda_graphs, gqa_fold=gqa_fold, decode_gemm=decode_gemm,
-                                     length_bucket=length_bucket, min_compact_batch=min_compact_batch)
+                                     compile_pointwise=compile_pointwise, length_bucket=length_bucket,
+                                     min_compact_batch=min_compact_batch)
                        if decode == "static" else None)
 
     @classmethod
@@ -80,7 +82,10 @@ class HFGenerator:
 
     def close(self) -> None:
         """Drop the model, the static state and its graphs (a state and its step graphs refer to each other: only
-        a collection frees them) and hand the freed memory back to the device."""
+        a collection frees them) and hand the freed memory back to the device; modules the static decoder compiled run
+        eagerly again."""
+        if self.static is not None:
+            self.static.close()
         self.model = self.static = None
         gc.collect()
         if torch.cuda.is_available():

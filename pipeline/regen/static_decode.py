@@ -265,11 +265,14 @@ class StaticDecoder:
     and a batch no longer decodes at full size for its longest answer.
 
     Attention of a one-token step: the query heads folded onto their KV head (`gqa_fold`), computed as two batched
-    GEMMs (`decode_gemm`, `decode_attention`) or by torch's fused SDPA kernel (`decode_gemm=False`)."""
+    GEMMs (`decode_gemm`, `decode_attention`) or by torch's fused SDPA kernel (`decode_gemm=False`).
+    `compile_pointwise`: the decoder layers' norms and MLPs run torch.compile'd (`compile_pointwise_modules`) until
+    `close()`."""
 
     def __init__(self, model, *, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
-                 cuda_graphs: bool = True, gqa_fold: bool = True, decode_gemm: bool = True, prefill_chunk: int = 512,
-                 length_bucket: int = 128, min_compact_batch: int = 8):
+                 cuda_graphs: bool = True, gqa_fold: bool = True, decode_gemm: bool = True,
+                 compile_pointwise: bool = False, prefill_chunk: int = 512, length_bucket: int = 128,
+                 min_compact_batch: int = 8):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -289,6 +292,13 @@ class StaticDecoder:
             self.attention = DECODE_GEMM if decode_gemm else GQA_FOLDED
         self._state: _State | None = None
         self._key: tuple[int, int] | None = None
+        self.compiled = compile_pointwise_modules(model) if compile_pointwise else []
+
+    def close(self) -> None:
+        """Give the model back as it came: its compiled modules run eagerly again."""
+        for module in self.compiled:
+            module._compiled_call_impl = None
+        self.compiled = []
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[list[int]], limits: Sequence[int], *, pad_to: int | None = None,
@@ -454,6 +464,27 @@ class StaticDecoder:
                 check=lambda g, e: relative_error(g, e) <= rounding_tolerance(self.dtype), state=state.states)
         return state.steps[live]()
 
+
+
+POINTWISE_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")  # of each decoder layer
+
+
+def compile_pointwise_modules(model) -> list[torch.nn.Module]:
+    """torch.compile (in place, `Module.compile`) the parts of `model`'s decoder layers that touch no cache: the two
+    RMSNorms and the MLP of every layer, and the final norm. Eager, an RMSNorm is ~8 kernels and SiLU * up two
+    more, each over a [B, 1, hidden] activation: a decode step is mostly such launches (docs/benchmarks.md,
+    "regen"); compiled, each norm is one kernel and the MLP's pointwise work rides along its GEMMs. One compiled graph
+    serves every layer (the weights are its inputs); batch sizes become dynamic after the first change. The attention
+    block (RoPE, the cache write keyed by layer index) stays eager. Returns the modules compiled (a layer without one of
+    these parts is skipped)."""
+    body = getattr(model, "model", model)
+    body = getattr(body, "language_model", body)
+    modules = [getattr(layer, name) for layer in body.layers for name in POINTWISE_MODULES if hasattr(layer, name)]
+    if hasattr(body, "norm"):
+        modules.append(body.norm)
+    for module in modules:
+        module.compile(dynamic=None)
+    return modules
 
 
 def _check_gated_delta_net(model, expected: int) -> None:

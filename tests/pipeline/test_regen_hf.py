@@ -292,3 +292,27 @@ def test_decode_attention_on_cuda_in_bf16_stays_within_rounding_of_fp32():
     fused = sdpa(q, k, v, attn_mask=mask, scale=0.25).float()
     err, err_fused = (got - exact).abs().max().item(), (fused - exact).abs().max().item()
     assert err <= max(2 * err_fused, 1e-2), (err, err_fused)
+
+
+@pytest.mark.slow
+def test_static_decode_with_compiled_norms_and_mlps_equals_generate_and_close_restores_the_model(target):
+    """compile_pointwise (bench_regen's static-compiled mode): the decoder layers' RMSNorms and MLPs and the final norm
+    run torch.compile'd, one compiled graph for all layers, and greedy output still equals model.generate token for
+    token (fp32, through a batch-size change); close() leaves every module eager again."""
+    import torch._dynamo
+
+    from pipeline.regen.static_decode import POINTWISE_MODULES
+
+    model, tok, stop, prompts = target
+    limits = [16, 16, 6, 16, 11]
+    reference = _gen(target, "generate", 1).generate(prompts, limits)
+    torch._dynamo.reset()
+    gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
+                      batch_size=5, decode="static", compile_pointwise=True, min_compact_batch=1)
+    modules = [getattr(layer, n) for layer in model.model.layers for n in POINTWISE_MODULES] + [model.model.norm]
+    assert gen.static.compiled == modules and all(m._compiled_call_impl is not None for m in modules)
+    outs = gen.generate(prompts, limits)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert gen.generate(prompts[:2], limits[:2])[1].token_ids == reference[1].token_ids  # another batch shape
+    gen.close()
+    assert all(m._compiled_call_impl is None for m in modules)
