@@ -481,6 +481,60 @@ def extract_section(target, args, device, res: dict, save) -> None:
               f"{disk_ceiling:,.0f}; {100 * tokens / seconds / min(roofline, disk_ceiling):.0f}% of the lower)",
               flush=True)
         save()
+    if args.profile_extract:
+        res["extract_forward_profile"] = profile_forward(target, min(4096, args.tokens_per_batch), device)
+        save()
+
+
+# Kernel / operator name fragments -> what part of a hybrid's forward it is (first match wins; lower case).
+FORWARD_PARTS = (("attention", ("flash", "fmha", "sdpa", "attention")),
+                 ("gated delta rule", ("gated_delta", "chunk", "recurrent", "kkt", "solve_tril", "wy_")),
+                 ("short convolution", ("conv",)),
+                 ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")))
+
+
+def forward_part(name: str) -> str:
+    """Which part of a hybrid's forward the kernel (or CPU operator) `name` belongs to (FORWARD_PARTS), else
+    'other' (norms, pointwise, copies)."""
+    low = name.lower()
+    return next((part for part, keys in FORWARD_PARTS if any(k in low for k in keys)), "other")
+
+
+def profile_forward(target, tokens: int, device, top: int = 12) -> dict:
+    """Where the target's forward over one sequence of `tokens` tokens goes (the extraction's forward, eager, after
+    one untimed run): torch.profiler's kernels (CPU operators on a CPU) by self time, summed per part of the forward
+    (`forward_part`), beside the forward's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    vocab = target.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.inference_mode():
+        target(input_ids=ids, use_cache=False, logits_to_keep=1)
+        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            target(input_ids=ids, use_cache=False, logits_to_keep=1)
+            sync(device)
+            wall_ms = 1e3 * (time.perf_counter() - t0)
+    rows = []
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", 0) or 0) if cuda else e.self_cpu_time_total
+        if us > 0 and (not cuda or e.device_type.name == "CUDA"):
+            rows.append({"name": e.key[:100], "calls": e.count, "ms": us / 1e3, "part": forward_part(e.key)})
+    rows.sort(key=lambda r: -r["ms"])
+    parts: dict[str, float] = {}
+    for r in rows:
+        parts[r["part"]] = parts.get(r["part"], 0.0) + r["ms"]
+    total = sum(parts.values())
+    result = {"tokens": tokens, "wall_ms": wall_ms, "kernel_ms": total,
+              "by_part_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])), "top": rows[:top]}
+    print(f"forward profile, {tokens} tokens: wall {wall_ms:.1f} ms, {'kernels' if cuda else 'CPU ops'} "
+          f"{total:.1f} ms: " + ", ".join(f"{p} {ms:.1f} ms ({ms / max(total, 1e-9):.0%})"
+                                         for p, ms in result["by_part_ms"].items()), flush=True)
+    for r in result["top"]:
+        print(f"  {r['ms']:8.2f} ms x{r['calls']:<5} [{r['part']}] {r['name']}")
+    return result
 
 
 def reference_section(args, device, dtype, res: dict, save) -> None:
@@ -531,6 +585,9 @@ def main(argv=None) -> int:
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--disk-bytes", type=int, default=None, help="disk probe bytes (default 2 GiB GPU, 64 MiB CPU)")
     ap.add_argument("--sections", default="verify,extract,reference", help="any of verify, extract, reference")
+    ap.add_argument("--profile-extract", action="store_true",
+                    help="extract section: profile the target's forward over one sequence: time per part (GEMMs, "
+                         "attention, Gated-DeltaNet, short convolution, the rest)")
     ap.add_argument("--profile-overhead", action="store_true",
                     help="profile the overhead region at the largest budget: top operators by device / host time")
     ap.add_argument("--cache", choices=["dynamic", "static", "graphs"], default="dynamic",

@@ -103,7 +103,7 @@ else
   REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-64,256}"
               --modes generate,static --generate-prompts 256)
   ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
-  EXTRACT_ARGS=(--extract-tokens 100000)
+  EXTRACT_ARGS=(--extract-tokens 100000 --profile-extract)
   TRAIN_ARGS=(--variants qwen3.6-27b --steps 3 --warmup 2 --timeout 400)
   MAX_ARGS=(--max-batch trainer-flex-compile-ac-online --max-batch-limit 32 --timeout 240)
 fi

@@ -67,3 +67,21 @@ def test_the_27b_shape_has_the_qwen36_layout_and_size():
     assert (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, gdn.conv_kernel_size) == (16, 48, 128, 128, 4)
     assert attn.q_proj.weight.shape == (2 * 24 * 256, 5120)  # 24 heads x 256 and their output gate
     assert attn.k_proj.weight.shape == (4 * 256, 5120)
+
+
+def test_the_extraction_forward_profile_sums_its_time_by_part_of_the_forward():
+    """bench_hybrid --profile-extract: kernel names from the GPU runs are sorted into the forward's parts (attention,
+    Gated-DeltaNet, short convolution, GEMMs, the rest), and a profile of the tiny hybrid's forward (CPU operators)
+    splits its whole time among them."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.bench_hybrid import forward_part, hybrid_config, profile_forward, random_model
+
+    assert forward_part("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention"
+    assert forward_part("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN") == "gemm"
+    assert forward_part("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "gated delta rule"
+    assert forward_part("void cudnn::conv1d_depthwise_kernel<bf16>") == "short convolution"
+    assert forward_part("void at::native::vectorized_elementwise_kernel<4, pow_tensor_scalar>") == "other"
+    model = random_model(hybrid_config("tiny"), "cpu", torch.float32)
+    got = profile_forward(model, 64, torch.device("cpu"))
+    assert got["tokens"] == 64 and got["wall_ms"] > 0 and got["by_part_ms"]["gemm"] > 0
+    assert abs(sum(got["by_part_ms"].values()) - got["kernel_ms"]) < 1e-6 and got["top"]
