@@ -119,6 +119,28 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, sc
     return torch.bmm(probs, v).view(b, hk, g, d)
 
 
+@functools.cache
+def _bmm_out_dtype(device_type: str, dtype: torch.dtype) -> bool:
+    try:
+        a = torch.ones(1, 1, 8, device=device_type, dtype=dtype)
+        return torch.bmm(a, a.mT, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def fp32_scores_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `decode_attention` gets fp32 scores without copying K: fp32 inputs, anywhere but CUDA (it upcasts), or
+    a torch whose CUDA bmm takes `out_dtype` for these inputs. Where not, the decoder keeps the fused SDPA kernel
+    (logged) rather than round the scores to bf16 or copy the cache."""
+    if dtype == torch.float32 or device.type != "cuda":
+        return True
+    ok = _bmm_out_dtype(device.type, dtype)
+    if not ok:
+        log.warning("regen static decode: this torch's CUDA bmm has no fp32 output for %s inputs; the one-token step "
+                    "keeps the fused SDPA kernel", dtype)
+    return ok
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
@@ -289,7 +311,8 @@ class StaticDecoder:
         self.attention = None
         if gqa_fold and model.config._attn_implementation in ("sdpa", GQA_FOLDED, DECODE_GEMM):
             _register_attention()
-            self.attention = DECODE_GEMM if decode_gemm else GQA_FOLDED
+            self.attention = DECODE_GEMM if decode_gemm and fp32_scores_available(self.device, self.dtype) \
+                else GQA_FOLDED
         self._state: _State | None = None
         self._key: tuple[int, int] | None = None
         self.compiled = compile_pointwise_modules(model) if compile_pointwise else []
