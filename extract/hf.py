@@ -5,7 +5,9 @@ whose padded size ``B * S_max`` fits ``extract.tokens_per_batch``; each batch is
 attention mask (pads follow the real tokens, so a causal model — attention or Gated DeltaNet — computes
 the real tokens exactly as it would unbatched), run through `extract.layers.forward_taps` (no later
 layers, no final norm, no LM head; on CUDA by default as a loop of torch.compiled decoder layers, see
-`compiled_forward`: fused RMSNorm/RoPE/SiLU, one graph for all layers and batch shapes), gathered to the real tokens ``[T, n*D]`` on the device, encoded to
+`compiled_forward`: fused RMSNorm/RoPE/SiLU, one graph for all layers and batch shapes; a target the loop does not
+rebuild, such as a Gated-DeltaNet hybrid, runs its own forward with its norms and MLPs compiled), gathered to the
+real tokens ``[T, n*D]`` on the device, encoded to
 the storage dtype on the device (fp8 halves the copy too) and handed to `DiskSink`:
 
     GPU compute stream ──► copy stream: D2H into a pinned staging buffer ──► writer threads: pwrite
@@ -30,7 +32,8 @@ from extract.layers import call_decoder_layer, forward_taps, forward_taps_loop, 
 from extract.store import STORAGE_DTYPES, ShardWriter, encode_features
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
-from pipeline.target import load_target, resolve_device, resolve_dtype, text_config
+from pipeline.target import compile_pointwise_modules, load_target, resolve_device, resolve_dtype, text_config, \
+    uncompile
 
 log = get_logger("extract.hf")
 
@@ -127,10 +130,10 @@ def compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torc
     if setting not in ("auto", "on"):
         raise ValueError(f"extract.compile must be 'auto', 'on' or 'off', got {setting!r}")
     n = len(layer_ids)
+    reason = plain_decoder_refusal(model, layer_ids)
+    if reason is not None:
+        return _pointwise_compiled_forward(model, layer_ids, setting, device, reason)
     try:
-        reason = plain_decoder_refusal(model, layer_ids)
-        if reason is not None:
-            raise RuntimeError(reason)
         layer_call = compiled_layer_call()
         vocab = text_config(model.config).vocab_size
         gen = torch.Generator().manual_seed(0)
@@ -152,6 +155,37 @@ def compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torc
     log.info("extract.compile: decoder layers compiled and checked against eager in %.1f s (relative error %.2e)",
              time.perf_counter() - started, err)
     return lambda m, ids, taps: forward_taps_loop(m, ids, taps, layer_call)
+
+
+def _pointwise_compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torch.device, reason: str):
+    """`forward_taps` with the decoder layers' norms and MLPs compiled (`compile_pointwise_modules`), for targets the
+    layer loop does not rebuild (`reason`: hybrids, sliding windows); checked against the eager forward on the probe
+    batches first, undone on any failure (eager, with a warning; an error with "on")."""
+    import time
+
+    n, started, modules = len(layer_ids), time.perf_counter(), []
+    try:
+        vocab = text_config(model.config).vocab_size
+        gen = torch.Generator().manual_seed(0)
+        probes = [torch.randint(0, vocab, (B, S), generator=gen).to(device) for B, S in COMPILE_PROBES]
+        refs = [forward_taps(model, ids, layer_ids) for ids in probes]
+        modules = compile_pointwise_modules(model)
+        err = max(_max_relative_error(forward_taps(model, ids, layer_ids), ref, n) for ids, ref in zip(probes, refs))
+        if err > COMPILED_MAX_ERROR:
+            raise RuntimeError(f"compiled norms and MLPs differ from eager (relative error {err:.2e} > "
+                               f"{COMPILED_MAX_ERROR})")
+    except Exception as e:  # noqa: BLE001 — any failure of the optional fast path
+        uncompile(modules)
+        if setting == "on":
+            raise RuntimeError(f"extract.compile=on: the layer loop does not cover this target ({reason}) and its "
+                               f"norms and MLPs could not be compiled: {e}") from e
+        log.warning("extract.compile: running the eager forward (%s; compiling its norms and MLPs failed: %s: %s)",
+                    reason, type(e).__name__, e)
+        return forward_taps
+    log.info("extract.compile: the layer loop does not cover this target (%s); its %d norms and MLPs are compiled "
+             "instead, checked against eager in %.1f s (relative error %.2e)", reason, len(modules),
+             time.perf_counter() - started, err)
+    return forward_taps
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pipeline.target import text_config
+from pipeline.target import base_model, text_config
 
 LAYER_CONVENTION = "dflash:output-of-layer"
 
@@ -149,14 +149,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(module, nn.ModuleList) and n is not None and len(module) == n:
             return module
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
-
-
-def base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack without the LM head (``model.model`` for ``*ForCausalLM``)."""
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "layers"):
-        return inner
-    return model
 
 
 class _StopForward(Exception):

@@ -387,7 +387,8 @@ class ExtractConfig:
     parallel_shards: int = doc("shards written at once, batches alternating (each shard's sha256 has its own thread)",
                                2, ge=1)
     compile: Literal["auto", "on", "off"] = doc(
-        "hf backend: torch.compile the decoder layers, checked against eager first (auto = on for CUDA)", "auto"
+        "hf backend: torch.compile the decoder layers (hybrids: their norms and MLPs), checked against eager first "
+        "(auto = on for CUDA)", "auto"
     )
 
     def validate(self, key: str) -> None:

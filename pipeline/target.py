@@ -406,6 +406,40 @@ def hf_config(location: str, tcfg: TargetConfig):
     return config
 
 
+def base_model(model):
+    """The decoder stack without the LM head (``model.model`` for ``*ForCausalLM``)."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        return inner
+    return model
+
+
+POINTWISE_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")  # of each decoder layer
+
+
+def compile_pointwise_modules(model) -> list:
+    """torch.compile (in place, `Module.compile`) the parts of `model`'s decoder layers that touch no cache: the two
+    RMSNorms and the MLP of every layer, and the final norm. Eager, an RMSNorm is ~8 kernels and SiLU * up two
+    more, over activations a few rows deep in a decode step (mostly such launches) and around the GEMMs of a long
+    forward; compiled, each norm is one kernel and the MLP's pointwise work rides along its GEMMs. One compiled
+    graph serves every layer (the weights are its inputs); shapes become dynamic after the first change. The
+    attention or Gated-DeltaNet block (RoPE, a cache write keyed by layer index, fla's kernels) stays eager. Returns
+    the modules compiled (a layer without one of these parts is skipped); `uncompile` undoes it."""
+    body = base_model(model)
+    modules = [getattr(layer, name) for layer in body.layers for name in POINTWISE_MODULES if hasattr(layer, name)]
+    if hasattr(body, "norm"):
+        modules.append(body.norm)
+    for module in modules:
+        module.compile(dynamic=None)
+    return modules
+
+
+def uncompile(modules: list) -> None:
+    """Undo `compile_pointwise_modules`: the modules run eagerly again."""
+    for module in modules:
+        module._compiled_call_impl = None
+
+
 def text_config(config):
     """The language-model part of an HF config — what layer ids, hidden size and vocabulary refer to: the nested
     text config of a multimodal wrapper (Qwen3.5/3.6 `text_config`), else the config itself."""

@@ -19,13 +19,13 @@ from typing import Any, Callable
 
 import torch
 
-from extract.layers import LAYER_CONVENTION, base_model, configured_layer_ids, stored_tap_ids
+from extract.layers import LAYER_CONVENTION, configured_layer_ids, stored_tap_ids
 from extract.store import FeatureReader
 from pipeline.config import ConfigError, RunConfig, TargetConfig
 from pipeline.log import get_logger
 from pipeline.manifests import StageOutputs, extract_outputs, tokenize_outputs
 from pipeline.stage_dir import StageDir, check_fingerprint
-from pipeline.target import OpenedTarget, load_target, open_target, text_config
+from pipeline.target import OpenedTarget, base_model, load_target, open_target, text_config
 from train.loss import kl_share
 from dflash_model.model import DrafterArgs
 from train.online import TokenizedReader

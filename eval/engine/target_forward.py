@@ -39,8 +39,8 @@ from torch import Tensor
 
 from eval.engine import target_forward_triton, triton_runtime
 from eval.engine.verify import visibility_attention_mask
-from extract.layers import base_model, decoder_layers, validate_layer_ids
-from pipeline.target import text_config
+from extract.layers import decoder_layers, validate_layer_ids
+from pipeline.target import base_model, text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 

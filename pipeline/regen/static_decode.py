@@ -52,7 +52,7 @@ from pipeline.log import get_logger
 from pipeline.recurrent_cache import LINEAR_ATTENTION, bind_linear_states, layer_types, linear_attention_layers, \
     linear_state_buffers, prebind_linear_states, stack_linear_states
 from pipeline.regen.generator import Sampling, mask_padded_vocab, sample_next
-from pipeline.target import text_config
+from pipeline.target import compile_pointwise_modules, text_config, uncompile
 
 log = get_logger("regen.static")
 
@@ -319,8 +319,7 @@ class StaticDecoder:
 
     def close(self) -> None:
         """Give the model back as it came: its compiled modules run eagerly again."""
-        for module in self.compiled:
-            module._compiled_call_impl = None
+        uncompile(self.compiled)
         self.compiled = []
 
     # -- public --------------------------------------------------------------------------------
@@ -487,27 +486,6 @@ class StaticDecoder:
                 check=lambda g, e: relative_error(g, e) <= rounding_tolerance(self.dtype), state=state.states)
         return state.steps[live]()
 
-
-
-POINTWISE_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")  # of each decoder layer
-
-
-def compile_pointwise_modules(model) -> list[torch.nn.Module]:
-    """torch.compile (in place, `Module.compile`) the parts of `model`'s decoder layers that touch no cache: the two
-    RMSNorms and the MLP of every layer, and the final norm. Eager, an RMSNorm is ~8 kernels and SiLU * up two
-    more, each over a [B, 1, hidden] activation: a decode step is mostly such launches (docs/benchmarks.md,
-    "regen"); compiled, each norm is one kernel and the MLP's pointwise work rides along its GEMMs. One compiled graph
-    serves every layer (the weights are its inputs); batch sizes become dynamic after the first change. The attention
-    block (RoPE, the cache write keyed by layer index) stays eager. Returns the modules compiled (a layer without one of
-    these parts is skipped)."""
-    body = getattr(model, "model", model)
-    body = getattr(body, "language_model", body)
-    modules = [getattr(layer, name) for layer in body.layers for name in POINTWISE_MODULES if hasattr(layer, name)]
-    if hasattr(body, "norm"):
-        modules.append(body.norm)
-    for module in modules:
-        module.compile(dynamic=None)
-    return modules
 
 
 def _check_gated_delta_net(model, expected: int) -> None:

@@ -68,7 +68,12 @@ def test_a_failed_write_surfaces_in_the_main_thread_without_hanging(tmp_path, ra
     ex.close()
 
 
-def test_compile_auto_keeps_cpu_eager_and_compile_on_refuses_a_hybrid_target(random_target):
+def test_compile_auto_keeps_cpu_eager_and_a_hybrids_compiled_norms_and_mlps_are_checked_and_undone(random_target,
+                                                                                                     monkeypatch):
+    """extract.compile on a hybrid (which the layer loop does not rebuild) compiles its norms and MLPs instead, checked
+    against eager on the probe batches: a compiled MLP that returns the wrong values is refused ("on": an error naming
+    why the loop was not used; "auto" would run eager) and every module is eager again afterwards."""
+    import extract.hf as hf
     from extract.hf import compiled_forward
     from extract.layers import forward_taps
 
@@ -76,8 +81,41 @@ def test_compile_auto_keeps_cpu_eager_and_compile_on_refuses_a_hybrid_target(ran
     assert compiled_forward(model, [1, 3], "auto", torch.device("cpu")) is forward_taps
     assert compiled_forward(model, [1, 3], "off", torch.device("cpu")) is forward_taps
     _, hybrid = random_target("qwen3_5_text")
-    with pytest.raises(RuntimeError, match="linear_attention"):
-        compiled_forward(hybrid, [1, 3], "on", torch.device("cpu"))
+    mlps = [layer.mlp for layer in hybrid.model.layers]
+
+    def wrong_mlps(model):
+        for m in mlps:
+            m._compiled_call_impl = lambda *a, m=m, **k: torch.ones_like(type(m).forward(m, *a, **k))
+        return mlps
+
+    monkeypatch.setattr(hf, "compile_pointwise_modules", wrong_mlps)
+    try:
+        with pytest.raises(RuntimeError, match="linear_attention.*differ from eager"):
+            compiled_forward(hybrid, [1, 3], "on", torch.device("cpu"))
+        assert all(m._compiled_call_impl is None for m in mlps)
+    finally:  # the fixture's model is shared
+        for m in mlps:
+            m._compiled_call_impl = None
+
+
+@pytest.mark.slow
+def test_a_hybrids_extraction_runs_with_compiled_norms_and_mlps_equal_to_eager(random_target):
+    """extract.compile=on on a Gated-DeltaNet hybrid: the model's forward with its norms and MLPs torch.compile'd
+    (inductor, CPU here) gives the eager features on shapes the probes did not have."""
+    from extract.hf import compiled_forward
+    from extract.layers import forward_taps
+    from pipeline.target import uncompile
+
+    _, hybrid = random_target("qwen3_5_text")
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(3, 300, (B, S), generator=gen) for B, S in [(3, 40), (1, 9)]]
+    eager = [forward_taps(hybrid, ids, [1, 3]) for ids in batches]
+    assert compiled_forward(hybrid, [1, 3], "on", torch.device("cpu")) is forward_taps
+    compiled = [m for layer in hybrid.model.layers for m in (layer.mlp, layer.input_layernorm)]
+    assert all(m._compiled_call_impl is not None for m in compiled)
+    for ids, ref in zip(batches, eager):
+        torch.testing.assert_close(forward_taps(hybrid, ids, [1, 3]), ref, rtol=1e-4, atol=1e-4)
+    uncompile(compiled)
 
 
 def test_compile_check_refuses_a_layer_graph_that_drops_the_residual_or_scales_its_output(random_target, monkeypatch):
