@@ -302,7 +302,7 @@ def test_static_decode_with_compiled_norms_and_mlps_equals_generate_and_close_re
     token (fp32, through a batch-size change); close() leaves every module eager again."""
     import torch._dynamo
 
-    from pipeline.regen.static_decode import POINTWISE_MODULES
+    from pipeline.target import POINTWISE_MODULES
 
     model, tok, stop, prompts = target
     limits = [16, 16, 6, 16, 11]
