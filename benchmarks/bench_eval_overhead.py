@@ -176,7 +176,7 @@ def measure_budget(target, drafter, cache, prompt, budget: int, iters: int, devi
     med["N"] = tree.size
     med["depth"] = int(tree.depths.max())
     med["syncs_ok"] = syncs_ok
-    fns = [ops._build, ops._walk] + list(getattr(cache, "_verify_fns", {}).values())
+    fns = [ops._build, *(ops._walks or {None: ops._walk_eager}).values()] + list(getattr(cache, "_verify_fns", {}).values())
     med["graphs"] = all(not getattr(f, "disabled", True) for f in fns)
     med["fused"] = getattr(cache, "fused", None) is not None
     med["builders"] = builders_agree(budget, L, vocab, device)

@@ -17,6 +17,8 @@
 #             beside its compute and memory roofline
 #   round     bench_hybrid.py verify + reference sections on the graphed cache: chain / tree verify, the round
 #             overhead (build + walk + read + commit + gather) per budget up to 256, host syncs, its profile
+#   commit    bench_gdn_commit.py: the device commit of every Gated-DeltaNet layer by piece beside a copy of the
+#             states (its memory floor), the state kernel at several block shapes
 #   extract   bench_hybrid.py extract section: the stage end to end, bf16 and fp8 features, beside the compute
 #             roofline and the disk ceiling
 #   train     bench_train.py --shape qwen3.6-27b: online training with the 27B target resident ([S,S,S,S,F] drafter,
@@ -56,7 +58,7 @@ while [ $# -gt 0 ]; do
     *) echo "hybrid_gpu.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
-STEPS=(env tests regen round extract train trainmax)
+STEPS=(env tests regen round commit extract train trainmax)
 [ -n "$OUT" ] || { echo "hybrid_gpu.sh: --out DIR is required" >&2; exit 2; }
 for s in "${RETRY[@]}" "${SKIP[@]}"; do
   [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "hybrid_gpu.sh: no such step: $s (${STEPS[*]})" >&2; exit 2; }
@@ -86,6 +88,8 @@ if [ -n "$SMOKE" ]; then  # here: the checkout's environment, toy sizes, the CPU
   REGEN_ARGS=(--dtype float32 --num-prompts 8 --max-new-tokens 8 --batch-size 4,8 --modes generate,static-nograph
               --threads 1)
   ROUND_ARGS=(--cache static --past 32 --budgets 4,16 --iters 1 --ar-tokens 3)
+  COMMIT_RUN=(env TRITON_INTERPRET=1 "$PY" benchmarks/bench_gdn_commit.py --shape tiny --iters 1 --nodes 40
+              --configs 8x1,16x2)  # Triton's interpreter
   EXTRACT_ARGS=(--extract-tokens 4000)
   TRAIN_ARGS=(--variants trainer-dense-online-row2 --seqs 2 --steps 1 --warmup 0 --engine torch)
   MAX_ARGS=(--max-batch trainer-dense-online --max-batch-limit 2 --engine torch --timeout 300)
@@ -103,6 +107,7 @@ else
   REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-64,256}"
               --modes generate,static --generate-prompts 256)
   ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
+  COMMIT_RUN=("$PY" benchmarks/bench_gdn_commit.py --shape qwen3.6-27b)
   EXTRACT_ARGS=(--extract-tokens 100000 --profile-extract)
   TRAIN_ARGS=(--variants qwen3.6-27b --steps 3 --warmup 2 --timeout 400)
   MAX_ARGS=(--max-batch trainer-flex-compile-ac-online --max-batch-limit 32 --timeout 240)
@@ -145,6 +150,10 @@ step_round() {
   local rc=$?; cp "$WORK/round/summary.json" "$WORK/json/round.json" 2>/dev/null; return $rc
 }
 
+step_commit() {
+  timeboxed "${COMMIT_RUN[@]}" --device $DEVICE --json "$WORK/json/commit.json"
+}
+
 step_extract() {
   timeboxed "$PY" benchmarks/bench_hybrid.py --device $DEVICE --shape $SHAPE --sections extract "${EXTRACT_ARGS[@]}" \
     --work-dir "$WORK/extract-shards" --out "$WORK/extract"
@@ -166,6 +175,7 @@ step env 30
 step tests 240
 step regen 420
 step round 300
+step commit 90
 step extract 360
 step train 500
 step trainmax 400

@@ -7,6 +7,9 @@ docs/results/hybrid-h200/summary.json.
 Reads the work dir the script leaves (results.jsonl: one line per step run; json/: each step's JSON) and writes:
   every key of the round step's bench_hybrid summary (chain_verify_ms, tree_verify_ms, overhead_ms, host syncs, the
   overhead profile, reference_8b, ...) and the extract step's extract_* keys and ceilings, plus
+  commit_us                 the commit step's pieces in microseconds (the copy floor, the gathers it no longer pays,
+                            the state kernel per block shape, the window, the whole commit), commit_checks: each
+                            block shape's state against the engine's
   extract_share_of_ceiling  {bf16, fp8}: extract_tok_s / extract_ceiling_tok_s
   regen_tok_s               {generate, static}: generated tokens/s at the largest batch both ran (`regen_batch`), and
                             regen_rows: every bench_regen row with its compute and memory roofline
@@ -26,7 +29,7 @@ import json
 import shutil
 from pathlib import Path
 
-STEPS = ("env", "tests", "regen", "round", "extract", "train", "trainmax")
+STEPS = ("env", "tests", "regen", "round", "commit", "extract", "train", "trainmax")
 EXTRACT_KEYS = ("matmul_tflops", "matmul", "disk_write_GBps", "compute_roofline_tok_s", "extract_tok_s",
                 "extract_ceiling_tok_s", "extract_disk_ceiling_tok_s", "extract_warmup", "extract_compile")
 
@@ -50,6 +53,9 @@ def summarize(work: Path) -> dict:
     round_ = _json(work / "json" / "round.json") if runs.get("round", {}).get("rc") == 0 else None
     if round_:
         out.update(round_)
+    commit = _json(work / "json" / "commit.json") if runs.get("commit", {}).get("rc") == 0 else None
+    if commit:
+        out["commit_us"], out["commit_checks"] = commit["us"], commit["checks"]
     extract = _json(work / "json" / "extract.json") if runs.get("extract", {}).get("rc") == 0 else None
     if extract:
         for k in ("device", "torch", "shape", "dtype", "date"):

@@ -41,6 +41,7 @@ class GraphLog:
 
     captured: int = 0  # first calls that captured a graph and passed its check
     fallbacks: list[str] = field(default_factory=list)  # names of graphs that run eagerly (capture or check failed)
+    copied_bytes: int = 0  # bytes replays copied into captured input buffers (inputs that were not those buffers)
 
 
 GRAPH_LOG = GraphLog()
@@ -69,6 +70,7 @@ class CudaGraphFn:
         self.state = state or (lambda: [])  # () -> tensors fn changes in place besides its outputs
         self.graph = None
         self.disabled = False
+        self.copied_bytes = 0  # by replays, into the captured input buffers
 
     def __call__(self, *args):
         if self.disabled:
@@ -78,6 +80,8 @@ class CudaGraphFn:
         for buf, x in zip(self.buffers, _leaves(args) if self.nested else [a for a in args if a is not None]):
             if buf is not x and not _same_buffer(buf, x):
                 buf.copy_(x)
+                self.copied_bytes += x.numel() * x.element_size()
+                GRAPH_LOG.copied_bytes += x.numel() * x.element_size()
         self.graph.replay()
         return self.out
 

@@ -281,6 +281,9 @@ def warm_up(method: str, target, drafter, *, max_length: int, budget: int | None
 # ----------------------------------------------------------------------------------------------
 
 
+WALK_GRAPHS = 64  # walk graphs per round configuration: one per verify graph (key bucket) whose outputs it reads
+
+
 class RoundOps:
     """build(draft logits, bonus) -> (tree, verify inputs), walk(tree, logits, uniforms) -> (walk, record) and
     read(record) -> the record on the host (eval/engine/round_record.py).
@@ -307,8 +310,8 @@ class RoundOps:
         capturable_build = not (method == "ddtree" and builder is build_tree_heap)  # the heap reads the host
         self._build = CudaGraphFn(self._build_eager, f"{method} tree build") if graphs and capturable_build \
             else self._build_eager
-        state = (lambda: cache.compaction_state(self.depth_limit + 1)) if self.compacts else None
-        self._walk = CudaGraphFn(self._walk_eager, f"{method} walk", state=state) if graphs else self._walk_eager
+        self._walk_state = (lambda: cache.compaction_state(self.depth_limit + 1)) if self.compacts else None
+        self._walks: dict[tuple, CudaGraphFn] | None = {} if graphs else None  # producer buffers -> walk graph
 
     def _tree(self, tokens, parents, depths) -> Tree:
         return Tree(tokens, parents, depths, self.num_nodes, self.depth_limit, self.kind)
@@ -354,9 +357,27 @@ class RoundOps:
         """-> (walk, the round record on the device, features of the L+1 path rows or None). With `compacts` the K/V
         rows of the path are also moved to the front and the cache's device length advanced (the caller then
         calls `commit_compacted`)."""
-        (accepted, path, bonus, last), record, path_features = self._walk(
+        (accepted, path, bonus, last), record, path_features = self._walk_fn(logits, features)(
             tree.tokens, tree.parents, tree.depths, ancestors, logits, uniforms, features)
         return Walk(accepted, path, bonus, last), record, path_features
+
+    def _walk_fn(self, logits, features):
+        """The walk, as the CUDA graph captured on these very `logits` / `features` buffers. The static caches
+        capture one verify graph per key bucket, each with its own output buffers: a walk graph per producer reads
+        them where they are, where one shared graph would copy the verify's logits into its own buffer every round
+        (N x vocab: 127 MB for a budget-256 tree of a 248K vocabulary). Inputs that are no graph's static buffers
+        (an eager verify: a new tensor each round) would capture a graph per round, so past WALK_GRAPHS new
+        producers the first graph takes them, copying them in."""
+        if self._walks is None:
+            return self._walk_eager
+        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (logits, features) if t is not None)
+        fn = self._walks.get(key)
+        if fn is None:
+            if len(self._walks) >= WALK_GRAPHS:
+                return next(iter(self._walks.values()))
+            fn = self._walks[key] = CudaGraphFn(self._walk_eager, f"{self.method} walk #{len(self._walks)}",
+                                                state=self._walk_state)
+        return fn
 
     def read(self, record: Tensor) -> RoundRecord:
         """The round's one host sync: the walk's record (from `walk`) on the host."""

@@ -210,11 +210,18 @@ def commit_path_steps(layer, conv_inputs: Tensor, conv_outputs: Tensor, g: Tenso
                       n: Tensor, conv_states: Tensor, recurrent_states: Tensor) -> None:
     """`commit_path` with every shape fixed and no host value, so that a CUDA graph captures it with the walk:
     path [L+1] holds the accepted root path in path[:n] (any node ids after it), n a 0-dim device int64 in 1..L+1.
-    The recurrence runs all L+1 steps over the path's rows with the steps t >= n made exact no-ops (g = 0: decay
-    exp(0) = 1; beta = 0: no update), and the new conv window is columns n..n+K-1 of cat([committed window, the
-    path's conv inputs]): the same values, in the same order, as `commit_path` over path[:n] (bit for bit on the
-    same device and kernels; tests/eval/test_hybrid_cache.py)."""
+
+    On CUDA (eval/engine/tree_recurrent_triton.py `commit_path_steps`) the state kernel reads n and runs n steps
+    over the path's rows where the verify left them, and one launch moves the windows: the same kernel, steps and
+    order as `commit_path` over path[:n], so the states equal it bit for bit, with no gathered copy of the rows.
+    The torch version runs all L+1 steps over gathered rows with the steps t >= n made exact no-ops (g = 0: decay
+    exp(0) = 1; beta = 0: no update). Either way the new conv window is columns n..n+K-1 of cat([committed window,
+    the path's conv inputs]) (tests/eval/test_hybrid_cache.py: equal to the eager commit bit for bit)."""
     _, k, v = _split_heads(conv_outputs, layer)
+    kernels = _kernels(path.device)
+    if kernels is not None and triton_runtime.run(kernels.commit_path_steps, k, v, g.float(), beta.float(),
+                                                  conv_inputs, path, n, conv_states, recurrent_states) is not None:
+        return
     steps = path.shape[0]
     t = torch.arange(steps, device=path.device)
     live = (t < n).unsqueeze(-1)  # [L+1, 1]
@@ -224,13 +231,7 @@ def commit_path_steps(layer, conv_inputs: Tensor, conv_outputs: Tensor, g: Tenso
     K = conv_states.shape[-1]
     rows = torch.cat([conv_states, conv_inputs.index_select(-2, path).transpose(-1, -2).to(conv_states.dtype)], dim=-1)
     new_windows = rows.index_select(-1, n + torch.arange(K, device=path.device))
-    kernels = _kernels(path.device)
-    state = None
-    if kernels is not None:  # writes the new states over the committed ones
-        state = triton_runtime.run(kernels.path_gated_delta_state, k_p, v_p, g_p, beta_p, t, recurrent_states,
-                                   recurrent_states)
-    if state is None:
-        recurrent_states.copy_(path_gated_delta_state(k_p, v_p, g_p, beta_p, t, recurrent_states))
+    recurrent_states.copy_(path_gated_delta_state(k_p, v_p, g_p, beta_p, t, recurrent_states))
     conv_states.copy_(new_windows)
 
 

@@ -7,6 +7,9 @@
     path_gated_delta_state   `path_gated_delta_state`: the same kernel along one root path, writing the final state
                              (the commit; in place over the committed state is allowed), for a stack of layers in
                              one launch (a layer grid axis: the commit of every Gated-DeltaNet layer of a target)
+    commit_path_steps        `commit_path_steps` (the device commit inside the walk's CUDA graph): that kernel reads
+                             the path's rows where the verify left them (no gather) for the accepted count of steps
+                             read from the device, and one launch moves every layer's conv window
 
 The walk. In depth-first pre-order a node usually follows its parent, whose post-update state is still in the
 registers; otherwise its parent has an earlier child and was stored in `scratch[depth(parent)]` (a node with two or
@@ -101,19 +104,22 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_walk_kernel(q, k, v, stride_q, stride_k, stride_v, layer_k, layer_v, layer_gb, layer_h, g, beta,
-                                 parents, depths, fork, order, M, h0, scratch, out, ht, scale, HK: tl.constexpr,
-                                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                                 BV: tl.constexpr, TREE: tl.constexpr):
+                                 parents, depths, fork, order, M, m_at, h0, scratch, out, ht, scale,
+                                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                 BK: tl.constexpr, BV: tl.constexpr, TREE: tl.constexpr, M_AT: tl.constexpr):
         """Value block iv of value head hv of layer il, steps t < M over nodes order[t] (order[0] = root 0). TREE: the
         verify walk (module docstring; one layer): reload from scratch when the parent is not the previous node,
         write o, store forks. Not TREE: order is one root path; write the last state to ht. State block h [BK, BV]
         fp32 = S[:, block]. layer_*: element strides between layers of k, v, g/beta and h0/ht (the commit of every
-        Gated-DeltaNet layer in one launch).
+        Gated-DeltaNet layer in one launch). M_AT: the step count is read from the device (m_at, int64, 1..len(order))
+        instead of M (the device commit: the accepted count is known only on the device).
 
         Software-pipelined ("Prefetch" in the module docstring): step t computes on node inputs loaded during step
         t-1 and issues the loads of step t+1 (its rows, and under TREE its parent, depth, fork flag and, when it
         reloads, its parent's stored state) and the index of step t+2, so no step waits on a global load."""
         iv, hv, il = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        if M_AT:
+            M = tl.load(m_at).to(tl.int32)
         k += il * layer_k
         v += il * layer_v
         g += il * layer_gb
@@ -201,17 +207,20 @@ def tree_causal_conv1d(x: Tensor, conv_state: Tensor, weight: Tensor, parents: T
 
 def _walk(q, k, v, g, beta, parents, depths, fork, order, steps, h0, scratch, out, ht, tree: bool) -> None:
     """q, k [B, N, HK, dk], v [B, N, HV, dv] (B layers; rows and layers at any stride), g, beta [B, N, HV],
-    h0 / ht [B, HV, dk, dv] fp32 contiguous: one program per (value block, value head, layer)."""
+    h0 / ht [B, HV, dk, dv] fp32 contiguous; steps: an int, or a 0-dim int64 device tensor read by the kernel: one
+    program per (value block, value head, layer)."""
     B = k.shape[0]
     HK, DK = k.shape[2:]
     HV, DV = v.shape[2:]
     for t in (q, k, v):
         assert t.stride(3) == 1 and t.stride(2) == t.shape[3], "rows [N, heads, dim]: heads packed, dim contiguous"
     g, beta = g.float().contiguous(), beta.float().contiguous()
+    on_device = isinstance(steps, Tensor)
     _gated_delta_walk_kernel[(triton.cdiv(DV, BV), HV, B)](
         q, k, v, q.stride(1), k.stride(1), v.stride(1), k.stride(0), v.stride(0), g.stride(0), HV * DK * DV, g, beta,
-        parents, depths, fork, order, steps, h0, scratch, out, ht, DK ** -0.5, HK=HK, HV=HV, DK=DK, DV=DV,
-        BK=_pow2(DK), BV=BV, TREE=tree, num_warps=1)
+        parents, depths, fork, order, order.shape[0] if on_device else steps, steps.reshape(1) if on_device else order,
+        h0, scratch, out, ht, DK ** -0.5, HK=HK, HV=HV, DK=DK, DV=DV, BK=_pow2(DK), BV=BV, TREE=tree, M_AT=on_device,
+        num_warps=1)
 
 
 def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor, depths: Tensor,
@@ -233,14 +242,62 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
 
 
 def path_gated_delta_state(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor,
-                           out: Tensor | None = None) -> Tensor:
+                           out: Tensor | None = None, steps: Tensor | None = None) -> Tensor:
     """eval/engine/tree_recurrent.py `path_gated_delta_state` in one launch: the state [..., HV, dk, dv] fp32 of path[-1]
     after the root path `path` [n] from initial_state (fp32 contiguous), for one layer (k [N, HK, dk], ...) or a
     stack of layers (k [B, N, HK, dk], v [B, N, HV, dv], g, beta [B, N, HV], initial_state [B, HV, dk, dv]);
-    written into `out` (may BE initial_state)."""
+    written into `out` (may BE initial_state). steps: a 0-dim int64 device tensor m in 1..n: the path is
+    path[:m] (read by the kernel, no host sync); the result equals the call with path[:m] bit for bit."""
     out = torch.empty_like(initial_state) if out is None else out
     if k.dim() == 3:
         k, v, g, beta = k[None], v[None], g[None], beta[None]
     unread = path  # q, parents, depths, fork, scratch and o are not read on a root path
-    _walk(k, k, v, g, beta, unread, unread, unread, path, path.shape[0], initial_state, out, out, out, False)
+    _walk(k, k, v, g, beta, unread, unread, unread, path, path.shape[0] if steps is None else steps, initial_state,
+          out, out, out, False)
     return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _path_conv_window_kernel(x, layer_x, stride_x, window, path, n_at, C, K: tl.constexpr, KP: tl.constexpr,
+                                 BC: tl.constexpr):
+        """Layer il, channels block c: window[il, c, j] <- column n + j of cat([window[il, c, :], x[il, path[:n], c]^T])
+        for j < K (n read from n_at), in place: every load of the block lands before the barrier, every store after."""
+        il = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        j = tl.arange(0, KP)
+        n = tl.load(n_at)
+        src = n + j  # column of the concatenation
+        col_ok, j_ok = cols < C, j < K
+        old = src < K
+        at = window + il * C * K + cols[:, None] * K
+        kept = tl.load(at + src[None, :], mask=col_ok[:, None] & (j_ok & old)[None, :], other=0.0)
+        node = tl.load(path + tl.where(old, 0, src - K), mask=j_ok & ~old, other=0)
+        new = tl.load(x + il * layer_x + node[None, :] * stride_x + cols[:, None],
+                      mask=col_ok[:, None] & (j_ok & ~old)[None, :], other=0.0)
+        moved = tl.where(old[None, :], kept, new.to(kept.dtype))
+        tl.debug_barrier()
+        tl.store(at + j[None, :], moved, mask=col_ok[:, None] & j_ok[None, :])
+
+
+def path_conv_window(conv_inputs: Tensor, path: Tensor, n: Tensor, conv_states: Tensor) -> Tensor:
+    """In place, one launch: conv_states [B, C, K] (contiguous) <- columns n..n+K-1 of cat([conv_states,
+    conv_inputs[:, path]^T]): the window after the accepted path[:n] (path [L+1] device int64, n 0-dim int64 in
+    1..L+1; conv_inputs [B, N, C], channels contiguous). eval/engine/tree_recurrent.py `commit_path_steps`'s window."""
+    B, C, K = conv_states.shape
+    assert conv_states.is_contiguous() and conv_inputs.stride(2) == 1
+    BC = 64
+    _path_conv_window_kernel[(B, triton.cdiv(C, BC))](conv_inputs, conv_inputs.stride(0), conv_inputs.stride(1),
+                                                       conv_states, path, n.reshape(1), C, K=K, KP=_pow2(K), BC=BC)
+    return conv_states
+
+
+def commit_path_steps(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, conv_inputs: Tensor, path: Tensor, n: Tensor,
+                      conv_states: Tensor, recurrent_states: Tensor) -> Tensor:
+    """eval/engine/tree_recurrent.py `commit_path_steps` in two launches, no gather: k [B, N, HK, dk], v [B, N, HV, dv]
+    (views of the verify's conv outputs), g, beta [B, N, HV] fp32, conv_inputs [B, N, C], path [L+1], n 0-dim: the
+    states along path[:n] (the kernel reads n) and the windows, both in place. Returns recurrent_states."""
+    path_gated_delta_state(k, v, g, beta, path, recurrent_states, recurrent_states, steps=n)
+    path_conv_window(conv_inputs, path, n, conv_states)
+    return recurrent_states

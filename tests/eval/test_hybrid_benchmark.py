@@ -85,3 +85,23 @@ def test_the_extraction_forward_profile_sums_its_time_by_part_of_the_forward():
     got = profile_forward(model, 64, torch.device("cpu"))
     assert got["tokens"] == 64 and got["wall_ms"] > 0 and got["by_part_ms"]["gemm"] > 0
     assert abs(sum(got["by_part_ms"].values()) - got["kernel_ms"]) < 1e-6 and got["top"]
+
+
+@pytest.mark.slow
+def test_the_commit_benchmark_times_every_piece_and_checks_each_block_against_the_engines(tmp_path):
+    """benchmarks/bench_gdn_commit.py in Triton's interpreter at the tiny shape: every row of its table timed, each
+    state-kernel block checked against the engine's 8 x 1 (the interpreter reduces exactly alike: equal)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_gdn_commit.py", "--device", "cpu", "--shape", "tiny", "--iters", "1",
+         "--nodes", "40", "--configs", "8x1,16x2,32x4", "--json", str(tmp_path / "c.json")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert list(res["us"]) == ["copy floor", "gathers (before)", "torch commit (states)", "state 8x1", "state 16x2",
+                               "conv window", "commit"]  # 32 > the tiny head dim: skipped
+    assert all(us > 0 for us in res["us"].values())
+    assert res["checks"] == {"state 8x1": "equal", "state 16x2": "equal"}
+    assert "| state 16x2 |" in out.stdout

@@ -234,3 +234,26 @@ def test_the_graphed_round_commits_inside_its_walk_graph_on_cuda_equal_to_eager_
     syncs, res = host_syncs(lambda: decode("ddtree", target, oracle, prompt, max_new_tokens=40, budget=16,
                                            cache_impl="graphs", phase_timing=False))
     assert len(syncs) <= res.num_rounds + 5, syncs[:5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+def test_a_decode_across_key_buckets_walks_each_verify_graphs_logits_where_they_are():
+    """Each key bucket's verify graph has its own output buffers; the walk graph reading them is captured per
+    producer, so a decode that crosses buckets copies no logits into a walk graph (one shared walk graph copied
+    N x vocab logits every round after the first bucket), and stays equal to AR."""
+    from eval.engine.cache.kv import KV_BUCKET
+    from eval.engine.decode import decode, round_ops
+    from tests.eval.test_decode_greedy import BLOCK, OracleDrafter, naive_greedy
+
+    target = tiny_target("qwen3_5_text", device="cuda")
+    prompt = torch.randint(3, 259, (KV_BUCKET - 20,), generator=torch.Generator().manual_seed(3)).tolist()
+    greedy = naive_greedy(target, prompt, 2 * KV_BUCKET + BLOCK)
+    ar = decode("ar", target, None, prompt, max_new_tokens=2 * KV_BUCKET, cache_impl="graphs")
+    assert ar.output_ids == greedy[:2 * KV_BUCKET]
+    oracle = OracleDrafter(target, prompt, greedy, seed=0)
+    out = decode("ddtree", target, oracle, prompt, max_new_tokens=2 * KV_BUCKET, budget=16, cache_impl="graphs")
+    assert out.output_ids == ar.output_ids
+    cache = target_cache(target, TAPS, "graphs")  # the decoder's cache and round ops for this target are reused
+    ops = round_ops("ddtree", 16, "device", cache, 0.0, BLOCK - 1, target.config.vocab_size, torch.device("cuda"))
+    assert len(ops._walks) >= 3, "a walk graph per key bucket the decode reached"
+    assert [w.copied_bytes for w in ops._walks.values()] == [0] * len(ops._walks)

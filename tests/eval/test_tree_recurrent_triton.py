@@ -4,6 +4,8 @@ at the Qwen3.6-27B shape on a GPU machine."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -134,6 +136,44 @@ def check_stacked_path_state_equals_each_layer(device: str = "cpu"):
     assert torch.equal(in_place, got)
 
 
+def check_device_commit_equals_the_commit_of_the_accepted_prefix(device: str = "cpu"):
+    """The device commit (`commit_path_steps`: path [L+1], the accepted count n read by the kernels from a 0-dim
+    device tensor, rows read where the verify left them) leaves every layer's state bit for bit as the path kernel
+    over path[:n] does (what the eager commit runs), and the conv windows exactly as `path_conv_state` over those
+    rows; for every n in 1..L+1, with node ids after the accepted ones that are no ancestors (the walk leaves the
+    rest of its path buffer so). Equal to the torch fixed-shape commit within fp32 rounding. CPU: tiny shape;
+    CUDA: the 27B shape (48 layers)."""
+    from eval.engine import tree_recurrent, tree_recurrent_triton
+
+    gen = torch.Generator().manual_seed(11)
+    B, HK, HV, dk, dv, K = (3, 2, 4, 12, 10, 4) if device == "cpu" else (48, 16, 48, 128, 128, 4)
+    tree = tree_of(SHAPES["branches at several depths"])
+    N, C = tree.size, 2 * HK * dk + HV * dv
+    mixed = torch.randn(B, N, C, generator=gen).to(device=device, dtype=torch.bfloat16)
+    conv_inputs = torch.randn(B, N, C, generator=gen).to(device=device, dtype=torch.bfloat16)
+    g = (-torch.rand(B, N, HV, generator=gen) * 0.7).to(device)
+    beta = torch.rand(B, N, HV, generator=gen).to(device)
+    states = torch.randn(B, HV, dk, dv, generator=gen).to(device)
+    windows = torch.randn(B, C, K, generator=gen).to(device=device, dtype=torch.bfloat16)
+    accepted = [0, 2, 4, 8, 11]  # a root path with siblings skipped on the way
+    path = torch.tensor(accepted + [5, 1, 3], device=device)  # L + 1 = 8 entries
+    layer = SimpleNamespace(key_dim=HK * dk, value_dim=HV * dv, num_k_heads=HK, head_k_dim=dk, num_v_heads=HV,
+                            head_v_dim=dv)  # the dimensions `_split_heads` reads off a Gated-DeltaNet module
+    _, k, v = tree_recurrent._split_heads(mixed, layer)
+    for n in range(1, len(accepted) + 1):
+        got_states, got_windows = states.clone(), windows.clone()
+        tree_recurrent_triton.commit_path_steps(k, v, g, beta, conv_inputs, path,
+                                                torch.tensor(n, device=device), got_windows, got_states)
+        prefix = path[:n]
+        assert torch.equal(got_states, tree_recurrent_triton.path_gated_delta_state(k, v, g, beta, prefix, states)), n
+        assert torch.equal(got_windows, tree_recurrent.path_conv_state(conv_inputs.index_select(1, prefix), windows)), n
+        ref_states, ref_windows = states.clone(), windows.clone()
+        tree_recurrent.commit_path_steps(layer, conv_inputs, mixed, g, beta, path, torch.tensor(n, device=device),
+                                         ref_windows, ref_states)  # the torch version off CUDA
+        assert torch.equal(got_windows, ref_windows), n
+        torch.testing.assert_close(got_states, ref_states, rtol=1e-5, atol=1e-5 * float(ref_states.abs().max()))
+
+
 _GUARDED = []  # the mappings behind guarded() tensors, alive until the process ends
 
 
@@ -195,7 +235,7 @@ def check_walk_reads_nothing_outside_its_tensors(device: str = "cpu"):
 
 
 CHECKS = ["check_tree_conv_equals_torch", "check_tree_gated_delta_equals_torch",
-          "check_stacked_path_state_equals_each_layer"]
+          "check_stacked_path_state_equals_each_layer", "check_device_commit_equals_the_commit_of_the_accepted_prefix"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernels are checked compiled (below)")
@@ -221,13 +261,15 @@ def test_kernel_equals_its_torch_reference_on_cuda(check):
 I, I64 = "i32", "*i64"
 WALK = dict(q="*bf16", k="*bf16", v="*bf16", stride_q=I, stride_k=I, stride_v=I, layer_k=I, layer_v=I, layer_gb=I,
             layer_h=I, g="*fp32", beta="*fp32",
-            parents=I64, depths=I64, fork="*i8", order=I64, M=I, h0="*fp32", scratch="*fp32", out="*bf16",
+            parents=I64, depths=I64, fork="*i8", order=I64, M=I, m_at=I64, h0="*fp32", scratch="*fp32", out="*bf16",
             ht="*fp32", scale="fp32")
 COMPILED = [
     ("_tree_conv_kernel", dict(x="*bf16", stride_x=I, conv_state="*bf16", stride_s=I, weight="*bf16", parents=I64,
                                depths=I64, out="*bf16", N=I, C=I), dict(K=4, SILU=True, BN=16, BC=128)),
-    *[("_gated_delta_walk_kernel", WALK, dict(HK=hk, HV=hv, DK=d, DV=d, BK=d, BV=8, TREE=tree))
-      for hk, hv, d in ((16, 48, 128), (2, 4, 16)) for tree in (True, False)],
+    *[("_gated_delta_walk_kernel", WALK, dict(HK=hk, HV=hv, DK=d, DV=d, BK=d, BV=8, TREE=tree, M_AT=m_at))
+      for hk, hv, d in ((16, 48, 128), (2, 4, 16)) for tree, m_at in ((True, False), (False, False), (False, True))],
+    ("_path_conv_window_kernel", dict(x="*bf16", layer_x=I, stride_x=I, window="*bf16", path=I64, n_at=I64, C=I),
+     dict(K=4, KP=4, BC=64)),
 ]
 
 

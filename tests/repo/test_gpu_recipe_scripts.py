@@ -231,7 +231,7 @@ def test_hybrid_gpu_script_refuses_bad_arguments_and_its_summary_keeps_the_hybri
     assert "extract_tok_s" not in s  # its step failed
     assert s["train_tok_s"] == 5000.0 and s["train"]["variant"] == "b" and s["train"]["ms_per_step"] == 9600.0
     assert "train_max_micro_batch" not in s
-    assert s["steps"]["failed"] == ["extract"] and s["steps"]["missing"] == ["trainmax"]
+    assert s["steps"]["failed"] == ["extract"] and s["steps"]["missing"] == ["commit", "trainmax"]
 
     recorded = tmp_path / "results" / "summary.json"
     recorded.parent.mkdir()
@@ -246,7 +246,7 @@ def test_hybrid_gpu_script_refuses_bad_arguments_and_its_summary_keeps_the_hybri
 def test_hybrid_gpu_script_skip_leaves_steps_out_and_the_summary_names_them_missing(tmp_path):
     """`--skip STEP` marks a step done without running it (a later call of the same --work does not run it either),
     and the summary lists it under missing, not failed: here every step but env is skipped."""
-    skipped = ["tests", "regen", "round", "extract", "train", "trainmax"]
+    skipped = ["tests", "regen", "round", "commit", "extract", "train", "trainmax"]
     args = ["--cpu-smoke", "--out", tmp_path / "out", "--work", tmp_path / "work"]
     for s in skipped:
         args += ["--skip", s]
@@ -274,13 +274,13 @@ def test_hybrid_gpu_script_takes_every_measurement_at_toy_size_on_the_cpu_over_c
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "skip tests: " in first.stdout
     assert json.loads((out / "summary.json").read_text())["steps"]["missing"] == [
-        "tests", "regen", "round", "extract", "train", "trainmax"]
+        "tests", "regen", "round", "extract", "train", "trainmax"]  # commit (90 s) fit in the 100 s
     second = _hybrid("--cpu-smoke", "--out", out, "--work", work, env=mirror)
     assert second.returncode == 0 and "all steps done" in second.stdout, second.stdout[-3000:]
     third = _hybrid("--cpu-smoke", "--out", out, "--work", work, "--retry", "train", env=mirror)
     assert third.returncode == 0, third.stdout[-3000:]
     ran = [json.loads(line)["step"] for line in (out / "results.jsonl").read_text().splitlines()]
-    assert ran == ["env", "tests", "regen", "round", "extract", "train", "trainmax", "train"]
+    assert ran == ["env", "commit", "tests", "regen", "round", "extract", "train", "trainmax", "train"]
     assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "results.jsonl", "steps.log", "summary.json",
                                                      "summary.md"]
     s = json.loads((out / "summary.json").read_text())
@@ -295,6 +295,7 @@ def test_hybrid_gpu_script_takes_every_measurement_at_toy_size_on_the_cpu_over_c
     assert all(r["same_as_ref"] in ("ref", "8/8") for r in s["regen_rows"])
     assert s["train"]["target_forward_ms"] > 0 and s["train"]["variant"] == "trainer-dense-online-row2"
     assert s["train_max_micro_batch"] == {"variant": "trainer-dense-online", "sequences": 2, "peak_mem_gib": None}
+    assert s["commit_us"]["commit"] > 0 and s["commit_checks"] == {"state 8x1": "equal", "state 16x2": "equal"}
 
 
 def test_regen_agreement_counts_identical_responses_and_the_shared_prefix_of_those_that_part():
