@@ -14,6 +14,9 @@
 # --target SPEC (target.model override)  --device cuda|cpu  --train-steps N (main run: train.max_steps; default: the
 # config's epochs)  --ablation-steps N (each ablation run's train.max_steps, default 200; 0 = no ablation)
 # --ablation-micro-batch-tokens N (each ablation run's train.micro_batch_tokens; default 16384)
+# --data-curve P1,P2,... (the data-size curve: one training per share of the training prompts, in percent, at
+# --curve-steps steps each (default 1000), `train.data_fraction` = P/100, on nested subsets, scored on the same
+# held-out samples and evaluated on GSM8K and MT-Bench; runs NAME-data-P)
 # --quick (eval on a few prompts: for smoke runs)  --runs-dir DIR (default runs)  --stop-after curate|regen|train|eval
 # (end after that stage: a run split over several device calls of at most 10 min each, every later call the same
 # command with a later stage; finished stages are no-ops)  -- KEY=VALUE... (overrides for every command). Stages run
@@ -31,7 +34,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 
 OUT="quality_out" CONFIG="configs/smollm2-135m-h200.yaml" TARGET="" DEVICE="" TRAIN_STEPS="" ABL_STEPS=200 QUICK=""
-RUNS="runs" EXTRA=() ABL_MBT=16384 STOP_AFTER=""
+RUNS="runs" EXTRA=() ABL_MBT=16384 STOP_AFTER="" CURVE="" CURVE_STEPS=1000
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
@@ -42,6 +45,8 @@ while [ $# -gt 0 ]; do
     --ablation-steps) ABL_STEPS="$2"; shift 2 ;;
     --ablation-micro-batch-tokens) ABL_MBT="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
+    --data-curve) CURVE="$2"; shift 2 ;;
+    --curve-steps) CURVE_STEPS="$2"; shift 2 ;;
     --runs-dir) RUNS="$2"; shift 2 ;;
     --stop-after) STOP_AFTER="$2"; shift 2 ;;
     --) shift; EXTRA+=("$@"); break ;;
@@ -49,6 +54,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$STOP_AFTER" in ""|curate|regen|train|eval) ;; *) echo "--stop-after: curate, regen, train or eval" >&2; exit 2 ;; esac
+CURVE_PCTS=()
+if [ -n "$CURVE" ]; then
+  IFS=, read -r -a CURVE_PCTS <<< "$CURVE"
+  for p in "${CURVE_PCTS[@]}"; do
+    [[ "$p" =~ ^[0-9]+$ ]] && [ "$p" -ge 1 ] && [ "$p" -le 100 ] ||
+      { echo "--data-curve: percentages 1..100, comma-separated (got $CURVE)" >&2; exit 2; }
+  done
+fi
+[[ "$CURVE_STEPS" =~ ^[0-9]+$ ]] && [ "$CURVE_STEPS" -ge 1 ] || { echo "--curve-steps: a positive integer" >&2; exit 2; }
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 NAME="$("$PY" -c 'import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).name)' "$CONFIG")"
@@ -107,16 +121,16 @@ stop_after curate
 timed regen "$OUT/regen.log" "${DRAFTER[@]}" regen --config "$CONFIG" "${MAIN[@]}" || exit 1
 stop_after regen
 
-# Ablation runs share the main run's curate / regen / tokenize stages (same config sections: same hashes).
+# Ablation and data-curve runs share the main run's curate / regen / tokenize stages (same config sections: same
+# hashes).
+share_data() { mkdir -p "$RUNS/$1"; for s in curate regen tokenize; do
+  [ -e "$RUNS/$1/$s" ] || ln -s "$(cd "$RUNS/$NAME/$s" && pwd)" "$RUNS/$1/$s"; done; }
 ABLATIONS=()
 if [ "$ABL_STEPS" -gt 0 ] 2>/dev/null; then
   ABLATIONS=(ce kl ce+kl)
-  for loss in "${ABLATIONS[@]}"; do
-    dir="$RUNS/$NAME-abl-${loss/+/-}"
-    mkdir -p "$dir"
-    for s in curate regen tokenize; do [ -e "$dir/$s" ] || ln -s "$(cd "$RUNS/$NAME/$s" && pwd)" "$dir/$s"; done
-  done
+  for loss in "${ABLATIONS[@]}"; do share_data "$NAME-abl-${loss/+/-}"; done
 fi
+for p in "${CURVE_PCTS[@]}"; do share_data "$NAME-data-$p"; done
 
 # One GPU job at a time: the main training, its eval (alone, so its speed is clean), then each ablation run. Run
 # beside the main training (2026-12-02, H200), three ablation trainings cut its tokens/s from 79K to 20-45K and
@@ -139,6 +153,20 @@ for loss in "${ABLATIONS[@]}"; do
     "eval.methods=[chain, ddtree]" "eval.budgets=[64]" \
     "eval.benchmarks=[{name: gsm8k, hub: openai/gsm8k, subset: main, split: test, file: gsm8k_test.jsonl, num_samples: 64, use: if_present}, {name: held_out, num_samples: 64, use: fallback}]" "${QUICK_EVAL[@]}" &&
   cp "$RUNS/$abl/eval/report.json" "$OUT/report-$abl.json" || status=1
+done
+
+# The data-size curve: equal steps at each share of the prompts, the same held-out samples, GSM8K and MT-Bench.
+CURVE_EVAL=("eval.methods=[chain, ddtree]" "eval.budgets=[64]"
+            "eval.benchmarks=[{name: gsm8k, hub: openai/gsm8k, subset: main, split: test, file: gsm8k_test.jsonl, num_samples: 100, use: if_present}, {name: mt_bench, hub: HuggingFaceH4/mt_bench_prompts, split: train, num_samples: 20, use: if_present}, {name: held_out, num_samples: 64, use: fallback}]")
+for p in "${CURVE_PCTS[@]}"; do
+  run="$NAME-data-$p"
+  ARGS=("${COMMON[@]}" "name=$run" "train.data_fraction=$(awk "BEGIN {print $p / 100}")"
+        "train.max_steps=$CURVE_STEPS" "train.eval_every=0")
+  timed "train[data-$p]" "$OUT/train-$run.log" "${DRAFTER[@]}" train --config "$CONFIG" "${ARGS[@]}" &&
+  cp "$RUNS/$run/train/metrics.jsonl" "$OUT/train_metrics-$run.jsonl" &&
+  timed "eval[data-$p]" "$OUT/eval-$run.log" "${DRAFTER[@]}" eval --config "$CONFIG" "${ARGS[@]}" "${CURVE_EVAL[@]}" \
+    "${QUICK_EVAL[@]}" &&
+  cp "$RUNS/$run/eval/report.json" "$OUT/report-$run.json" || status=1
 done
 
 "$PY" benchmarks/quality_table.py --out "$OUT" --run-dir "$RUNS/$NAME" || status=1

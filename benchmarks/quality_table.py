@@ -1,5 +1,6 @@
 """Summary of one `benchmarks/quality_gpu.sh` run: stage wall times, data sizes, training throughput and loss
-curve, tau / speedup per benchmark and method, and the loss ablation. Prints markdown tables and writes
+curve, tau / speedup per benchmark and method, the loss ablation and the data-size curve. Prints markdown tables
+and writes
 <out>/summary.json (what docs/results/smollm2-h200/ keeps).
 
     python benchmarks/quality_table.py --out quality_out --run-dir runs/smollm2-135m-h200
@@ -60,6 +61,21 @@ def train_summary(metrics_path: Path) -> dict:
 
 def cells(report: dict) -> dict[tuple[str, str], dict]:
     return {(c["benchmark"], c["label"]): c for c in report.get("cells", [])}
+
+
+def data_curve(out: Path, run_dir: Path) -> list[dict]:
+    """One row per data-curve run (`report-<run>-data-<P>.json` in `out`), by share of the prompts: its training
+    samples and steps (the run's train manifest), its last held-out loss (`train_metrics-<run>.jsonl`) and τ per
+    benchmark and method."""
+    rows = []
+    for path in out.glob(f"report-{run_dir.name}-data-*.json"):
+        run = path.stem[len("report-"):]
+        counts = _manifest(run_dir.parent / run, "train").get("counts", {})
+        held = train_summary(out / f"train_metrics-{run}.jsonl").get("held_out_loss") or [(None, None)]
+        rows.append({"percent": int(run.rsplit("-", 1)[1]), "train_samples": counts.get("train_samples"),
+                     "steps": counts.get("steps"), "held_out_loss": held[-1][1],
+                     "tau": {f"{b}/{lb}": c.get("tau_mean") for (b, lb), c in cells(json.loads(path.read_text())).items()}})
+    return sorted(rows, key=lambda r: r["percent"])
 
 
 def main() -> int:
@@ -128,6 +144,16 @@ def main() -> int:
             rows.append([loss, _num(chain and chain["tau_mean"]), _num(tree and tree["tau_mean"])])
         print("\n## Loss ablation (same data, same steps; GSM8K)\n")
         print(_table(["loss", "chain τ", "DDTree@64 τ"], rows))
+
+    curve = data_curve(out, run_dir)
+    if curve:
+        summary["data_curve"] = curve
+        labels = list(dict.fromkeys(k for row in curve for k in row["tau"]))
+        print("\n## Data-size curve (equal steps, nested prompt subsets, the same held-out samples)\n")
+        print(_table(["prompts", "train samples", "steps", "held-out loss", *[f"{k} τ" for k in labels]],
+                     [[f"{row['percent']} %", str(row["train_samples"]), str(row["steps"]),
+                       _num(row["held_out_loss"], ".3f"), *[_num(row["tau"].get(k)) for k in labels]]
+                      for row in curve]))
 
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return 0

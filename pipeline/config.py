@@ -468,6 +468,10 @@ class TrainConfig:
         "a side stream while the current one trains", False, hashed=False,
     )
     eval_fraction: float = doc("share of feature samples held out for eval metrics", 0.02, ge=0, lt=1)
+    data_fraction: float = doc(
+        "train on this share of the training prompts (a hash of each prompt: every sample of a prompt in or out "
+        "together, smaller shares nested inside larger ones; the held-out samples unchanged): data-size curves",
+        1.0, gt=0, le=1)
     eval_max_samples: Optional[int] = doc("evaluate on at most this many of the held-out samples (None = all)", 1024,
                                           ge=1, hashed=False)
     eval_every: int = doc("optimizer steps between held-out evaluations (0 = only at the end)", 200, ge=0, hashed=False)

@@ -67,6 +67,19 @@ def heldout_split(ids: Sequence[str], fraction: float) -> tuple[np.ndarray, np.n
     return idx[~held], idx[held]
 
 
+def data_subset(ids: Sequence[str], train_idx: np.ndarray, fraction: float) -> tuple[np.ndarray, int]:
+    """(the training indices kept, how many were left out) for `train.data_fraction`: sample i stays iff
+    hash(prompt_id(id)) < fraction, under a hash of its own (independent of the held-out split, which it never
+    touches). Every sample of one prompt stays or goes together, the subset of a smaller fraction lies inside that
+    of a larger one (a data-size curve trains on nested sets), and fraction 1 keeps everything."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"train.data_fraction must be in (0, 1], got {fraction}")
+    if fraction == 1.0:
+        return train_idx, 0
+    keep = np.array([_unit_hash(f"subset/{prompt_id(ids[i])}") < fraction for i in train_idx], dtype=bool)
+    return train_idx[keep], int((~keep).sum())
+
+
 def anchor_seed(seed: int, epoch: int, sample_id: str) -> int:
     """Seed of the anchor generator of one sample in one epoch."""
     return int.from_bytes(hashlib.sha256(f"anchors/{seed}/{epoch}/{sample_id}".encode()).digest()[:8], "big") >> 1
@@ -189,7 +202,10 @@ class RunPlan:
     Samples no longer than one block (`<= block_size` tokens: no anchor fits) are dropped from both sides and
     counted in `too_short`; so are samples with fewer supervised tokens than `min_loss_tokens`
     (`RunConfig.min_loss_tokens`: two drafter blocks unless `tokenize.min_loss_tokens` says otherwise), counted in
-    `too_few_loss_tokens`. That rule lives here, not in tokenize, so that a drafter setting never changes the data
+    `too_few_loss_tokens`. With `data_fraction` < 1 the training side keeps that share of its prompts
+    (`data_subset`; the rest counted in `left_out`) and the held-out side stays as it is, so runs at several data
+    sizes are scored on the same samples. That rule lives here, not in tokenize, so that a drafter setting never
+    changes the data
     stages' outputs. `state()` holds the fields a checkpoint must match to resume exactly
     (train/checkpoint.py RESUME_FIELDS)."""
 
@@ -198,6 +214,7 @@ class RunPlan:
     eval_idx: np.ndarray  # held-out source indices (never trained on)
     too_short: int
     too_few_loss_tokens: int
+    left_out: int  # training samples outside `data_fraction`
     budget: int
     world_size: int
     grad_accum: int
@@ -209,7 +226,8 @@ class RunPlan:
     @classmethod
     def build(cls, ids: Sequence[str], lengths: np.ndarray, loss_tokens: np.ndarray, *, block_size: int,
               min_loss_tokens: int, budget: int, world_size: int, grad_accum: int, seed: int, epochs: float,
-              max_steps: int | None, eval_fraction: float, eval_max_samples: int | None) -> "RunPlan":
+              max_steps: int | None, eval_fraction: float, eval_max_samples: int | None,
+              data_fraction: float = 1.0) -> "RunPlan":
         """ids [N]; lengths, loss_tokens: int [N] tokens and supervised tokens per sample."""
         lengths = np.asarray(lengths, dtype=np.int64)
         loss_tokens = np.asarray(loss_tokens, dtype=np.int64)
@@ -217,13 +235,15 @@ class RunPlan:
         short = lengths[train_idx] <= block_size
         few = ~short & (loss_tokens[train_idx] < min_loss_tokens)
         train_idx = train_idx[~(short | few)]
+        train_idx, left_out = data_subset(ids, train_idx, data_fraction)
         usable = (lengths[eval_idx] > block_size) & (loss_tokens[eval_idx] >= min_loss_tokens)
         eval_idx = eval_idx[usable][:eval_max_samples]  # never trained on, either way
         if len(train_idx) == 0:
             raise ValueError(f"no training sample is longer than block_size={block_size} tokens with at least "
-                             f"{min_loss_tokens} supervised tokens (RunConfig.min_loss_tokens)")
-        plan = cls(lengths, train_idx, eval_idx, int(short.sum()), int(few.sum()), budget, world_size, grad_accum,
-                   seed)
+                             f"{min_loss_tokens} supervised tokens (RunConfig.min_loss_tokens)"
+                             + (f" inside train.data_fraction={data_fraction}" if left_out else ""))
+        plan = cls(lengths, train_idx, eval_idx, int(short.sum()), int(few.sum()), left_out, budget, world_size,
+                   grad_accum, seed)
         plan.total_steps = total_steps(lambda e: len(plan.epoch(e)), epochs, max_steps)
         if len(eval_idx):
             plan.eval_steps = plan_eval(lengths, eval_idx, budget=budget, world_size=world_size)

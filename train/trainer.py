@@ -64,7 +64,8 @@ class Trainer:
                                       budget=train_cfg.micro_batch_tokens, world_size=dist.world_size,
                                       grad_accum=train_cfg.grad_accum, seed=train_cfg.seed, epochs=train_cfg.epochs,
                                       max_steps=train_cfg.max_steps, eval_fraction=train_cfg.eval_fraction,
-                                      eval_max_samples=train_cfg.eval_max_samples)
+                                      eval_max_samples=train_cfg.eval_max_samples,
+                                      data_fraction=train_cfg.data_fraction)
         except ValueError as e:
             raise StageError(str(e)) from e
         self.kl = kl_share(train_cfg.loss, train_cfg.kl_weight)  # the KL share of the row loss (0: CE only)
@@ -134,9 +135,9 @@ class Trainer:
             plan = self.plan
             engine = f"DeepSpeed ZeRO-{self.train_cfg.zero_stage}" if self.engine_kind == "deepspeed" else "torch engine"
             log.info("drafter %.1fM trainable params; %d train / %d held-out samples (%d too short, %d with too "
-                     "few supervised tokens); %d steps; %d ranks; %s %s",
+                     "few supervised tokens, %d outside train.data_fraction); %d steps; %d ranks; %s %s",
                      sum(getattr(p, "ds_numel", p.numel()) for p in self.drafter.parameters()) / 1e6,
-                     len(plan.train_idx), len(plan.eval_idx), plan.too_short, plan.too_few_loss_tokens,
+                     len(plan.train_idx), len(plan.eval_idx), plan.too_short, plan.too_few_loss_tokens, plan.left_out,
                      plan.total_steps,
                      self.dist.world_size, engine, self.train_cfg.precision)
 
@@ -273,6 +274,7 @@ class Trainer:
         counts = {"steps": self.position["global_step"], "train_samples": int(len(plan.train_idx)),
                   "eval_samples": int(len(plan.eval_idx)), "skipped.too_short": plan.too_short,
                   "skipped.too_few_loss_tokens": plan.too_few_loss_tokens,
+                  "left_out.data_fraction": plan.left_out,
                   "tokens_seen": int(self.position["tokens_seen"])}
         extra = {"export": export_info, "world_size": self.dist.world_size, "replica_digests": replicas,
                  "final_eval": final_eval, "final_train": last_train}

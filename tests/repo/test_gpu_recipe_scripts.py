@@ -65,12 +65,13 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
         return subprocess.run(
             ["bash", "benchmarks/quality_gpu.sh", "--out", tmp_path / "q", "--runs-dir", tmp_path / "runs",
              "--config", "configs/tiny.yaml", "--device", "cpu", "--ablation-steps", "2", "--train-steps", "2",
-             "--ablation-micro-batch-tokens", "2048", "--quick", *extra,
+             "--ablation-micro-batch-tokens", "2048", "--quick", "--data-curve", "50", "--curve-steps", "2", *extra,
              "--", "train.online=true", f"cache_dir={REPO / '.cache'}"],
             cwd=REPO, capture_output=True, text=True, timeout=1500,
             env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
 
     assert call("--stop-after", "nonsense").returncode == 2
+    assert call("--data-curve", "0").returncode == 2 and call("--curve-steps", "x").returncode == 2
     first = call("--stop-after", "regen")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "stopped after regen" in first.stdout and not (tmp_path / "runs" / "tiny" / "train").exists()
@@ -80,7 +81,7 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
     labels = [line.split()[0] for line in lines]
     assert labels[:4] == ["curate", "regen", "curate", "regen"]  # the second call's are no-ops, appended
     assert set(labels) == {"curate", "regen", "train", "eval", "train[ce]", "train[kl]", "train[ce+kl]", "eval[ce]",
-                           "eval[kl]", "eval[ce+kl]"}
+                           "eval[kl]", "eval[ce+kl]", "train[data-50]", "eval[data-50]"}
     summary = json.loads((tmp_path / "q" / "summary.json").read_text())
     regen_seconds = sum(int(line.split()[1]) for line in lines if line.startswith("regen "))
     assert summary["stages"]["regen"] == {"seconds": regen_seconds, "exit": 0}  # a stage's time sums its calls
@@ -93,6 +94,11 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
     assert summary["train"]["steps"] == 2 and summary["data"]["regen"]["written"] > 0
     assert "held_out/chain" in summary["eval"] and (tmp_path / "q" / "report.md").exists()  # no mirror: held-out
     assert "## Loss ablation" in out.stdout
+    (row,) = summary["data_curve"]  # the 50 % run: half the main run's training samples (by prompt), equal steps
+    main_train = json.loads((tmp_path / "runs" / "tiny" / "train" / "manifest.json").read_text())["counts"]
+    assert row["percent"] == 50 and row["steps"] == 2 and row["held_out_loss"] is not None
+    assert 0 < row["train_samples"] < main_train["train_samples"] and row["tau"]["held_out/chain"] > 0
+    assert "## Data-size curve" in out.stdout
 
 
 @pytest.mark.slow

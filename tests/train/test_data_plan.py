@@ -102,6 +102,35 @@ def test_the_plan_skips_samples_too_short_for_a_block_or_with_too_few_supervised
     assert looser.too_few_loss_tokens == 0 and set(looser.train_idx) == {i for i in train if i >= 4}
 
 
+def test_a_data_fraction_trains_on_nested_prompt_subsets_and_scores_every_run_on_the_same_held_out_samples():
+    """train.data_fraction (data-size curves): the training side keeps about that share of its PROMPTS (every
+    response and repeat of a prompt together), 25 % inside 50 % inside 100 %, the rest counted; the held-out side is
+    the same at every fraction; an empty subset is a clear error."""
+    ids = [f"src/{p}#{k}" for p in range(400) for k in range(2)]  # two responses per prompt
+    lengths, loss = np.full(len(ids), 64), np.full(len(ids), 32)
+
+    def plan(fraction):
+        return RunPlan.build(ids, lengths, loss, block_size=8, min_loss_tokens=16, budget=256, world_size=1,
+                             grad_accum=1, seed=0, epochs=1, max_steps=None, eval_fraction=0.1,
+                             eval_max_samples=None, data_fraction=fraction)
+
+    full, half, quarter = plan(1.0), plan(0.5), plan(0.25)
+    assert full.left_out == 0 and len(full.train_idx) + len(full.eval_idx) == len(ids)
+    sets = [set(p.train_idx.tolist()) for p in (quarter, half, full)]
+    assert sets[0] < sets[1] < sets[2]
+    for p, share in ((half, 0.5), (quarter, 0.25)):
+        assert abs(len(p.train_idx) / len(full.train_idx) - share) < 0.08
+        assert len(p.train_idx) + p.left_out == len(full.train_idx)
+        assert np.array_equal(p.eval_idx, full.eval_idx)
+        kept = {prompt_id(ids[i]) for i in p.train_idx}
+        assert all(prompt_id(ids[i]) not in kept for i in set(full.train_idx.tolist()) - set(p.train_idx.tolist()))
+        assert p.state()["num_train_samples"] == len(p.train_idx)  # a resume at another fraction is refused
+    with pytest.raises(ValueError, match="data_fraction"):
+        plan(0.0)
+    with pytest.raises(ValueError, match="inside train.data_fraction=1e-06"):
+        plan(1e-6)
+
+
 def test_heldout_split_depends_only_on_the_sample_id():
     ids = [f"src/{i}" for i in range(1000)]
     train, held = heldout_split(ids, 0.1)
