@@ -370,7 +370,7 @@ class StaticDecoder:
                 if size <= len(done) // 2:  # half the rows or more finished: go on with the others only
                     keep = torch.nonzero(~done).flatten()
                     idx = torch.cat([keep, keep[:1].expand(size - alive)])  # then copies of a live row
-                    state = self._compact(root, idx, size)
+                    state = self._compact(root, idx, size, written=width + k)
                     nxt, limit_t, done, row_of, real = nxt[idx], limit_t[idx], done[idx], row_of[idx], alive
                     done[alive:] = True
             if k + 1 == steps:
@@ -383,13 +383,16 @@ class StaticDecoder:
             state.pos.add_(1)
         return [row.tolist() for row in out[:n]]
 
-    def _compact(self, root: _State, idx: Tensor, size: int) -> _State:
+    def _compact(self, root: _State, idx: Tensor, size: int, written: int) -> _State:
         """Rows `idx` of the batch in flight (rows 0.. of `root`'s buffers) moved to rows 0..size-1 of the same
         buffers (cache, positions, mask, a hybrid's stacked states: their batch axis is 1), and the state over those
-        first rows (kept per size: its graphs are reused by every later batch). Nothing is allocated but the gathered
-        copies."""
-        for buf in [*root.slots.keys, *root.slots.values, root.pos, root.mask]:
-            buf[:size].copy_(buf[idx])  # buf[idx] gathers (a copy) before the first rows are overwritten
+        first rows (kept per size: its graphs are reused by every later batch). Of the K/V buffers only the
+        `written` slots move (the rest are written by later steps before any unmasked read). Nothing is allocated
+        but the gathered copies."""
+        for buf in [*root.slots.keys, *root.slots.values]:
+            buf[:size, :, :written].copy_(buf[:, :, :written][idx])  # the gather copies before rows are overwritten
+        for buf in (root.pos, root.mask):
+            buf[:size].copy_(buf[idx])
         for buf in root.states():
             buf[:, :size].copy_(buf[:, idx])
         if size not in root.compact:
