@@ -4,6 +4,7 @@ are never generated, per-request limits and stop ids hold, sampling is seeded.""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -298,8 +299,9 @@ def test_decode_attention_on_cuda_in_bf16_stays_within_rounding_of_fp32():
 @pytest.mark.slow
 def test_static_decode_with_compiled_norms_and_mlps_equals_generate_and_close_restores_the_model(target):
     """compile_pointwise (bench_regen's static-compiled mode): the decoder layers' RMSNorms and MLPs and the final norm
-    run torch.compile'd, one compiled graph for all layers, and greedy output still equals model.generate token for
-    token (fp32, through a batch-size change); close() leaves every module eager again."""
+    run torch.compile'd, one compiled graph for all layers, and the attention's rotary embedding is its compiled
+    self; greedy output still equals model.generate token for token (fp32, through a batch-size change); close()
+    leaves every module eager again and puts the modeling module's own function back."""
     import torch._dynamo
 
     from pipeline.target import POINTWISE_MODULES
@@ -311,9 +313,13 @@ def test_static_decode_with_compiled_norms_and_mlps_equals_generate_and_close_re
     gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
                       batch_size=5, decode="static", compile_pointwise=True, min_compact_batch=1)
     modules = [getattr(layer, n) for layer in model.model.layers for n in POINTWISE_MODULES] + [model.model.norm]
-    assert gen.static.compiled == modules and all(m._compiled_call_impl is not None for m in modules)
+    *compiled, rotary = gen.static.compiled
+    assert compiled == modules and all(m._compiled_call_impl is not None for m in modules)
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    assert rotary.namespace is modeling and modeling.apply_rotary_pos_emb is not rotary.original
     outs = gen.generate(prompts, limits)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert gen.generate(prompts[:2], limits[:2])[1].token_ids == reference[1].token_ids  # another batch shape
     gen.close()
     assert all(m._compiled_call_impl is None for m in modules)
+    assert modeling.apply_rotary_pos_emb is rotary.original
