@@ -253,7 +253,9 @@ def test_a_decode_across_key_buckets_walks_each_verify_graphs_logits_where_they_
     oracle = OracleDrafter(target, prompt, greedy, seed=0)
     out = decode("ddtree", target, oracle, prompt, max_new_tokens=2 * KV_BUCKET, budget=16, cache_impl="graphs")
     assert out.output_ids == ar.output_ids
-    cache = target_cache(target, TAPS, "graphs")  # the decoder's cache and round ops for this target are reused
-    ops = round_ops("ddtree", 16, "device", cache, 0.0, BLOCK - 1, target.config.vocab_size, torch.device("cuda"))
+    # the decoder's cache and round ops (kept per target, taps and round configuration) are what it used
+    cache = target_cache(target, tuple(oracle.args.target_layer_ids), "graphs")
+    ops = round_ops("ddtree", 16, "device", cache, 0.0, oracle.args.block_size - 1,
+                    target.get_output_embeddings().weight.shape[0], torch.device("cuda"))
     assert len(ops._walks) >= 3, "a walk graph per key bucket the decode reached"
     assert [w.copied_bytes for w in ops._walks.values()] == [0] * len(ops._walks)
