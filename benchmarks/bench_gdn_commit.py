@@ -11,11 +11,11 @@ Rows of the table, each a median over `--iters` launches between two syncs:
                      the commit paid before the kernels read the rows in place), without its state recurrence
   torch commit       `commit_path_steps`'s torch version of the states (the CPU path)
   state BVxW         the state kernel (`_gated_delta_walk_kernel`, not TREE, steps read on the device) with BV value
-                     columns per program and W warps; BV 8 x 1 warp is what the engine launches
+                     columns per program and W warps; the engine launches `PATH_BLOCK` (8 x 1 warp)
   conv window        `path_conv_window`, one launch for every layer's window
   commit             `tree_recurrent_triton.commit_path_steps` end to end (what the round runs)
 
-Each state configuration is checked against the engine's (8 x 1): "equal" when bit for bit, else the largest
+Each state configuration is checked against 8 x 1: "equal" when bit for bit, else the largest
 relative difference (a different reduction layout rounds differently).
 
     python benchmarks/bench_gdn_commit.py --device cuda --json $OUT/gdn_commit.json
@@ -61,16 +61,11 @@ def timed(device, fn, iters: int) -> float:
 
 
 def state_kernel(rows, path, n, states, out, bv: int, warps: int) -> None:
-    """The engine's state kernel (eval/engine/tree_recurrent_triton.py) with another block: BV columns, `warps`."""
+    """The engine's state kernel of the commit (eval/engine/tree_recurrent_triton.py) with block (bv, warps)."""
     from eval.engine import tree_recurrent_triton as trt
 
     k, v, g, beta = rows
-    B, _, HK, DK = k.shape
-    HV, DV = v.shape[2:]
-    trt._gated_delta_walk_kernel[(trt.triton.cdiv(DV, bv), HV, B)](
-        k, k, v, k.stride(1), k.stride(1), v.stride(1), k.stride(0), v.stride(0), g.stride(0), HV * DK * DV, g, beta,
-        path, path, path, path, path.shape[0], n.reshape(1), states, out, out, out, DK ** -0.5, HK=HK, HV=HV, DK=DK,
-        DV=DV, BK=trt._pow2(DK), BV=bv, TREE=False, M_AT=True, num_warps=warps)
+    trt._walk(k, k, v, g, beta, path, path, path, path, n, states, out, out, out, False, (bv, warps))
 
 
 def main(argv=None) -> dict:

@@ -45,6 +45,7 @@ from eval.engine.triton_runtime import tl, triton  # None on CPU installs: eval/
 from eval.engine.verify import ancestor_table
 
 BV = 8  # value columns per program (fla's fused_recurrent decode kernel uses the same), one warp
+PATH_BLOCK = (8, 1)  # (BV, warps) of the path walk (the commit): benchmarks/bench_gdn_commit.py times others
 
 
 def walk_order(parents: Tensor, depths: Tensor, depth_limit: int) -> tuple[Tensor, Tensor]:
@@ -205,10 +206,11 @@ def tree_causal_conv1d(x: Tensor, conv_state: Tensor, weight: Tensor, parents: T
     return out
 
 
-def _walk(q, k, v, g, beta, parents, depths, fork, order, steps, h0, scratch, out, ht, tree: bool) -> None:
+def _walk(q, k, v, g, beta, parents, depths, fork, order, steps, h0, scratch, out, ht, tree: bool,
+          block: tuple[int, int] = (BV, 1)) -> None:
     """q, k [B, N, HK, dk], v [B, N, HV, dv] (B layers; rows and layers at any stride), g, beta [B, N, HV],
     h0 / ht [B, HV, dk, dv] fp32 contiguous; steps: an int, or a 0-dim int64 device tensor read by the kernel: one
-    program per (value block, value head, layer)."""
+    program per (value block, value head, layer); block = (value columns per program, warps)."""
     B = k.shape[0]
     HK, DK = k.shape[2:]
     HV, DV = v.shape[2:]
@@ -216,11 +218,12 @@ def _walk(q, k, v, g, beta, parents, depths, fork, order, steps, h0, scratch, ou
         assert t.stride(3) == 1 and t.stride(2) == t.shape[3], "rows [N, heads, dim]: heads packed, dim contiguous"
     g, beta = g.float().contiguous(), beta.float().contiguous()
     on_device = isinstance(steps, Tensor)
-    _gated_delta_walk_kernel[(triton.cdiv(DV, BV), HV, B)](
+    bv, warps = block
+    _gated_delta_walk_kernel[(triton.cdiv(DV, bv), HV, B)](
         q, k, v, q.stride(1), k.stride(1), v.stride(1), k.stride(0), v.stride(0), g.stride(0), HV * DK * DV, g, beta,
         parents, depths, fork, order, order.shape[0] if on_device else steps, steps.reshape(1) if on_device else order,
-        h0, scratch, out, ht, DK ** -0.5, HK=HK, HV=HV, DK=DK, DV=DV, BK=_pow2(DK), BV=BV, TREE=tree, M_AT=on_device,
-        num_warps=1)
+        h0, scratch, out, ht, DK ** -0.5, HK=HK, HV=HV, DK=DK, DV=DV, BK=_pow2(DK), BV=bv, TREE=tree, M_AT=on_device,
+        num_warps=warps)
 
 
 def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor, depths: Tensor,
@@ -253,7 +256,7 @@ def path_gated_delta_state(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: 
         k, v, g, beta = k[None], v[None], g[None], beta[None]
     unread = path  # q, parents, depths, fork, scratch and o are not read on a root path
     _walk(k, k, v, g, beta, unread, unread, unread, path, path.shape[0] if steps is None else steps, initial_state,
-          out, out, out, False)
+          out, out, out, False, PATH_BLOCK)
     return out
 
 
