@@ -363,10 +363,11 @@ class RoundOps:
 
     def _walk_fn(self, logits, features):
         """The walk, as the CUDA graph captured on these very `logits` / `features` buffers. The static caches
-        capture one verify graph per key bucket, each with its own output buffers: a walk graph per producer reads
-        them where they are, where one shared graph would copy the verify's logits into its own buffer every round
-        (N x vocab: 127 MB for a budget-256 tree of a 248K vocabulary). Inputs that are no graph's static buffers
-        (an eager verify: a new tensor each round) would capture a graph per round, so past WALK_GRAPHS new
+        capture one verify graph per key bucket; the fused forward writes all of one tree size into shared buffers
+        (one walk graph results), but HF's forward (hybrids) returns each graph's own: a walk graph per producer
+        reads them where they are, where one shared graph would copy the verify's logits into its own buffer every
+        round (N x vocab: 127 MB for a budget-256 tree of a 248K vocabulary). Inputs that are no graph's static
+        buffers (an eager verify: a new tensor each round) would capture a graph per round, so past WALK_GRAPHS
         producers the first graph takes them, copying them in."""
         if self._walks is None:
             return self._walk_eager
