@@ -12,11 +12,15 @@ Logits are never materialised for all rows at once: `chunked_head_loss` computes
 rows at a time (in the matmul's dtype; logsumexp/CE/KL in fp32, fused into one compiled kernel group on CUDA). With
 the frozen LM head the same pass also computes each row's input gradient (softmax - (1 - a) onehot - a p) @ W, so
 the head costs two matmuls per labelled row (three with distillation: the target's logits too) and nothing of
-[rows, V] is kept for backward.
+[rows, V] is kept for backward. The target's logits are a function of the packed position t(q), which the blocks
+of a dense anchor draw share (256 anchors over a ~300-token sample: each position is the target row of ~13 block
+rows): given as one row per position (`DistillTarget`), each chunk multiplies only the positions its rows span and
+gathers, where that span is shorter than the chunk.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -116,8 +120,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: Optional[Tensor], kl: float,
-                chunk_rows: int, with_grad: bool):
+                chunk_rows: int, with_grad: bool, target_rows: Optional[Tensor] = None):
         rows = hidden.shape[0]
+        spans = position_spans(target_rows, chunk_rows) if target_rows is not None else None
+        if target_rows is not None:  # page-locked first: a copy from pageable memory would wait for the device
+            staged = target_rows.pin_memory() if target_hidden.is_cuda else target_rows
+            target_index = staged.to(target_hidden.device, non_blocking=True)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # statistics in at least fp32
         ce = torch.empty(rows, dtype=acc, device=hidden.device)
         lse = torch.empty_like(ce)
@@ -130,7 +138,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for s in range(0, rows, chunk_rows):
             e = min(s + chunk_rows, rows)
             logits = hidden[s:e] @ weight.T  # [c, V]
-            target = target_hidden[s:e] @ weight.T if target_hidden is not None else None
+            if target_hidden is None:
+                target = None
+            elif spans is None:
+                target = target_hidden[s:e] @ weight.T
+            elif spans[s // chunk_rows] is not None:  # the positions lo..hi these rows name, then a gather
+                lo, hi = spans[s // chunk_rows]
+                target = (target_hidden[lo: hi + 1] @ weight.T).index_select(0, target_index[s:e] - lo)
+            else:
+                target = target_hidden.index_select(0, target_index[s:e]) @ weight.T
             ce[s:e], d, lse[s:e], pred[s:e], dlogits = chunk_loss(logits, labels[s:e], target, kl, fused)
             if d is not None:
                 div[s:e] = d
@@ -141,6 +157,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         if fused:
             ctx.save_for_backward(grad_h)
         elif with_grad:
+            if target_rows is not None:  # backward recomputes per row
+                target_hidden = target_hidden.index_select(0, target_index)
             ctx.save_for_backward(hidden, weight, labels, lse, target_hidden)
         if target_hidden is None:  # the row loss is the CE itself
             ce_out, div = ce.new_empty(0), ce.new_empty(0)
@@ -155,7 +173,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             (grad_h,) = ctx.saved_tensors
             # in place (a second backward through this graph fails the saved-tensor version check); the product
             # is computed in fp32 and rounded once to the hidden dtype
-            return grad_h.mul_(grad_loss[:, None]), None, None, None, None, None, None
+            return grad_h.mul_(grad_loss[:, None]), None, None, None, None, None, None, None
         hidden, weight, labels, lse, target_hidden = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -177,17 +195,35 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad_h[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
                 grad_w += g.T @ hidden[s:e].to(acc)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
+
+
+def position_spans(target_rows: Tensor, chunk_rows: int) -> list[tuple[int, int] | None]:
+    """Per chunk of `chunk_rows` labelled rows: (lo, hi), the least and greatest target position its rows name,
+    where hi - lo + 1 (the rows a matmul over the span costs) is fewer than the chunk's rows; else None (a matmul
+    per row is cheaper: sparse anchors, or a chunk across sequences). target_rows: a host Long[M] (no device
+    read)."""
+    m = target_rows.shape[0]
+    if m == 0:
+        return []
+    pad = -m % chunk_rows
+    t = torch.cat([target_rows, target_rows[-1:].expand(pad)]).view(-1, chunk_rows)
+    lo, hi = t.min(dim=1).values.tolist(), t.max(dim=1).values.tolist()
+    sizes = [min(chunk_rows, m - k * chunk_rows) for k in range(len(lo))]
+    return [(a, b) if b - a + 1 < n else None for a, b, n in zip(lo, hi, sizes)]
 
 
 def chunked_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int = 2048,
-                      target_hidden: Optional[Tensor] = None, kl: float = 0.0):
+                      target_hidden: Optional[Tensor] = None, kl: float = 0.0, target_rows: Optional[Tensor] = None):
     """Per-row (loss, ce, kl, argmax) of logits = hidden [M, D] @ weight [V, D].T; memory O(chunk_rows * V).
 
     loss = (1 - kl) ce + kl KL(softmax(target_hidden @ weight.T) || softmax(logits)) per row (differentiable;
-    `kl` the share a); ce [M] and KL [M] (None without `target_hidden` [M, D], which gets no gradient) are
-    detached statistics in >= fp32. With a frozen `weight` and gradients enabled the forward also produces the
-    input gradient (see `_ChunkedHeadLoss`): O(M * D) extra memory, like saving `hidden`.
+    `kl` the share a); ce [M] and KL [M] (None without `target_hidden`, which gets no gradient) are detached
+    statistics in >= fp32. target_hidden: [M, D], one row per labelled row; or with `target_rows` (a host Long[M])
+    one row per position [S, D], row q's being target_hidden[target_rows[q]]: each chunk then multiplies the span
+    of positions it names once (`position_spans`) instead of a row per labelled row. With a frozen `weight` and
+    gradients enabled the forward also produces the input gradient (see `_ChunkedHeadLoss`): O(M * D) extra
+    memory, like saving `hidden`.
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
@@ -195,9 +231,11 @@ def chunked_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows
         target_hidden = target_hidden.detach().to(hidden.dtype)
     elif kl:
         raise ValueError(f"a KL share of {kl} needs the target's hidden states")
+    if target_rows is not None and (target_hidden is None or target_rows.device.type != "cpu"):
+        raise ValueError("target_rows (a host tensor) index the rows of target_hidden: give both")
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, ce, div, pred = _ChunkedHeadLoss.apply(hidden, weight, labels, target_hidden, float(kl), int(chunk_rows),
-                                                 with_grad)
+                                                 with_grad, target_rows)
     if target_hidden is None:
         return loss, loss.detach(), None, pred
     return loss, ce, div, pred
@@ -217,12 +255,22 @@ def tau_hat(correct_per_pos: Tensor, count_per_pos: Tensor) -> Tensor:
     return 1.0 + torch.cumprod(acc, dim=0).sum()
 
 
+@dataclass
+class DistillTarget:
+    """The target's side of distillation for one micro-batch: `hidden` [S, D] = final_norm(h) of every packed
+    position (h = its last hidden state, the pre-norm output of the last layer; through the LM head, the target's
+    next-token distribution after that position) and `rows` (host Long[R]): the position t(q) of each labelled row
+    q, in `BlockBatch.label_rows` order."""
+
+    hidden: Tensor
+    rows: Tensor
+
+
 @torch.no_grad()
-def target_hidden(final_norm: torch.nn.Module, last_hidden: Tensor, batch: BlockBatch) -> Tensor:
-    """[Q, D]: final_norm(h_{t(q)}) for every block row q, h = the target's last hidden state [S, D] of the packed
-    row (pre-norm output of its last layer) and t(q) = `BlockBatch.target_rows` -- through the LM head, the
-    target's next-token distribution for row q's label."""
-    return final_norm(last_hidden[batch.target_rows.to(last_hidden.device)])
+def target_hidden(final_norm: torch.nn.Module, last_hidden: Tensor, batch: BlockBatch) -> DistillTarget:
+    """The `DistillTarget` of `batch` (give its host copy: the rows are read on the host) from the target's last
+    hidden state [S, D] of the packed row: each position normed once, not once per block row that names it."""
+    return DistillTarget(final_norm(last_hidden), batch.target_rows[batch.label_rows].cpu())
 
 
 def dflash_loss(
@@ -232,14 +280,14 @@ def dflash_loss(
     gamma: Optional[float] = None,
     chunk_rows: int = 2048,
     normalizer: Optional[Tensor | float] = None,
-    target: Optional[Tensor] = None,
+    target: Optional[DistillTarget] = None,
     kl: float = 0.0,
 ) -> tuple[Tensor, dict]:
     """Weighted loss of the drafter's final-normed hidden states [Q, D] (forward_train output) -> (loss, stats).
 
     loss = sum(w * row) / normalizer with row = (1 - kl) CE + kl KL (module docstring), normalizer = sum(w) of
     this batch unless given (pass the global weight sum over ranks x accumulation steps for a globally normalised
-    loss; see `label_weights`). target: [Q, D] `target_hidden` of the batch (needed when kl > 0).
+    loss; see `label_weights`). target: the batch's `target_hidden` (needed when kl > 0).
     stats (detached, summable across micro-batches and ranks):
       weighted_loss_sum, weighted_ce_sum, weight_sum, ce_sum, num_labels    scalars
       kl_sum, kl_rows                                                       KL summed over the kl_rows labelled
@@ -254,7 +302,8 @@ def dflash_loss(
     rows = batch.label_rows.to(hidden.device)  # made on the host: no device -> host sync here
     labels = batch.labels.to(hidden.device)[rows]
     row_loss, ce, div, pred = chunked_head_loss(hidden[rows], lm_head_weight, labels, chunk_rows,
-                                                target[rows] if target is not None else None, kl)
+                                                target.hidden if target is not None else None, kl,
+                                                target.rows if target is not None else None)
     w = weights[rows]
     weighted_sum = (row_loss.float() * w).sum()
     weight_sum = w.sum()

@@ -109,7 +109,7 @@ def _scored(engine, mb: dict, features_of: Callable, *, gamma, chunk_rows, atten
     columns are the target's last hidden state, extract.layers.stored_tap_ids), the drafter's forward, the loss."""
     drafter = engine.module.drafter
     features, batch = features_of(mb)
-    target = target_hidden(final_norm, features[0, :, -drafter.args.hidden_size:], batch) if kl else None
+    target = target_hidden(final_norm, features[0, :, -drafter.args.hidden_size:], mb["batch"]) if kl else None
     hidden = engine(features[..., : drafter.args.num_taps * drafter.args.hidden_size], batch, attention)
     return dflash_loss(hidden, drafter.lm_head_weight, batch, gamma, chunk_rows, normalizer, target, kl)
 

@@ -62,6 +62,35 @@ def test_chunked_kl_with_a_trainable_head_gives_the_weight_gradient_too():
     torch.testing.assert_close(gw, rw)
 
 
+def test_target_rows_by_position_give_the_per_row_loss_and_gradients_with_fewer_target_rows_multiplied():
+    """Distillation with one target row per position (`target_rows` naming each labelled row's, as dense anchors
+    share positions): the same loss, statistics and input / weight gradients as the per-row form; the chunks whose
+    rows span fewer positions than they hold multiply that span once (`position_spans`), the others row by row."""
+    from train.loss import position_spans
+
+    torch.manual_seed(4)
+    S, D, V = 40, 6, 30
+    dense = torch.arange(10).repeat_interleave(3)  # rows naming positions 0, 0, 0, 1, 1, 1, ...
+    sparse = torch.tensor([1, 13, 25, 39, 7, 31, 18, 2])  # 8 rows over 39 positions
+    rows = torch.cat([dense[:24], sparse, dense[:8] + 20, dense[:3] + 30])  # chunks of 8, the last of 3
+    assert position_spans(rows, 8) == [(0, 2), (2, 5), (5, 7), None, (20, 22), (30, 30)]
+    assert position_spans(rows[:0], 8) == []
+    th = torch.randn(S, D, dtype=torch.float64)
+    labels = torch.randint(0, V, (rows.shape[0],))
+    for trainable in (False, True):
+        h = torch.randn(rows.shape[0], D, dtype=torch.float64, requires_grad=True)
+        W = torch.randn(V, D, dtype=torch.float64, requires_grad=trainable)
+        got = chunked_head_loss(h, W, labels, chunk_rows=8, target_hidden=th, kl=0.4, target_rows=rows)
+        ref = chunked_head_loss(h, W, labels, chunk_rows=8, target_hidden=th[rows], kl=0.4)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        inputs = (h, W) if trainable else (h,)
+        for a, b in zip(torch.autograd.grad(got[0].sum(), inputs), torch.autograd.grad(ref[0].sum(), inputs)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="target_rows"):
+        chunked_head_loss(h, W, labels, target_rows=rows)
+
+
 def test_kl_of_identical_distributions_is_zero_and_ce_only_needs_no_target():
     torch.manual_seed(3)
     h, W, labels = torch.randn(9, 4), torch.randn(20, 4), torch.randint(0, 20, (9,))
