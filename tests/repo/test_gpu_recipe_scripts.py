@@ -1,7 +1,8 @@
 """The GPU recipe's scripts run end to end on the CPU (so a GPU session cannot fail on a typo): the offline bundle
 collects its parts over several calls and unpacks them byte for byte, refusing a damaged part; quality_gpu.sh runs every stage and the
 loss ablation on configs/tiny.yaml, over two calls as a device session splits it, and prints its table;
-hybrid_gpu.sh takes every hybrid measurement at toy size over calls and summarizes it in the hybrid results' keys."""
+hybrid_gpu.sh takes every hybrid measurement at toy size over calls and summarizes it in the hybrid results' keys;
+speed_gpu.sh times the recipe's regen and training levers at toy size."""
 
 from __future__ import annotations
 
@@ -314,3 +315,36 @@ def test_regen_agreement_counts_identical_responses_and_the_shared_prefix_of_tho
     assert agreement(got, ref) == {"same_as_ref": "1/3", "prefix_agreement": round(7 / 10, 4)}
     assert agreement(ref, ref) == {"same_as_ref": "3/3", "prefix_agreement": 1.0}
     assert agreement([[0, 2, 3, 4]], ref[:1])["prefix_agreement"] == 0.0
+
+
+def _speed(*args, env=None):
+    return subprocess.run(["bash", "benchmarks/speed_gpu.sh", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+
+
+@pytest.mark.slow
+def test_speed_gpu_script_times_regen_and_training_levers_at_toy_size_and_refuses_bad_arguments(tmp_path):
+    """`speed_gpu.sh` (issue 29's regen and training speeds in one device call): argument errors are one line with
+    exit 2; `--cpu-smoke` runs every step at toy size on the CPU: regen's fused-attention and GEMM-attention modes
+    decode the same greedy tokens, both training variants (CE, CE+KL) report tokens/s; a second call of the same
+    --work runs nothing again, and --retry runs one step again."""
+    from tests.conftest import mirror_file
+
+    for args in ([], ["--out", tmp_path / "o", "--retry", "nonsense"], ["--out", tmp_path / "o", "--bogus"],
+                 ["--out", tmp_path / "o", "--data", tmp_path / "missing"]):
+        run = _speed(*args)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    data = mirror_file("gsm8k_train.jsonl").parent
+    out, work = tmp_path / "out", tmp_path / "work"
+    first = _speed("--cpu-smoke", "--out", out, "--work", work, "--data", data, env={"OMP_NUM_THREADS": "1"})
+    assert first.returncode == 0 and "all steps done" in first.stdout, first.stdout[-3000:] + first.stderr[-3000:]
+    ran = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["rc"]) for r in ran] == [("env", 0), ("tests", 0), ("regen", 0), ("train", 0)]
+    regen = json.loads((out / "json" / "regen.json").read_text())
+    assert {r["mode"] for r in regen["rows"]} == {"static-sdpa", "static"}
+    assert all(r["same_as_ref"] in ("ref", "8/8") and r["tok_s"] > 0 for r in regen["rows"])
+    train = json.loads((out / "json" / "train.json").read_text())
+    assert [r["variant"] for r in train] == ["trainer-dense-online", "trainer-dense-online-kl"]
+    assert all(r["ok"] and r["tokens_per_s"] > 0 for r in train)
+    again = _speed("--cpu-smoke", "--out", out, "--work", work, "--data", data, "--retry", "train")
+    assert again.returncode == 0 and "step train" in again.stdout and "step regen" not in again.stdout
