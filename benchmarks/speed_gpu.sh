@@ -8,6 +8,10 @@
 #                                                                         command goes on where this one stopped)
 #   bash benchmarks/speed_gpu.sh --cpu-smoke --out /tmp/speed             (here: every step at toy size on the CPU)
 #
+# The GPU machine reads no mirror: carry the three prompt files regen reads in a git-ignored folder, e.g.
+#   mkdir -p .bundle/data-small && cp "$DRAFTER_DATA_DIR"/{gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl} .bundle/data-small/
+# (a few MB; the device tool's `carry` takes .bundle/data-small). torch, transformers and triton are the machine's own.
+#
 # Steps, in order, each run once per --work (markers; --retry STEP runs one again, --skip STEP leaves it out):
 #   env     GPU, torch, triton
 #   tests   the CUDA tests of the regen fast path (static decode on graphs, bf16 GEMM attention, compiled pointwise)
