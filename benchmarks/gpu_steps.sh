@@ -2,7 +2,7 @@
 # A device call runs under a time budget and its machine is gone afterwards, so a recipe is a list of steps, each
 # run once per --work directory (a done.NAME marker holds its exit code; --retry removes it), skipped with a line
 # when the call has too little time left, and logged to logs/NAME.log, results.jsonl and summary.md.
-# The caller sets WORK, T0, DEADLINE and DEVICE and defines step_NAME for each step.
+# The caller sets WORK, T0, DEADLINE and DEVICE (or calls begin_steps) and defines step_NAME for each step.
 
 left() { echo $(( DEADLINE - $(date +%s) )); }
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$WORK/steps.log"; }
@@ -24,3 +24,18 @@ step() {  # NAME MIN_SECONDS: run the function step_NAME once, logging to logs/N
 }
 
 timeboxed() { timeout -k 15 $(( $(left) - 10 )) "$@"; }  # a command that must end before the call's budget does
+
+begin_steps() {  # SCRIPT: check --retry / --skip against STEPS, start the call's clock, make WORK and OUT, apply them
+  # (uses STEPS, RETRY, SKIP, WORK, OUT, BUDGET_S; sets T0, DEADLINE and OUT as an absolute path)
+  local s
+  for s in "${RETRY[@]}" "${SKIP[@]}"; do
+    [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "$1: no such step: $s (${STEPS[*]})" >&2; exit 2; }
+  done
+  T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
+  mkdir -p "$WORK/logs" "$WORK/json" "$OUT"; OUT="$(cd "$OUT" && pwd)"
+  touch "$WORK/results.jsonl"
+  for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
+  for s in "${SKIP[@]}"; do  # left out of this --work (no results line: a summary names it missing)
+    [ -f "$WORK/done.$s" ] || echo skipped > "$WORK/done.$s"
+  done
+}

@@ -60,17 +60,8 @@ while [ $# -gt 0 ]; do
 done
 STEPS=(env tests regen round commit extract train trainmax)
 [ -n "$OUT" ] || { echo "hybrid_gpu.sh: --out DIR is required" >&2; exit 2; }
-for s in "${RETRY[@]}" "${SKIP[@]}"; do
-  [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "hybrid_gpu.sh: no such step: $s (${STEPS[*]})" >&2; exit 2; }
-done
-T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
-mkdir -p "$WORK/logs" "$WORK/json" "$OUT"; OUT="$(cd "$OUT" && pwd)"
-touch "$WORK/results.jsonl"
-for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
-for s in "${SKIP[@]}"; do  # left out of this --work (no results line: the summary names it missing)
-  [ -f "$WORK/done.$s" ] || echo skipped > "$WORK/done.$s"
-done
-source benchmarks/gpu_steps.sh  # left, log, step, timeboxed
+source benchmarks/gpu_steps.sh  # begin_steps, left, log, step, timeboxed
+begin_steps hybrid_gpu.sh
 finish() {
   "$PY" benchmarks/hybrid_gpu_summary.py --work "$WORK" --out "$OUT/summary.json" \
     ${RECORD:+--record docs/results/hybrid-h200/summary.json} >> "$WORK/steps.log" 2>&1

@@ -45,19 +45,12 @@ while [ $# -gt 0 ]; do
 done
 STEPS=(env tests regen train)
 [ -n "$OUT" ] || { echo "speed_gpu.sh: --out DIR is required" >&2; exit 2; }
-for s in "${RETRY[@]}" "${SKIP[@]}"; do
-  [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "speed_gpu.sh: no such step: $s (${STEPS[*]})" >&2; exit 2; }
-done
 if [ -n "$DATA" ]; then
   [ -d "$DATA" ] || { echo "speed_gpu.sh: --data $DATA is not a directory" >&2; exit 2; }
   export DRAFTER_DATA_DIR="$(cd "$DATA" && pwd)"
 fi
-T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
-mkdir -p "$WORK/logs" "$WORK/json" "$OUT"; OUT="$(cd "$OUT" && pwd)"
-touch "$WORK/results.jsonl"
-for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
-for s in "${SKIP[@]}"; do [ -f "$WORK/done.$s" ] || echo skipped > "$WORK/done.$s"; done
-source benchmarks/gpu_steps.sh  # left, log, step, timeboxed
+source benchmarks/gpu_steps.sh  # begin_steps, left, log, step, timeboxed
+begin_steps speed_gpu.sh
 finish() {
   cp "$WORK/results.jsonl" "$WORK/steps.log" "$OUT/" 2>/dev/null
   [ -f "$WORK/summary.md" ] && cp "$WORK/summary.md" "$OUT/"

@@ -80,8 +80,9 @@ class CudaGraphFn:
         for buf, x in zip(self.buffers, _leaves(args) if self.nested else [a for a in args if a is not None]):
             if buf is not x and not _same_buffer(buf, x):
                 buf.copy_(x)
-                self.copied_bytes += x.numel() * x.element_size()
-                GRAPH_LOG.copied_bytes += x.numel() * x.element_size()
+                nbytes = x.numel() * x.element_size()
+                self.copied_bytes += nbytes
+                GRAPH_LOG.copied_bytes += nbytes
         self.graph.replay()
         return self.out
 

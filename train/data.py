@@ -49,6 +49,12 @@ def _unit_hash(text: str) -> float:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2.0**64
 
 
+def _prompt_hashes(ids: Sequence[str], salt: str) -> np.ndarray:
+    """float64 [len(ids)]: `_unit_hash` of each sample's prompt (`prompt_id`) under `salt`: every sample of one
+    prompt gets the same number, and each salt draws independently of the others."""
+    return np.array([_unit_hash(f"{salt}/{prompt_id(i)}") for i in ids], dtype=np.float64)
+
+
 def heldout_split(ids: Sequence[str], fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train indices, eval indices): sample i is held out iff hash(prompt_id(id)) < fraction.
 
@@ -59,7 +65,7 @@ def heldout_split(ids: Sequence[str], fraction: float) -> tuple[np.ndarray, np.n
     """
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"train.eval_fraction must be in [0, 1), got {fraction}")
-    h = np.array([_unit_hash(f"heldout/{prompt_id(i)}") for i in ids], dtype=np.float64)
+    h = _prompt_hashes(ids, "heldout")
     held = h < fraction
     if fraction > 0 and not held.any() and len(ids) >= 2:
         held[int(np.argmin(h))] = True
@@ -76,7 +82,7 @@ def data_subset(ids: Sequence[str], train_idx: np.ndarray, fraction: float) -> t
         raise ValueError(f"train.data_fraction must be in (0, 1], got {fraction}")
     if fraction == 1.0:
         return train_idx, 0
-    keep = np.array([_unit_hash(f"subset/{prompt_id(ids[i])}") < fraction for i in train_idx], dtype=bool)
+    keep = _prompt_hashes([ids[i] for i in train_idx], "subset") < fraction
     return train_idx[keep], int((~keep).sum())
 
 
@@ -205,8 +211,7 @@ class RunPlan:
     `too_few_loss_tokens`. With `data_fraction` < 1 the training side keeps that share of its prompts
     (`data_subset`; the rest counted in `left_out`) and the held-out side stays as it is, so runs at several data
     sizes are scored on the same samples. That rule lives here, not in tokenize, so that a drafter setting never
-    changes the data
-    stages' outputs. `state()` holds the fields a checkpoint must match to resume exactly
+    changes the data stages' outputs. `state()` holds the fields a checkpoint must match to resume exactly
     (train/checkpoint.py RESUME_FIELDS)."""
 
     lengths: np.ndarray  # int64 [num samples] tokens per sample
