@@ -35,7 +35,8 @@
 # sets (GSM8K train, Code Alpaca, Alpaca seed tasks) from $DRAFTER_DATA_DIR, the cache or the hub: installed / set,
 # or carried by --bundle (benchmarks/offline_bundle.sh pack --out .bundle --no-gguf --data-dir "$DRAFTER_DATA_DIR"
 # --data gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl; parts over several calls).
-# REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256; 256 does not fit an 80 GB card).
+# REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256 on a card of >= 100 GB, else 64,128: 256 does not fit
+# an 80 GB card).
 # PYTHON=... picks the interpreter. Exit status 0 unless the arguments or the bundle are wrong.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -94,8 +95,11 @@ else
     [ -d "$WORK/bundle/data" ] && export DRAFTER_DATA_DIR="$WORK/bundle/data"
   fi
   SHAPE=qwen3.6-27b TRAIN_SHAPE=qwen3.6-27b
-  # batch 256 needs the H200's memory: 54 GB of weights + 144 MiB of fp32 states per row + K/V
-  REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-64,256}"
+  # batch 256 needs the H200's memory: 54 GB of weights + 144 MiB of fp32 states per row + K/V; an 80 GB card
+  # (the device tool may lend an H100 for an H200) takes 64 and 128
+  mem_mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)"
+  [ "${mem_mib:-0}" -ge 100000 ] && regen_batches=64,256 || regen_batches=64,128
+  REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-$regen_batches}"
               --modes generate,static --generate-prompts 256)
   ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
   COMMIT_RUN=("$PY" benchmarks/bench_gdn_commit.py --shape qwen3.6-27b)
