@@ -12,7 +12,8 @@
 #   env       GPU, torch, transformers, fla-core (required on the GPU: the Gated-DeltaNet kernels)
 #   tests     the CUDA-only hybrid tests: Triton tree kernels, tree-aware verify vs the path-batched reference with no
 #             host sync, the graphed commit equal to the eager one, greedy hybrid rounds, hybrid static regen on
-#             graphs equal to generate, extraction on fla's kernels (CPU smoke: the selection is collected only)
+#             graphs equal to generate, extraction on fla's kernels, fla's short convolution equal to torch's (CPU
+#             smoke: the selection is collected only)
 #   regen     bench_regen.py --shape qwen3.6-27b: the static-decode loop vs `generate` at batch 64 and 256, each row
 #             beside its compute and memory roofline
 #   round     bench_hybrid.py verify + reference sections on the graphed cache: chain / tree verify, the round
@@ -126,7 +127,8 @@ PY
 }
 
 TEST_FILES=(tests/eval/test_tree_recurrent.py tests/eval/test_tree_recurrent_triton.py tests/eval/test_hybrid_cache.py
-            tests/eval/test_decode_greedy.py tests/pipeline/test_regen_static_hybrid.py tests/extract/test_hf.py)
+            tests/eval/test_decode_greedy.py tests/pipeline/test_regen_static_hybrid.py tests/extract/test_hf.py
+            tests/pipeline/test_target_kernels.py)
 step_tests() {
   if [ -n "$SMOKE" ]; then  # CUDA-only tests skip on the CPU: prove the selection names tests
     timeboxed "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TEST_FILES[@]}" -k "cuda or fla_kernels"

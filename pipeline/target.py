@@ -310,6 +310,8 @@ def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, a
         get_logger("pipeline.target").warning(
             "%s: Gated-DeltaNet layers run transformers' torch reference loops (correct, far slower); install the "
             "`gpu-hybrid` extra (fla-core) for fla's kernels", location)
+    if kernels == "fla" and on_gpu:
+        bind_fla_short_convolution(model)
     return model
 
 
@@ -324,6 +326,47 @@ def gated_delta_kernels(model) -> str | None:
     except Exception:  # noqa: BLE001 - transformers falls back to its torch loops on any import failure too
         return "torch"
     return "fla"
+
+
+SHORT_CONVOLUTION = "causal_conv1d_fn"  # the module-level function a Gated-DeltaNet layer calls for its short
+# convolution over more than one new token (a prefill, an extraction forward, a verify's rows)
+
+
+def fla_short_convolution(original):
+    """transformers' `causal_conv1d_fn` contract on fla-core's Triton causal convolution for CUDA tensors:
+    hidden_states [B, C, T] (C = the q, k and v channels, T tokens), weight [C, W], bias [C] or None, activation
+    None or 'silu' -> [B, C, T], where out[:, c, t] = act(sum_w weight[c, w] * x[:, c, t - W + 1 + w] + bias[c])
+    over zeros before t = 0. Accumulates in fp32, like the Dao `causal-conv1d` kernel transformers would take if
+    it were installed. CPU tensors (and any keyword transformers passes beyond these) go to `original`."""
+
+    def short_convolution(hidden_states, weight, bias=None, activation=None, **kwargs):
+        if not hidden_states.is_cuda:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        out, _ = causal_conv1d(hidden_states.transpose(1, 2).contiguous(), weight, bias, activation=activation)
+        return out.transpose(1, 2)
+
+    short_convolution.original = original
+    return short_convolution
+
+
+def bind_fla_short_convolution(model) -> bool:
+    """Run `model`'s Gated-DeltaNet short convolutions on fla-core's Triton kernel (`fla_short_convolution`) where
+    transformers would otherwise use its torch fallback (a cuDNN depthwise conv1d over [B, C, T] in the activation
+    dtype): transformers binds a real kernel only from Dao's `causal-conv1d` package, which the `gpu-hybrid` extra
+    does not need, while fla-core (which it does need) carries one. Swaps the modeling module's `causal_conv1d_fn`
+    for the process (CPU tensors keep the fallback), once. Returns whether the model's convolutions now run on
+    fla's kernel."""
+    layer = next((getattr(layer, "linear_attn") for layer in base_model(model).layers if hasattr(layer, "linear_attn")),
+                 None)
+    namespace = sys.modules.get(type(layer).__module__) if layer is not None else None
+    current = getattr(namespace, SHORT_CONVOLUTION, None)
+    if not callable(current) or importlib.util.find_spec("causal_conv1d") is not None:
+        return False  # no such layer, or transformers runs Dao's kernel
+    if not hasattr(current, "original"):
+        setattr(namespace, SHORT_CONVOLUTION, fla_short_convolution(current))
+    return True
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, enable_thinking: bool) -> str:

@@ -154,8 +154,9 @@ def test_compiled_layers_match_eager_with_one_graph_per_batch_rank_for_all_layer
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels run on CUDA (GPU machine with gpu-hybrid)")
 def test_hybrid_extraction_on_fla_kernels_matches_the_unbatched_forward_and_the_torch_reference(monkeypatch):
     """A bf16 qwen3_5-style hybrid on CUDA with fla-core installed: the stage's padded batch (fla's chunked gated
-    delta rule) gives, per tapped layer, the features of `extract --verify`'s reference (an unbatched forward, also
-    on fla) and of transformers' torch definition of the rule (fla unbound), at cosine >= verify_min_cosine."""
+    delta rule, its Triton short convolution) gives, per tapped layer, the features of `extract --verify`'s reference
+    (an unbatched forward, also on fla) and of transformers' torch definitions of the rule and the convolution (fla
+    unbound), at cosine >= verify_min_cosine."""
     import inspect
 
     from extract.layers import decoder_layers, forward_taps
@@ -181,7 +182,8 @@ def test_hybrid_extraction_on_fla_kernels_matches_the_unbatched_forward_and_the_
 
     checks = {"unbatched, fla": unbatched()}
     module = inspect.getmodule(type(decoder_layers(model)[0].linear_attn))
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+    assert getattr(module, "causal_conv1d_fn").original  # load_target bound fla's short convolution
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
         monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))  # transformers' torch definition
     checks["unbatched, torch reference"] = unbatched()
     for what, ref in checks.items():
