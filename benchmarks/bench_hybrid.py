@@ -101,12 +101,16 @@ def hybrid_config(shape: str):
 
 
 def random_model(config, device, dtype):
-    """A random-init causal LM built directly on `device` in `dtype` (no CPU copy of the weights)."""
+    """A random-init causal LM built directly on `device` in `dtype` (no CPU copy of the weights), its kernels bound
+    as `load_target` binds a stage's (a hybrid's short convolutions on fla's Triton kernel on CUDA)."""
     from transformers import AutoModelForCausalLM
+
+    from pipeline.target import bind_kernels
 
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    bind_kernels(model, device, f"random {config.model_type}")
     return model.eval().requires_grad_(False)
 
 

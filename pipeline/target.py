@@ -286,9 +286,7 @@ def load_tokenizer(location: str, tcfg: TargetConfig):
 
 
 def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, attn_implementation: str | None = "sdpa"):
-    """The frozen target as an HF causal LM in eval mode with gradients off. A hybrid target's Gated-DeltaNet
-    layers run fla's kernels where fla-core is installed (refused off the GPU, where they fail) and transformers'
-    torch loops elsewhere (a warning on a GPU)."""
+    """The frozen target as an HF causal LM in eval mode with gradients off, its kernels bound (`bind_kernels`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -299,6 +297,17 @@ def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, a
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(location, config=hf_config(location, tcfg), **kwargs)
     model.to(device).eval().requires_grad_(False)
+    bind_kernels(model, device, location)
+    return model
+
+
+def bind_kernels(model, device, location: str) -> None:
+    """The Gated-DeltaNet kernels of a target loaded on `device` (every target a stage or benchmark runs passes
+    here): with fla-core installed, refused off the GPU (transformers binds fla's GPU kernels on every device) and
+    on the GPU its short convolutions bound to fla's Triton kernel too (`bind_fla_short_convolution`); without it,
+    transformers' torch loops, with a warning on a GPU. A target without such layers is left as it is."""
+    import torch
+
     kernels, on_gpu = gated_delta_kernels(model), torch.device(device).type == "cuda"
     if kernels == "fla" and not on_gpu:
         raise RuntimeError(f"{location}: fla-core is installed, so transformers runs the Gated-DeltaNet layers with "
@@ -312,7 +321,6 @@ def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, a
             "`gpu-hybrid` extra (fla-core) for fla's kernels", location)
     if kernels == "fla" and on_gpu:
         bind_fla_short_convolution(model)
-    return model
 
 
 def gated_delta_kernels(model) -> str | None:
