@@ -23,12 +23,20 @@ step() {  # NAME MIN_SECONDS: run the function step_NAME once, logging to logs/N
       | grep -v -E "^\s*$|it/s\]|Warning|warn\(" | tail -n 40 | cut -c1-400; echo '```'; } >> "$WORK/summary.md"
 }
 
+run_steps() {  # NAME:MIN_SECONDS ...: step each in this order, those named by --first (FIRST) ahead of the rest
+  local s n order=(); local -A need=()
+  for s in "$@"; do need[${s%%:*}]=${s##*:}; done
+  for n in "${FIRST[@]}"; do [ -n "${need[$n]:-}" ] && order+=("$n"); done
+  for s in "$@"; do n=${s%%:*}; [[ " ${FIRST[*]} " == *" $n "* ]] || order+=("$n"); done
+  for n in "${order[@]}"; do step "$n" "${need[$n]}"; done
+}
+
 timeboxed() { timeout -k 15 $(( $(left) - 10 )) "$@"; }  # a command that must end before the call's budget does
 
-begin_steps() {  # SCRIPT: check --retry / --skip against STEPS, start the call's clock, make WORK and OUT, apply them
-  # (uses STEPS, RETRY, SKIP, WORK, OUT, BUDGET_S; sets T0, DEADLINE and OUT as an absolute path)
+begin_steps() {  # SCRIPT: check --retry / --skip / --first against STEPS, start the call's clock, make WORK and OUT, apply them
+  # (uses STEPS, RETRY, SKIP, FIRST, WORK, OUT, BUDGET_S; sets T0, DEADLINE and OUT as an absolute path)
   local s
-  for s in "${RETRY[@]}" "${SKIP[@]}"; do
+  for s in "${RETRY[@]}" "${SKIP[@]}" "${FIRST[@]}"; do
     [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "$1: no such step: $s (${STEPS[*]})" >&2; exit 2; }
   done
   T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))

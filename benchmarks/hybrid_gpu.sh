@@ -25,7 +25,8 @@
 #   train     bench_train.py --shape qwen3.6-27b: online training with the 27B target resident ([S,S,S,S,F] drafter,
 #             window 2048, seq 3072, 512 anchors): tokens/s, step = target forward + drafter, peak memory, MFU
 #   trainmax  bench_train.py --max-batch: the largest micro-batch (sequences in one row) that fits beside the target
-# --skip STEP (repeatable) leaves a step out of this --work: the summary names it under "missing".
+# --skip STEP (repeatable) leaves a step out of this --work: the summary names it under "missing". --first A,B runs
+# those steps (after env) ahead of the rest, e.g. a long one at the start of a fresh call.
 # A step starts only when the call has the time it needs left (--budget-s, default 560 s: one device call is at most
 # 10 minutes). Each call ends by writing summary.json (benchmarks/hybrid_gpu_summary.py: what the steps so far
 # measured, the steps that failed or did not run named) and copying results.jsonl, steps.log, summary.md and logs.tgz
@@ -46,7 +47,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-BUNDLE="" OUT="" WORK="/tmp/hybrid-gpu" BUDGET_S=560 SMOKE="" RECORD="" RETRY=() SKIP=()
+BUNDLE="" OUT="" WORK="/tmp/hybrid-gpu" BUDGET_S=560 SMOKE="" RECORD="" RETRY=() SKIP=() FIRST=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE="$2"; shift 2 ;;
@@ -57,6 +58,7 @@ while [ $# -gt 0 ]; do
     --record) RECORD=1; shift ;;
     --retry) RETRY+=("$2"); shift 2 ;;
     --skip) SKIP+=("$2"); shift 2 ;;
+    --first) IFS=, read -ra FIRST <<< "$2"; shift 2 ;;
     *) echo "hybrid_gpu.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -169,12 +171,6 @@ step_trainmax() {  # each trial is a fresh process; the log keeps every trial's 
 
 step env 30
 [ -z "$SMOKE" ] && [ "$(cat "$WORK/done.env" 2>/dev/null)" != 0 ] && { log "env failed: nothing else runs"; exit 0; }
-step tests 240
-step regen 420
-step round 300
-step commit 90
-step extract 360
-step train 500
-step trainmax 400
+run_steps tests:240 regen:300 round:150 commit:90 extract:240 train:450 trainmax:300
 [ -f "$WORK/done.trainmax" ] && log "all steps done"
 exit 0

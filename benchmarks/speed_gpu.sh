@@ -12,7 +12,8 @@
 #   mkdir -p .bundle/data-small && cp "$DRAFTER_DATA_DIR"/{gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl} .bundle/data-small/
 # (a few MB; the device tool's `carry` takes .bundle/data-small). torch, transformers and triton are the machine's own.
 #
-# Steps, in order, each run once per --work (markers; --retry STEP runs one again, --skip STEP leaves it out):
+# Steps, in order, each run once per --work (markers; --retry STEP runs one again, --skip STEP leaves it out,
+# --first A,B runs those ahead of the rest):
 #   env     GPU, torch, triton
 #   tests   the CUDA tests of the regen fast path (static decode on graphs, bf16 GEMM attention, compiled pointwise)
 #           and of the training step (no host sync, with and without distillation)
@@ -30,7 +31,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-OUT="" WORK="/tmp/speed-gpu" BUDGET_S=560 SMOKE="" DATA="" RETRY=() SKIP=()
+OUT="" WORK="/tmp/speed-gpu" BUDGET_S=560 SMOKE="" DATA="" RETRY=() SKIP=() FIRST=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
@@ -40,6 +41,7 @@ while [ $# -gt 0 ]; do
     --cpu-smoke) SMOKE=1; shift ;;
     --retry) RETRY+=("$2"); shift 2 ;;
     --skip) SKIP+=("$2"); shift 2 ;;
+    --first) IFS=, read -ra FIRST <<< "$2"; shift 2 ;;
     *) echo "speed_gpu.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -103,8 +105,6 @@ step_train() {
 }
 
 step env 30
-step tests 150
-step regen 300
-step train 300
+run_steps tests:150 regen:300 train:300
 [ -f "$WORK/done.train" ] && log "all steps done"
 exit 0
