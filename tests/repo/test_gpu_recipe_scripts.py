@@ -268,6 +268,21 @@ def test_hybrid_gpu_script_skip_leaves_steps_out_and_the_summary_names_them_miss
     assert again.returncode == 0 and "step regen" not in again.stdout and "step env" not in again.stdout
 
 
+def test_hybrid_gpu_script_first_runs_the_named_steps_ahead_of_the_rest(tmp_path):
+    """`--first trainmax,commit` tries trainmax (last by default) before commit: with 100 s, trainmax is skipped for
+    time (it needs ~300) before commit runs; a step --first names that does not exist is a one-line error."""
+    bad = _hybrid("--out", tmp_path / "o", "--first", "commit,nonsense")
+    assert bad.returncode == 2 and "no such step: nonsense" in bad.stderr and bad.stderr.count("\n") == 1
+    args = ["--cpu-smoke", "--out", tmp_path / "out", "--work", tmp_path / "work", "--budget-s", 100,
+            "--first", "trainmax,commit"]
+    for s in ("tests", "regen", "round", "extract", "train"):
+        args += ["--skip", s]
+    run = _hybrid(*args, env={"DRAFTER_DATA_DIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.index("skip trainmax: ") < run.stdout.index("step commit") < run.stdout.index("commit rc=0")
+    assert not (tmp_path / "work" / "done.trainmax").exists()  # skipped for time: a later call runs it
+
+
 @pytest.mark.slow
 def test_hybrid_gpu_script_takes_every_measurement_at_toy_size_on_the_cpu_over_calls_and_retries_a_step(tmp_path):
     """`hybrid_gpu.sh --cpu-smoke`: the GPU command's every step (regen, round, extract, online training, the
