@@ -171,6 +171,6 @@ step_trainmax() {  # each trial is a fresh process; the log keeps every trial's 
 
 step env 30
 [ -z "$SMOKE" ] && [ "$(cat "$WORK/done.env" 2>/dev/null)" != 0 ] && { log "env failed: nothing else runs"; exit 0; }
-run_steps tests:240 regen:300 round:150 commit:90 extract:240 train:450 trainmax:300
+run_steps tests:240 regen:300 round:120 commit:90 extract:240 train:450 trainmax:300
 [ -f "$WORK/done.trainmax" ] && log "all steps done"
 exit 0
