@@ -262,8 +262,8 @@ def bench_config(args, model, device, storage_dtype: str, out_dir: Path):
 def run_pipeline(args, model, device, layer_ids, out_dir: Path, lengths: np.ndarray, backend, storage_dtype: str):
     """The stage path on every token: returns (seconds, tokens, bytes written, padding overhead)."""
     from extract.hf import plan_batches
-    from extract.stage import ExtractContext, extract_units, plan_units, read_tokenized_index, screen_index
-    from pipeline.config import load_config
+    from extract.inputs import ExtractContext, plan_units, read_tokenized_index, screen_index
+    from extract.stage import extract_units
     from pipeline.stage_dir import StageDir
 
     cfg = bench_config(args, model, device, storage_dtype, out_dir)
@@ -444,7 +444,7 @@ def main(argv=None) -> int:
         bpt = bytes_per_token(len(layer_ids), cfg.hidden_size, storage_dtype)
         compute_only = None
         if not args.no_compute_only and args.backend == "hf":  # over the samples the pipeline times (not the warm-up)
-            from extract.stage import plan_units
+            from extract.inputs import plan_units
 
             units = plan_units(lengths, np.ones(len(lengths), bool), args.shard_tokens)
             timed = [r for u in (units[1:] or units) for r in u.rows]

@@ -81,7 +81,7 @@ def stage_config(s: dict, device: str = "cpu"):
 def plan(s: dict):
     """(cfg, ExtractContext, extract StageDir, TokenizedIndex, units): identical on every rank and in the merge."""
     from extract.layers import LAYER_CONVENTION, default_layer_ids
-    from extract.stage import ExtractContext, plan_units, read_tokenized_index, screen_index
+    from extract.inputs import ExtractContext, plan_units, read_tokenized_index, screen_index
     from pipeline.stage_dir import StageDir
 
     cfg = stage_config(s, s.get("device", "cpu"))
@@ -174,7 +174,8 @@ def wait_for_all(work: Path, rank: int, world: int, timeout: float) -> None:
 def run_rank(a) -> dict:
     """Extract this rank's units into the shared stage dir; write timing/rank-XXXXX.json. Returns that record."""
     from extract.hf import HFExtractor, plan_batches
-    from extract.stage import extract_units, read_samples
+    from extract.inputs import read_samples
+    from extract.stage import extract_units
     from pipeline.log import progress
     from pipeline.files import atomic_write_json
     from pipeline.stage_dir import rank_from_env, units_for_rank

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from extract.layers import forward_taps
-from extract.stage import (
+from extract.inputs import (
     ExtractContext, extract_context, make_backend, plan_units, read_samples, read_tokenized_index, screen_index,
 )
 from extract.store import SHARD_EXT, Shard, ShardWriter, check_store
