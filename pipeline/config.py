@@ -99,6 +99,24 @@ def check_layer_types(layer_types: list[str], num_layers: int, sliding_window: i
 # ----------------------------------------------------------------------------------------------
 
 
+# Small, fast defaults for `random:<model_type>` targets; `target.random_init` overrides any key.
+RANDOM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False),
+    "llama": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False),
+    "qwen3_5_text": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, max_position_embeddings=4096,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2),
+}
+# `random:qwen3_5` is the shape Qwen3.5/3.6 checkpoints ship in: a `*ForConditionalGeneration` wrapper whose language
+# model is `qwen3_5_text` (RANDOM_DEFAULTS above; `target.random_init` overrides go to it) plus a vision tower, this
+# small one. Stages read the language model only (`text_config`; vLLM: `language_model_only`).
+RANDOM_VISION = {"qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)}
+
+
 @dataclass
 class TargetConfig:
     """The frozen target model that regenerates data, provides features and verifies drafts."""
@@ -124,8 +142,6 @@ class TargetConfig:
 
     def validate(self, key: str) -> None:
         if self.model.startswith("random:"):
-            from pipeline.target import RANDOM_DEFAULTS, RANDOM_VISION
-
             known = sorted([*RANDOM_DEFAULTS, *RANDOM_VISION])
             kind = self.model[len("random:"):]
             if kind not in known:

