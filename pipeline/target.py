@@ -328,7 +328,8 @@ def fla_short_convolution(original):
     hidden_states [B, C, T] (C = the q, k and v channels, T tokens), weight [C, W], bias [C] or None, activation
     None or 'silu' -> [B, C, T], where out[:, c, t] = act(sum_w weight[c, w] * x[:, c, t - W + 1 + w] + bias[c])
     over zeros before t = 0. Accumulates in fp32, like the Dao `causal-conv1d` kernel transformers would take if
-    it were installed. CPU tensors (and any keyword transformers passes beyond these) go to `original`."""
+    it were installed. CPU tensors go to `original`. Other keywords (the model forward's flags, e.g. `use_cache`,
+    `output_hidden_states`) are ignored, as transformers' torch fallback ignores them."""
 
     def short_convolution(hidden_states, weight, bias=None, activation=None, **kwargs):
         if not hidden_states.is_cuda:
