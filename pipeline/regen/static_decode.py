@@ -289,12 +289,16 @@ class StaticDecoder:
     Attention of a one-token step: the query heads folded onto their KV head (`gqa_fold`), computed as two batched
     GEMMs (`decode_gemm`, `decode_attention`) or by torch's fused SDPA kernel (`decode_gemm=False`).
     `compile_pointwise`: the decoder layers' norms and MLPs run torch.compile'd (`compile_pointwise_modules`) until
-    `close()`."""
+    `close()`.
+
+    Prefill chunks: at most `prefill_chunk` positions and `prefill_tokens` rows x positions per forward. A chunk's
+    additive mask [B, 1, Q, L], attention scores [B, H, Q, L] and activations [B, Q, ...] grow with B x Q, so a
+    wider batch prefills in narrower chunks and the prefill's peak memory does not grow with the batch."""
 
     def __init__(self, model, *, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
                  cuda_graphs: bool = True, gqa_fold: bool = True, decode_gemm: bool = True,
-                 compile_pointwise: bool = False, prefill_chunk: int = 512, length_bucket: int = 128,
-                 min_compact_batch: int = 8):
+                 compile_pointwise: bool = False, prefill_chunk: int = 512, prefill_tokens: int = 16384,
+                 length_bucket: int = 128, min_compact_batch: int = 8):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -303,6 +307,7 @@ class StaticDecoder:
         self.sampling = sampling
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk
+        self.prefill_tokens = prefill_tokens
         self.length_bucket = length_bucket
         self.min_compact_batch = min_compact_batch
         self.linear = linear_attention_layers(model.config)  # Gated-DeltaNet layers (hybrid targets)
@@ -440,8 +445,8 @@ class StaticDecoder:
         width = ids.shape[1]
         neg = torch.finfo(self.dtype).min
         logits = None
-        for a in range(0, width, self.prefill_chunk):
-            b = min(width, a + self.prefill_chunk)
+        for a in range(0, width, chunk := self.chunk_positions(ids.shape[0])):
+            b = min(width, a + chunk)
             live = min(cache_len, -(-b // self.length_bucket) * self.length_bucket)  # the buckets written so far
             keys = torch.arange(live, device=self.device)
             q = torch.arange(a, b, device=self.device)
@@ -459,6 +464,11 @@ class StaticDecoder:
         if self.linear:
             state.conv, state.recurrent = stack_linear_states(state.cache, self.linear, state.conv, state.recurrent)
         return logits
+
+    def chunk_positions(self, rows: int) -> int:
+        """Prompt positions one prefill forward takes for a batch of `rows`: `prefill_chunk`, fewer where
+        rows x positions would pass `prefill_tokens` (never below one)."""
+        return max(1, min(self.prefill_chunk, self.prefill_tokens // rows))
 
     def _masks(self, attention: Tensor, padding: Tensor | None):
         """The model's `attention_mask` argument: the additive 4-D mask, or for a hybrid HF's per-layer-type dict:

@@ -138,6 +138,44 @@ def test_every_batch_of_a_run_decodes_on_one_static_state(target, monkeypatch):
     assert allocated == [-(-(len(prompts[-1]) + 20) // 8) * 8], allocated
 
 
+def test_a_wide_batch_prefills_in_narrower_chunks_within_its_token_budget_and_decodes_the_same(target, monkeypatch):
+    """`prefill_tokens` bounds rows x positions of one prefill forward: the batch of 5 with a budget of 20 prefills
+    4 positions at a time (1 at a budget of 3), each forward within the budget, and greedy output equals
+    model.generate's, as with the default one-chunk prefill."""
+    model = target[0]
+    prompts, limits = target[3], [12] * 5
+    reference = _gen(target, "generate", 1).generate(prompts, limits)
+    widths, in_prefill = [], [False]
+    forward = type(model).forward
+
+    def recording(self, *args, input_ids=None, **kwargs):
+        if in_prefill[0]:
+            widths.append(tuple(input_ids.shape))
+        return forward(self, *args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", recording)
+    width = max(map(len, prompts))
+    for budget, positions in ((16384, 512), (20, 4), (3, 1)):
+        gen = _gen(target, "static", 5)
+        gen.static.prefill_tokens = budget
+        assert gen.static.chunk_positions(5) == positions
+        prefill = gen.static._prefill
+
+        def marked(*args, **kwargs):
+            in_prefill[0] = True
+            try:
+                return prefill(*args, **kwargs)
+            finally:
+                in_prefill[0] = False
+
+        gen.static._prefill = marked
+        widths.clear()
+        outs = gen.generate(prompts, limits)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], budget
+        assert sum(w[1] for w in widths) == width and len(widths) == -(-width // positions), (budget, widths)
+        assert all(rows * q <= max(budget, rows) for rows, q in widths), (budget, widths)
+
+
 def test_padded_vocab_rows_are_never_generated(target):
     model, tok, _, prompts = target
     assert model.config.vocab_size > len(tok)
