@@ -28,7 +28,10 @@ fewer prompts measure it as well); agreement is then computed on the common prom
 smollm2-135m`: the attention-only SmolLM2-135M shape, no GGUF needed)
 (benchmarks/bench_hybrid.py HYBRID_SHAPES, built directly on the device in the compute dtype; weights do not change
 the speed) with the byte tokenizer, on the same real prompts as the other modes (the demo config's public sets),
-every row decoding exactly --max-new-tokens (no stop id: a random target stops at random places).
+every row decoding exactly --max-new-tokens (no stop id: a random target stops at random places). The byte
+tokenizer's prompts are several times longer than a real tokenizer's (more context per row, more K/V): `--tokenizer
+DIR` tokenizes them with a real one (SmolLM2's for the smollm2-135m shape) so the timed lengths are the stage's.
+Every mode keeps the stage's context limit (--max-model-len): longer prompts are left out and counted.
 Each row of the table then also gets the decode step's two ceilings at its batch size, measured in this run:
   compute roofline   matmul FLOP/s (bench_extract.matmul_rate) / FLOPs per generated token (2 x every parameter
                      + the attention over the mean context, bench_extract.flops_per_token)
@@ -87,7 +90,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--generate-prompts", type=int, default=None, help="cap on prompts for the 'generate' mode")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=2048, help="vllm mode")
+    p.add_argument("--max-model-len", type=int, default=2048, help="context limit, as regen.max_model_len: a prompt "
+                   "of this many tokens or more is left out (counted), the others generate at most the room left")
+    p.add_argument("--tokenizer", default=None, help="with --shape: a local tokenizer dir (tokenizer.json + "
+                   "tokenizer_config.json [+ chat_template.jinja]) to tokenize the prompts with, so they have the "
+                   "real target's lengths (the byte tokenizer's are several times longer); its vocab must fit the "
+                   "shape's")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.12, help="vllm mode (on CPU: RAM share)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vllm mode: requests decoded at once (regen.vllm."
                    "max_num_seqs; default: vLLM's)")
@@ -96,6 +104,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="static modes: after the timed run, one more batch under "
                    "torch.profiler: where a decode step's time goes (kernels, host ops, the GPU's idle share)")
     return p.parse_args()
+
+
+def within_context(prompts: list[list[int]], max_new_tokens: int, max_model_len: int):
+    """As the regen stage: a prompt of `max_model_len` tokens or more is left out, the others generate at most
+    min(max_new_tokens, the room left). -> (prompts kept, their limits, how many were left out)."""
+    kept = [p for p in prompts if len(p) < max_model_len]
+    return kept, [min(max_new_tokens, max_model_len - len(p)) for p in kept], len(prompts) - len(kept)
 
 
 def real_prompts(n: int) -> list[list[dict]]:
@@ -135,18 +150,25 @@ ATTENTION_SHAPES = {
 
 
 def load_shape(args):
-    """(random-init model of `args.shape` on the device, byte tokenizer, None, stop ids that never occur)."""
-    from transformers import AutoConfig
+    """(random-init model of `args.shape` on the device, the byte tokenizer or `args.tokenizer`, None, stop ids that
+    never occur)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.bench_hybrid import HYBRID_SHAPES, hybrid_config, random_model
     from pipeline.target import build_byte_tokenizer
 
     if args.shape not in HYBRID_SHAPES and args.shape not in ATTENTION_SHAPES:
         raise SystemExit(f"--shape {args.shape}: unknown; choose from {sorted([*HYBRID_SHAPES, *ATTENTION_SHAPES])}")
-    tok = build_byte_tokenizer()
+    tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True) if args.tokenizer \
+        else build_byte_tokenizer()
     tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
     config = hybrid_config(args.shape) if args.shape in HYBRID_SHAPES \
         else AutoConfig.for_model("llama", **ATTENTION_SHAPES[args.shape])
+    if len(tok) > config.get_text_config().vocab_size:
+        raise SystemExit(f"--tokenizer {args.tokenizer}: {len(tok)} tokens, more than --shape {args.shape}'s "
+                         f"vocabulary of {config.get_text_config().vocab_size}")
     model = random_model(config, torch.device(args.device), getattr(torch, args.dtype))
     return model, tok, None, [len(tok)]  # an id past the tokenizer's: never generated (vocab_limit = len(tok))
 
@@ -205,14 +227,26 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
         _sync(device)
         seconds = time.perf_counter() - t0
         graphs = bool(gen.static and gen.static.on_graphs())
-        found = profile_batch(gen, prompts[:batch_size], limits[:batch_size], device) if profile and gen.static else None
+        found = profile_batch(gen, *middle_batch(prompts, limits, batch_size), device) \
+            if profile and gen.static else None
         return outs, seconds, graphs, GRAPH_LOG.captured - captured, found
     finally:  # the next batch size (or the vLLM engine) gets the memory back: K/V slots and graph pools
         gen.close()
 
 
+def middle_batch(prompts: list[list[int]], limits: list[int], batch_size: int):
+    """The middle batch of the run's longest-first order (HFGenerator.generate's batches): a typical width, where
+    the first n prompts of the input could hold the longest one and profile its padding instead.
+    -> (its prompts, its limits)."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    starts = range(0, len(order), batch_size)
+    idx = order[starts[len(starts) // 2]:][:batch_size]
+    return [prompts[i] for i in idx], [limits[i] for i in idx]
+
+
 def profile_batch(gen: HFGenerator, prompts, limits, device, top: int = 12) -> dict:
-    """Where one static-decode batch's time goes: `prompts` (one batch, graphs already captured by the timed run)
+    """Where one static-decode batch's time goes: `prompts` (one batch of the timed run, `middle_batch`; its graphs
+    already captured)
     decoded again under torch.profiler. Decode steps are counted at the decoder's step; per step: the batch's wall
     time, the kernel time (the GPU's busy time: kernels inside replayed graphs included), the share of the wall the
     GPU idles (host work between kernels: Python, launches, syncs), the kernels and the host ops by self time."""
@@ -323,12 +357,16 @@ def main() -> None:
     model, tok, location, stop = load(args)
     load_s = time.perf_counter() - t0
     chats = real_prompts(args.num_prompts)
-    prompts = [prompt_ids(tok, c, enable_thinking=False) for c in chats]
-    limits = [args.max_new_tokens] * len(prompts)
+    prompts, limits, over = within_context([prompt_ids(tok, c, enable_thinking=False) for c in chats],
+                                           args.max_new_tokens, args.max_model_len)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
            "dtype": args.dtype, "threads": torch.get_num_threads(), "model_load_s": round(load_s, 1),
-           "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1)}
+           "prompt_tokens_mean": round(sum(map(len, prompts)) / max(1, len(prompts)), 1),
+           "prompt_tokens_max": max(map(len, prompts), default=0), "prompts_over_max_model_len": over,
+           "tokenizer": args.tokenizer or ("byte" if args.shape else "the target's")}
+    if not prompts:
+        raise SystemExit(f"bench_regen: every prompt has --max-model-len {args.max_model_len} tokens or more")
     import transformers
 
     env["transformers"] = transformers.__version__

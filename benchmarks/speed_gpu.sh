@@ -4,13 +4,17 @@
 # rest goes, and the CUDA tests of those paths. Random-init SmolLM2-shape target (weights do not change the speed;
 # no GGUF needed); regen's prompts are the demo config's sets, read from DRAFTER_DATA_DIR or --data.
 #
-#   bash benchmarks/speed_gpu.sh --out "$OUT" --data .bundle/data-small   (one device call; the next call of the same
-#                                                                         command goes on where this one stopped)
+#   bash benchmarks/speed_gpu.sh --out "$OUT" --data .bundle/data-small --tokenizer .bundle/data-small/smollm2-tokenizer
+#        (one device call; the next call of the same command goes on where this one stopped)
 #   bash benchmarks/speed_gpu.sh --cpu-smoke --out /tmp/speed             (here: every step at toy size on the CPU)
 #
 # The GPU machine reads no mirror: carry the three prompt files regen reads in a git-ignored folder, e.g.
 #   mkdir -p .bundle/data-small && cp "$DRAFTER_DATA_DIR"/{gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl} .bundle/data-small/
 # (a few MB; the device tool's `carry` takes .bundle/data-small). torch, transformers and triton are the machine's own.
+# --tokenizer DIR tokenizes regen's prompts with SmolLM2's own tokenizer (without it: the byte tokenizer, whose prompts
+# are several times longer than the real ones, so every row attends over a longer context and needs more K/V);
+# after the tests or `make demo` converted the GGUF, its tokenizer files are
+#   mkdir -p .bundle/data-small/smollm2-tokenizer && cp .cache/targets/smollm2-135m-instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .bundle/data-small/smollm2-tokenizer/
 #
 # Steps, in order, each run once per --work (markers; --retry STEP runs one again, --skip STEP leaves it out,
 # --first A,B runs those ahead of the rest):
@@ -19,7 +23,8 @@
 #           and of the training step (no host sync, with and without distillation)
 #   regen   bench_regen.py --shape smollm2-135m: the static decode with cuDNN's fused attention (static-sdpa), with
 #           the GEMM attention (static, the default), and with norms / MLPs / RoPE compiled (static-compiled), at
-#           each batch of REGEN_BATCHES (default 512,1024), 2,048 prompts x <= 256 tokens, each step profiled
+#           each batch of REGEN_BATCHES (default 512,1024), 2,048 prompts x <= 256 tokens within 2,048 of context (as
+#           the stage: longer prompts left out and counted), the middle batch of each row profiled
 #   train   bench_train.py --shape smollm2: TRAIN_VARIANTS (default: the recipe's online compiled step with CE, with
 #           CE+KL (the recipe's loss: its target logits now per position), and with 64 anchors per sample)
 # Writes results.jsonl, steps.log, summary.md, json/ (every step's JSON) and logs.tgz into --out.
@@ -31,12 +36,13 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-OUT="" WORK="/tmp/speed-gpu" BUDGET_S=560 SMOKE="" DATA="" RETRY=() SKIP=() FIRST=()
+OUT="" WORK="/tmp/speed-gpu" BUDGET_S=560 SMOKE="" DATA="" TOKENIZER="" RETRY=() SKIP=() FIRST=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
     --work) WORK="$2"; shift 2 ;;
     --data) DATA="$2"; shift 2 ;;
+    --tokenizer) TOKENIZER="$2"; shift 2 ;;
     --budget-s) BUDGET_S="$2"; shift 2 ;;
     --cpu-smoke) SMOKE=1; shift ;;
     --retry) RETRY+=("$2"); shift 2 ;;
@@ -50,6 +56,10 @@ STEPS=(env tests regen train)
 if [ -n "$DATA" ]; then
   [ -d "$DATA" ] || { echo "speed_gpu.sh: --data $DATA is not a directory" >&2; exit 2; }
   export DRAFTER_DATA_DIR="$(cd "$DATA" && pwd)"
+fi
+if [ -n "$TOKENIZER" ]; then
+  [ -f "$TOKENIZER/tokenizer.json" ] || { echo "speed_gpu.sh: --tokenizer $TOKENIZER has no tokenizer.json" >&2; exit 2; }
+  TOKENIZER="$(cd "$TOKENIZER" && pwd)"
 fi
 source benchmarks/gpu_steps.sh  # begin_steps, left, log, step, timeboxed
 begin_steps speed_gpu.sh
@@ -73,7 +83,8 @@ if [ -n "$SMOKE" ]; then  # here: toy sizes on the CPU (CUDA-only tests are coll
 else
   DEVICE=cuda
   REGEN_ARGS=(--shape smollm2-135m --dtype bfloat16 --num-prompts 2048 --max-new-tokens 256
-              --batch-size "${REGEN_BATCHES:-512,1024}" --modes static-sdpa,static,static-compiled --profile)
+              --batch-size "${REGEN_BATCHES:-512,1024}" --modes static-sdpa,static,static-compiled --profile
+              ${TOKENIZER:+--tokenizer "$TOKENIZER"})
   TRAIN_ARGS=(--shape smollm2 --engine torch --variants "${TRAIN_VARIANTS:-trainer-flex-compile-online,trainer-flex-compile-online-kl,trainer-flex-compile-online-anc64}")
 fi
 

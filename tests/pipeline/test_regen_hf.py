@@ -274,6 +274,52 @@ def test_bench_regen_profile_counts_every_decode_step_and_leaves_the_decoder_as_
     assert [o.token_ids for o in gen.generate(prompts, [9, 9, 9])] == before
 
 
+def test_bench_regen_keeps_the_stages_context_limit_and_profiles_a_middle_batch_of_the_longest_first_order():
+    """bench_regen leaves out a prompt of --max-model-len tokens or more and caps the others' new tokens at the room
+    left, as the regen stage does; its profile decodes the middle batch of the run's longest-first order, not the
+    input's first prompts (which may hold the longest one)."""
+    from benchmarks.bench_regen import middle_batch, within_context
+
+    kept, limits, over = within_context([[1] * 3, [1] * 10, [1] * 5, [1] * 8], 4, 8)
+    assert [len(p) for p in kept] == [3, 5] and limits == [4, 3] and over == 2
+    prompts = [[7] * n for n in range(1, 11)]
+    batch, lims = middle_batch(prompts, list(range(1, 11)), 3)
+    assert [len(p) for p in batch] == [4, 3, 2] and lims == [4, 3, 2]  # batches [10 9 8] [7 6 5] [4 3 2] [1]
+
+
+def test_bench_regen_shape_tokenizes_with_a_real_tokenizer_and_refuses_one_larger_than_its_vocab(smollm2_dir,
+                                                                                                  tmp_path):
+    """`--shape smollm2-135m --tokenizer DIR`: the random-init shape decodes prompts of the real tokenizer's
+    lengths (far shorter than the byte tokenizer's), each within --max-model-len; the tiny shape (320 ids) refuses
+    SmolLM2's 49,152-id tokenizer in one line."""
+    import json
+    import os
+    import subprocess
+
+    from tests.conftest import REPO, mirror_file
+
+    env = {**os.environ, "DRAFTER_DATA_DIR": str(mirror_file("gsm8k_train.jsonl").parent), "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, "benchmarks/bench_regen.py", "--num-prompts", "6", "--max-new-tokens", "4",
+            "--batch-size", "6", "--modes", "static-nograph", "--threads", "1"]
+    refused = subprocess.run(base + ["--shape", "tiny", "--tokenizer", smollm2_dir], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith("more than --shape tiny's vocabulary of 320")
+    runs = {}
+    for name, extra in (("real", ["--tokenizer", smollm2_dir]), ("byte", [])):
+        out = tmp_path / f"{name}.json"
+        subprocess.run(base + ["--shape", "smollm2-135m", "--max-model-len", "160", "--json", str(out)] + extra,
+                       cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+        runs[name] = json.loads(out.read_text())
+    real, byte = runs["real"], runs["byte"]
+    assert real["env"]["tokenizer"] == smollm2_dir and byte["env"]["tokenizer"] == "byte"
+    assert real["env"]["prompt_tokens_max"] < 160 and byte["env"]["prompt_tokens_max"] < 160
+    assert byte["env"]["prompts_over_max_model_len"] > real["env"]["prompts_over_max_model_len"]
+    assert real["env"]["prompt_tokens_mean"] < byte["env"]["prompt_tokens_mean"]  # the byte one even without its longest
+    row = real["rows"][0]
+    assert row["prompts"] == 6 - real["env"]["prompts_over_max_model_len"] and row["gen_tokens"] == 4 * row["prompts"]
+
+
 def _slot_slices(device, dtype, b=5, hk=2, g=3, d=16, max_len=40, live=24, seed=0):
     """query [b, hk, g, d]; key / value: the first `live` slots of [b, hk, max_len, d] buffers (strided rows, as
     the static decode step sees them); additive mask [b, 1, 1, live] hiding each row's left padding."""

@@ -346,7 +346,8 @@ def test_speed_gpu_script_times_regen_and_training_levers_at_toy_size_and_refuse
     from tests.conftest import mirror_file
 
     for args in ([], ["--out", tmp_path / "o", "--retry", "nonsense"], ["--out", tmp_path / "o", "--bogus"],
-                 ["--out", tmp_path / "o", "--data", tmp_path / "missing"]):
+                 ["--out", tmp_path / "o", "--data", tmp_path / "missing"],
+                 ["--out", tmp_path / "o", "--tokenizer", tmp_path]):  # a folder without tokenizer.json
         run = _speed(*args)
         assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     data = mirror_file("gsm8k_train.jsonl").parent
