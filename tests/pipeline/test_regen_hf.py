@@ -288,7 +288,8 @@ def test_bench_regen_keeps_the_stages_context_limit_and_profiles_a_middle_batch_
 
 
 def test_bench_regen_shape_tokenizes_with_a_real_tokenizer_and_refuses_one_larger_than_its_vocab(smollm2_dir,
-                                                                                                  tmp_path):
+                                                                                                  tmp_path,
+                                                                                                  monkeypatch):
     """`--shape smollm2-135m --tokenizer DIR`: the random-init shape decodes prompts of the real tokenizer's
     lengths (far shorter than the byte tokenizer's), each within --max-model-len; the tiny shape (320 ids) refuses
     SmolLM2's 49,152-id tokenizer in one line."""
@@ -305,19 +306,21 @@ def test_bench_regen_shape_tokenizes_with_a_real_tokenizer_and_refuses_one_large
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1].endswith("more than --shape tiny's vocabulary of 320")
-    runs = {}
-    for name, extra in (("real", ["--tokenizer", smollm2_dir]), ("byte", [])):
-        out = tmp_path / f"{name}.json"
-        subprocess.run(base + ["--shape", "smollm2-135m", "--max-model-len", "160", "--json", str(out)] + extra,
-                       cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
-        runs[name] = json.loads(out.read_text())
-    real, byte = runs["real"], runs["byte"]
-    assert real["env"]["tokenizer"] == smollm2_dir and byte["env"]["tokenizer"] == "byte"
-    assert real["env"]["prompt_tokens_max"] < 160 and byte["env"]["prompt_tokens_max"] < 160
-    assert byte["env"]["prompts_over_max_model_len"] > real["env"]["prompts_over_max_model_len"]
-    assert real["env"]["prompt_tokens_mean"] < byte["env"]["prompt_tokens_mean"]  # the byte one even without its longest
-    row = real["rows"][0]
-    assert row["prompts"] == 6 - real["env"]["prompts_over_max_model_len"] and row["gen_tokens"] == 4 * row["prompts"]
+    out = tmp_path / "real.json"
+    subprocess.run(base + ["--shape", "smollm2-135m", "--max-model-len", "160", "--tokenizer", smollm2_dir, "--json",
+                           str(out)], cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    real = json.loads(out.read_text())["env"], json.loads(out.read_text())["rows"][0]
+    from benchmarks.bench_regen import real_prompts
+    from pipeline.target import build_byte_tokenizer
+
+    monkeypatch.setenv("DRAFTER_DATA_DIR", env["DRAFTER_DATA_DIR"])
+    byte = [len(prompt_ids(build_byte_tokenizer(), c, enable_thinking=False)) for c in real_prompts(6)]
+    (info, row) = real
+    assert info["tokenizer"] == smollm2_dir and info["prompt_tokens_max"] < 160
+    assert info["prompts_over_max_model_len"] < sum(n >= 160 for n in byte)  # the byte lengths pass the limit more
+    kept = [n for n in byte if n < 160]
+    assert info["prompt_tokens_mean"] < sum(kept) / len(kept)  # shorter even than the byte prompts that fit
+    assert row["prompts"] == 6 - info["prompts_over_max_model_len"] and row["gen_tokens"] == 4 * row["prompts"]
 
 
 def _slot_slices(device, dtype, b=5, hk=2, g=3, d=16, max_len=40, live=24, seed=0):
