@@ -25,7 +25,7 @@ import sys
 import traceback
 
 from pipeline.config import RunConfig, load_config
-from pipeline.errors import UserError
+from pipeline.errors import UserError, is_out_of_memory
 from pipeline.stage_dir import RankInfo, StageDir, merge_ranks, rank_from_env
 
 STAGES = ("curate", "regen", "tokenize", "extract", "train", "eval")
@@ -226,7 +226,8 @@ def run_command(command: str, fn) -> int:
     A `UserError` (a ConfigError, a StageError: a damaged file, a mismatched input, a busy stage, ...) or an OSError
     (no space, read-only, permission) is one line, `drafter <command>: error: <what is wrong and what to do>`, exit 2
     (a Preempted run: 75, run it again); a refusal that lists several fields puts them on indented lines below it.
-    Ctrl-C is one line too (exit 130). Anything else is a bug: its traceback, then one line asking for a report
+    A device or host out of memory is one line too (exit 2): how much was asked of what, and the settings of that
+    stage that size what it holds. Ctrl-C is one line too (exit 130). Anything else is a bug: its traceback, then one line asking for a report
     (exit 70, EX_SOFTWARE) — a bug is never hidden and a user error is never a traceback.
     """
     try:
@@ -236,6 +237,13 @@ def run_command(command: str, fn) -> int:
         return e.exit_status
     except OSError as e:
         print(f"drafter {command}: error: {os_error_message(e)}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            traceback.print_exc()
+            print(f"drafter {command}: internal error: {REPORT_A_BUG}", file=sys.stderr)
+            return 70
+        print(f"drafter {command}: error: {out_of_memory_message(command, e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"drafter {command}: interrupted (finished units are kept: run the same command again to resume)",
@@ -257,6 +265,31 @@ OS_ERROR_FIXES = {
     errno.EACCES: "this user may not write there: fix the permissions, or point runs_dir elsewhere",
     errno.EPERM: "this user may not write there: fix the permissions, or point runs_dir elsewhere",
 }
+
+
+# the settings that size what a stage holds on its device, to lower when it runs out of memory
+OUT_OF_MEMORY_FIXES = {
+    "curate": "curate.sources[].synthesize.batch_size",
+    "regen": "regen.batch_size (hf backend), regen.vllm.gpu_memory_utilization or regen.vllm.max_num_seqs (vllm "
+             "backend), or regen.max_model_len",
+    "extract": "extract.tokens_per_batch (hf backend) or extract.vllm.gpu_memory_utilization (vllm backend)",
+    "train": "train.micro_batch_tokens (raise train.grad_accum to keep the step's tokens) or turn on "
+             "train.activation_checkpointing; with train.online the target is held too: train.online=false (features "
+             "from extract) or ZeRO-3 (train.zero_stage=3) over more GPUs",
+    "eval": "eval.budgets (the largest tree) or eval.max_new_tokens",
+}
+def out_of_memory_message(command: str, e: BaseException) -> str:
+    """One line: what ran out and how much was asked (torch's first sentences), and what to lower in this stage."""
+    text = " ".join(str(e).split())
+    if "DefaultCPUAllocator" in text:
+        asked = re.search(r"you tried to allocate (\d+) bytes", text)
+        what = "host memory ran out" + (f" (tried to allocate {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else "")
+    else:
+        parts = re.findall(r"(Tried to allocate [^.]*\.\d* ?\w*|total capacity of [^.]*\.\d* ?\w* of which [^.]*\.\d* "
+                           r"?\w* is free)", text)
+        what = "the GPU ran out of memory" + (f" ({'; '.join(p[0].lower() + p[1:] for p in parts)})" if parts else "")
+    fix = OUT_OF_MEMORY_FIXES.get(command, "the batch settings of the stage that ran out (docs/config.md)")
+    return f"{what} — lower {fix}; finished units are kept: run the same command again"
 
 
 def os_error_message(e: OSError) -> str:

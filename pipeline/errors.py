@@ -1,7 +1,8 @@
 """The project's own errors: every refusal a user can repair is a `UserError` whose message names the culprit (the
 file, the key, the field) and what to do; `drafter.cli.main` (the one error boundary) prints it as one line,
 `drafter <command>: error: <message>`, and exits with its `exit_status` (2). Anything else that escapes a command is
-a bug: the boundary prints its traceback and asks for a report.
+a bug: the boundary prints its traceback and asks for a report, except memory running out (`is_out_of_memory`): a
+resource limit, one line naming what to lower.
 
     UserError
      ├── ConfigError (pipeline/config.py)   a config key, value, file or environment variable
@@ -38,3 +39,14 @@ class DamagedFile(StageError):
     def __init__(self, path, problem: str, repair: str):
         self.path, self.problem, self.repair = path, problem, repair
         super().__init__(f"{path}: {problem}: the file is damaged" + (f". {repair}" if repair else ""))
+
+
+_CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """torch's device allocator out of memory (torch.OutOfMemoryError: CUDA and the other accelerators), or its CPU
+    allocator refused (a plain RuntimeError). Never a bad input: a stage stops on it (finished units kept) rather than
+    count the request it was serving as failed."""
+    return (type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch")) \
+        or _CPU_ALLOCATOR_FAILED in str(e)

@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, config_record
 from pipeline.curate.schema import CONVERSATION_SCHEMA  # regen writes the curate schema back, answers replaced
+from pipeline.errors import is_out_of_memory
 from pipeline.log import get_logger, progress, summary
 from pipeline.regen.conversation import (MalformedConversation, Skeleton, end_of_turn_ids, prompt_ids, skeleton,
                                          strip_reasoning)
@@ -219,10 +220,12 @@ def regenerate(generator, tokenizer, items: list[tuple[str, object]], cfg: RunCo
 def _generate_isolating_failures(generator, todo, prompts, limits, seeds, failures, turn):
     """One backend call for the round; if it raises, retry request by request and record the requests
     that still fail as 'generation_error' (returns the generations of the others, in order). If every
-    request fails the problem is not the input: re-raise."""
+    request fails the problem is not the input: re-raise. Memory running out is never isolated: re-raised at once."""
     try:
         return generator.generate(prompts, limits, seeds)
     except Exception as batch_error:  # noqa: BLE001 - isolate the bad request, keep the job alive
+        if is_out_of_memory(batch_error):
+            raise  # no request's fault: the stage stops (finished units kept), one line says what to lower
         log.warning("regen: a batch of %d failed (%s); retrying one by one", len(todo), batch_error)
         gens, last = [], batch_error
         for (cid, _), p, m, s in zip(todo, prompts, limits, seeds):
