@@ -208,6 +208,7 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
         "rate_sources": dict(mode["sources"]),  # per stage: "measured: ..." or the assumption (`rate_for`)
         "paths": paths,  # offline vs online: GPU-hours, rate sources and feature bytes of each (training_paths)
     }
+    out["train_memory"] = training_memory(cfg, shape, params, gpus or 1)
     if gpus is not None:
         out["gpus"] = gpus
         out["wall_hours"], out["scaling"] = wall_clock(cfg, out["gpu_hours"], gpus)
@@ -223,6 +224,23 @@ def checkpoint_bytes(cfg: RunConfig, params: float) -> tuple[float, float]:
     weight = 2 if cfg.train.precision == "bf16" else 4
     per_param = weight + (4 if cfg.train.precision == "bf16" else 0) + 8
     return params * per_param * (KEEP + 1), params * weight
+
+
+def training_memory(cfg: RunConfig, shape: TargetShape, params: float, gpus: int = 1) -> dict:
+    """Bytes one training GPU holds before activations and temporary buffers, offline and online.
+
+    The drafter's training state, per trainable parameter: its weights (2 bytes in bf16, 4 in fp32), an fp32
+    gradient (4) and the optimizer state (bf16: an fp32 master copy + AdamW's two fp32 moments, 12; fp32: the
+    moments, 8); over `gpus` > 1, ZeRO stage z splits the optimizer state (z >= 1), the gradients (z >= 2) and the
+    weights (z = 3) across the GPUs. Beside it, offline: the target's bf16 embedding and LM head (the drafter's
+    frozen ones); online: the whole bf16 target (resident for its forward in every step)."""
+    bf16 = cfg.train.precision == "bf16"
+    z = cfg.train.zero_stage if gpus > 1 else 0
+    split = lambda stage: gpus if z >= stage else 1  # noqa: E731
+    per_param = (2 if bf16 else 4) / split(3) + 4 / split(2) + (12 if bf16 else 8) / split(1)
+    state = params * per_param
+    return {"drafter_state": state, "zero_stage": z, "gpus": gpus,
+            "offline": state + 2 * 2 * shape.vocab_size * shape.hidden_size, "online": state + 2 * shape.num_params}
 
 
 def eval_tokens(cfg: RunConfig) -> float:
@@ -343,6 +361,15 @@ def _h(hours: float) -> str:
     return f"{hours:,.1f} h" if hours >= 1 else f"{hours * 60:,.0f} min"
 
 
+CARD_80GB = 79e9  # what an 80 GB card (H100 / A100 80GB) gives a process
+
+
+def _memory_line(m: dict) -> str:
+    return (f"  train memory / GPU      online {m['online'] / 1e9:,.1f} GB (the target + {m['drafter_state'] / 1e9:,.1f} "
+            f"GB of drafter weights, gradients, fp32 master and AdamW moments), offline {m['offline'] / 1e9:,.1f} GB; "
+            f"before activations; ZeRO-{m['zero_stage']} over {m['gpus']} GPU(s)")
+
+
 def format_plan(cfg: RunConfig, est: dict) -> str:
     """The plan as `drafter plan` prints it: sizes and storage, GPU-hours with every rate's source, offline against
     online, and (with `gpus`) each path's wall-clock per stage with the scaling assumed."""
@@ -364,6 +391,7 @@ def format_plan(cfg: RunConfig, est: dict) -> str:
         f"being written: weights, fp32 master, AdamW moments), export {human_bytes(est['export_bytes'])}",
         f"  storage, total          {human_bytes(est['storage_bytes'])} ({est['storage_bytes'] / 1e12:.2f} TB)",
         f"  drafter parameters      {est['drafter_params'] / 1e9:.3f} B trainable",
+        _memory_line(est["train_memory"]),
         "  GPU-hours (one GPU)     " + " | ".join(f"{s} {g[s]:,.1f}" for s in STAGES) + f" | total {sum(g.values()):,.1f}",
         "  rates (one GPU, and where each comes from):",
     ]
@@ -392,6 +420,11 @@ def format_plan(cfg: RunConfig, est: dict) -> str:
                          + f" | total {_h(sum(wall.values()))}")
         lines.append("    scaling:")
         lines += [f"      {s:8s} {text}" for s, text in est["scaling"].items()]
+    mem = est["train_memory"]["online" if est["online"] else "offline"]
+    if mem > CARD_80GB:
+        lines.append(f"  note: this config's training holds {mem / 1e9:,.1f} GB per GPU before activations, more than "
+                     "an 80 GB card: more GPUs with ZeRO (train.zero_stage 2-3), or "
+                     + ("offline features (train.online=false)" if est["online"] else "fewer taps / a smaller drafter"))
     if est["feature_bytes"] > 5e12:
         lines.append("  note: features this large are better trained online (train.online=true) or with extract.storage_dtype=fp8")
     return "\n".join(lines)

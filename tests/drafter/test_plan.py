@@ -115,3 +115,27 @@ def test_an_engine_wider_than_the_gpus_is_refused_and_eval_uses_at_most_its_unit
     tiny = load_config(REPO / "configs/qwen3-8b.yaml", ["eval.methods=[ar]"])  # 3 benchmarks x 1 decoder = 3 units
     est = estimate(tiny, gpus=8)
     assert est["wall_hours"]["eval"] == pytest.approx(est["gpu_hours"]["eval"] / 3)
+
+
+def test_training_memory_per_gpu_shows_the_27b_online_run_past_one_80gb_card_and_within_it_over_8_gpus(capsys):
+    """Before activations, online training of the Qwen3.6-27B drafter holds the bf16 target (2 x 27.0B bytes) and 18
+    bytes per drafter parameter (bf16 weights, fp32 gradient, fp32 master + AdamW moments): more than an 80 GB card.
+    ZeRO-2 over 8 GPUs splits the gradients and optimizer state (2 + 16/8 bytes a parameter), ZeRO-3 the weights too;
+    offline holds the target's embedding and LM head instead of the whole target."""
+    path = str(REPO / "configs/qwen3.6-27b.yaml")
+    one = estimate(load_config(path, ["train.online=true"]))
+    params, m = one["drafter_params"], one["train_memory"]
+    assert m["online"] == pytest.approx(2 * 27.0e9 + 18 * params) and m["online"] > 80e9
+    assert m["offline"] == pytest.approx(18 * params + 2 * 2 * 248320 * 5120) and (m["zero_stage"], m["gpus"]) == (0, 1)
+    eight = estimate(load_config(path, ["train.online=true"]), gpus=8)["train_memory"]
+    assert eight["zero_stage"] == 2 and eight["online"] == pytest.approx(2 * 27.0e9 + (2 + 16 / 8) * params)
+    assert eight["online"] < 79e9
+    zero3 = estimate(load_config(path, ["train.online=true", "train.zero_stage=3"]), gpus=8)["train_memory"]
+    assert zero3["drafter_state"] == pytest.approx(18 / 8 * params)
+    assert drafter_main(["plan", "--config", path, "train.online=true"]) == 0
+    out = capsys.readouterr().out
+    assert f"train memory / GPU      online {m['online'] / 1e9:,.1f} GB" in out and "ZeRO-0 over 1 GPU(s)" in out
+    assert "note: this config's training holds 85.1 GB per GPU before activations, more than an 80 GB card" in out
+    assert drafter_main(["plan", "--config", path, "train.online=true", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-2 over 8 GPU(s)" in out and "note: this config's training holds" not in out
