@@ -37,8 +37,9 @@
 # sets (GSM8K train, Code Alpaca, Alpaca seed tasks) from $DRAFTER_DATA_DIR, the cache or the hub: installed / set,
 # or carried by --bundle (benchmarks/offline_bundle.sh pack --out .bundle --no-gguf --data-dir "$DRAFTER_DATA_DIR"
 # --data gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl; parts over several calls).
-# REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256 on a card of >= 100 GB, else 64,128: 256 does not fit
-# an 80 GB card).
+# REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256 on a card of >= 100 GB, else 16,32: 64 ran out of
+# memory on an 80 GB card). On a card smaller than online training's memory before activations (`drafter plan`'s
+# train memory for configs/qwen3.6-27b.yaml online: 85 GB), train and trainmax are left out with a line saying so.
 # PYTHON=... picks the interpreter. Exit status 0 unless the arguments or the bundle are wrong.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -99,9 +100,24 @@ else
   fi
   SHAPE=qwen3.6-27b TRAIN_SHAPE=qwen3.6-27b
   # batch 256 needs the H200's memory: 54 GB of weights + 144 MiB of fp32 states per row + K/V; an 80 GB card
-  # (the device tool may lend an H100 for an H200) takes 64 and 128
+  # (the device tool may lend an H100 for an H200) takes 16 and 32
   mem_mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)"
-  [ "${mem_mib:-0}" -ge 100000 ] && regen_batches=64,256 || regen_batches=64,128
+  [ "${mem_mib:-0}" -ge 100000 ] && regen_batches=64,256 || regen_batches=16,32
+  # online training holds the whole target and the drafter's training state before any activation (drafter plan's
+  # train memory); where that and 5 % for a micro-batch's activations pass what torch can allocate on this card,
+  # train and trainmax cannot fit and are left out of this --work (--retry still runs them)
+  why="$("$PY" -c 'import torch; from drafter.plan import estimate; from pipeline.config import load_config
+need = estimate(load_config("configs/qwen3.6-27b.yaml", ["train.online=true"]))["train_memory"]["online"]
+total = torch.cuda.get_device_properties(0).total_memory
+if total < 1.05 * need:
+    print(f"online training holds {need / 1e9:.1f} GB per GPU before activations (drafter plan), this card "
+          f"{total / 1e9:.1f} GB")' 2>/dev/null)"
+  if [ -n "$why" ]; then
+    for s in train trainmax; do
+      [[ " ${RETRY[*]} " == *" $s "* ]] && continue
+      [ -f "$WORK/done.$s" ] || { echo skipped > "$WORK/done.$s"; log "skip $s: $why"; }
+    done
+  fi
   REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-$regen_batches}"
               --modes generate,static --generate-prompts 256)
   ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
