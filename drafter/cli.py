@@ -227,8 +227,9 @@ def run_command(command: str, fn) -> int:
     (no space, read-only, permission) is one line, `drafter <command>: error: <what is wrong and what to do>`, exit 2
     (a Preempted run: 75, run it again); a refusal that lists several fields puts them on indented lines below it.
     A device or host out of memory is one line too (exit 2): how much was asked of what, and the settings of that
-    stage that size what it holds. Ctrl-C is one line too (exit 130). Anything else is a bug: its traceback, then one line asking for a report
-    (exit 70, EX_SOFTWARE) — a bug is never hidden and a user error is never a traceback.
+    stage that size what it holds. Ctrl-C is one line too (exit 130). Anything else is a bug: its traceback, then
+    one line asking for a report (exit 70, EX_SOFTWARE) — a bug is never hidden and a user error is never a
+    traceback.
     """
     try:
         return fn()
@@ -238,18 +239,14 @@ def run_command(command: str, fn) -> int:
     except OSError as e:
         print(f"drafter {command}: error: {os_error_message(e)}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            traceback.print_exc()
-            print(f"drafter {command}: internal error: {REPORT_A_BUG}", file=sys.stderr)
-            return 70
-        print(f"drafter {command}: error: {out_of_memory_message(command, e)}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"drafter {command}: interrupted (finished units are kept: run the same command again to resume)",
               file=sys.stderr)
         return 130
-    except Exception:  # noqa: BLE001 - the boundary: every other exception is a bug, shown in full
+    except Exception as e:  # noqa: BLE001 - the boundary: every other exception is a bug, shown in full
+        if is_out_of_memory(e):  # a resource limit, not a bug
+            print(f"drafter {command}: error: {out_of_memory_message(command, e)}", file=sys.stderr)
+            return 2
         traceback.print_exc()
         print(f"drafter {command}: internal error: {REPORT_A_BUG}", file=sys.stderr)
         return 70
@@ -278,6 +275,8 @@ OUT_OF_MEMORY_FIXES = {
              "from extract) or ZeRO-3 (train.zero_stage=3) over more GPUs",
     "eval": "eval.budgets (the largest tree) or eval.max_new_tokens",
 }
+
+
 def out_of_memory_message(command: str, e: BaseException) -> str:
     """One line: what ran out and how much was asked (torch's first sentences), and what to lower in this stage."""
     text = " ".join(str(e).split())

@@ -365,7 +365,8 @@ CARD_80GB = 79e9  # what an 80 GB card (H100 / A100 80GB) gives a process
 
 
 def _memory_line(m: dict) -> str:
-    return (f"  train memory / GPU      online {m['online'] / 1e9:,.1f} GB (the target + {m['drafter_state'] / 1e9:,.1f} "
+    state = m["drafter_state"] / 1e9
+    return (f"  train memory / GPU      online {m['online'] / 1e9:,.1f} GB (the target + {state:,.1f} "
             f"GB of drafter weights, gradients, fp32 master and AdamW moments), offline {m['offline'] / 1e9:,.1f} GB; "
             f"before activations; ZeRO-{m['zero_stage']} over {m['gpus']} GPU(s)")
 
