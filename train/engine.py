@@ -116,6 +116,8 @@ def build_engine(model: torch.nn.Module, train_cfg: TrainConfig, *, total_steps:
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if device.type == "cpu":
+        skip_shared_memory_op()
     optimizer = build_optimizer(trainable, train_cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(total_steps, train_cfg.warmup_ratio))
     engine, optimizer, _, scheduler = deepspeed.initialize(
@@ -123,6 +125,16 @@ def build_engine(model: torch.nn.Module, train_cfg: TrainConfig, *, total_steps:
         config=deepspeed_config(train_cfg, world_size=world_size, device=device), dist_init_required=False,
     )
     return engine, optimizer, scheduler
+
+
+def skip_shared_memory_op() -> None:
+    """On the CPU, DeepSpeed's communication backend JIT-compiles a C++ shared-memory all-reduce op when it starts
+    (a C++ compiler needed, about a minute, again for every new environment: its build hash holds the venv's
+    paths), used only by DeepSpeed's inference all-reduce; training reduces through torch.distributed (gloo) either
+    way. Marking it incompatible in DeepSpeed's table of ops makes the backend skip it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """A real 2-process DeepSpeed ZeRO-2 job on CPU (torchrun + gloo) through the CLI: both data-parallel replicas end
-with identical weights and the loss falls."""
+with identical weights and the loss falls, and DeepSpeed compiles no C++ op on the way (its CPU shared-memory
+all-reduce is skipped: `train.engine.skip_shared_memory_op`)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ from train.distributed import free_port
 
 
 @pytest.mark.slow
-def test_two_rank_zero2_run_ends_with_identical_weights_and_falling_loss(tmp_path):
+def test_two_rank_zero2_run_ends_with_identical_weights_and_falling_loss_and_builds_no_cpp_op(tmp_path):
     cfg_args = [f"runs_dir={tmp_path / 'runs'}", f"cache_dir={CACHE}", "train.max_steps=10", "train.log_every=1",
                 "train.eval_every=10", "train.eval_fraction=0.2", "train.save_every=0", "train.zero_stage=2",
                 "train.micro_batch_tokens=256", "train.lr=5e-3"]
     write_extract_stage(make_config(tmp_path, overrides=cfg_args[2:]), n=40)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "drafter.cli", "train", "--config", "configs/tiny.yaml", *cfg_args]
-    done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    extensions = tmp_path / "torch_extensions"  # where a JIT-compiled op would be built
+    done = subprocess.run(cmd, cwd=REPO, env={**subprocess_env(), "TORCH_EXTENSIONS_DIR": str(extensions)},
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert not extensions.exists() or not any(extensions.rglob("*")), sorted(extensions.rglob("*"))
+    assert "built successfully" not in done.stdout + done.stderr
 
     run = tmp_path / "runs" / "tiny"
     manifest = json.loads((run / "train" / "manifest.json").read_text())
