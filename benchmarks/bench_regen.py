@@ -68,7 +68,7 @@ import torch  # noqa: E402
 from pipeline.cuda_graphs import GRAPH_LOG  # noqa: E402
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
 from pipeline.regen.generator import Sampling  # noqa: E402
-from pipeline.regen.hf import HFGenerator  # noqa: E402
+from pipeline.regen.hf import HFGenerator, longest_first_batches  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "smollm2-135m.yaml"  # its public prompt sets (mirror or hub, docs/data.md)
 MODES = ("generate", "static", "static-nograph", "static-nofold", "static-sdpa", "static-compiled", "vllm")
@@ -235,12 +235,12 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
 
 
 def middle_batch(prompts: list[list[int]], limits: list[int], batch_size: int):
-    """The middle batch of the run's longest-first order (HFGenerator.generate's batches): a typical width, where
+    """The middle batch of the run's longest-first order (`longest_first_batches`, what HFGenerator.generate
+    decodes): a typical width, where
     the first n prompts of the input could hold the longest one and profile its padding instead.
     -> (its prompts, its limits)."""
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    starts = range(0, len(order), batch_size)
-    idx = order[starts[len(starts) // 2]:][:batch_size]
+    batches = longest_first_batches(prompts, batch_size)
+    idx = batches[len(batches) // 2]
     return [prompts[i] for i in idx], [limits[i] for i in idx]
 
 

@@ -31,6 +31,10 @@ run_steps() {  # NAME:MIN_SECONDS ...: step each in this order, those named by -
   for n in "${order[@]}"; do step "$n" "${need[$n]}"; done
 }
 
+leave_out() {  # NAME: mark a step as not run in this --work (no results line: a summary names it missing)
+  [ -f "$WORK/done.$1" ] || echo skipped > "$WORK/done.$1"
+}
+
 timeboxed() { timeout -k 15 $(( $(left) - 10 )) "$@"; }  # a command that must end before the call's budget does
 
 begin_steps() {  # SCRIPT: check --retry / --skip / --first against STEPS, start the call's clock, make WORK and OUT, apply them
@@ -44,6 +48,6 @@ begin_steps() {  # SCRIPT: check --retry / --skip / --first against STEPS, start
   touch "$WORK/results.jsonl"
   for s in "${RETRY[@]}"; do rm -f "$WORK/done.$s"; done
   for s in "${SKIP[@]}"; do  # left out of this --work (no results line: a summary names it missing)
-    [ -f "$WORK/done.$s" ] || echo skipped > "$WORK/done.$s"
+    leave_out "$s"
   done
 }

@@ -115,7 +115,7 @@ if total < 1.05 * need:
   if [ -n "$why" ]; then
     for s in train trainmax; do
       [[ " ${RETRY[*]} " == *" $s "* ]] && continue
-      [ -f "$WORK/done.$s" ] || { echo skipped > "$WORK/done.$s"; log "skip $s: $why"; }
+      [ -f "$WORK/done.$s" ] || { leave_out "$s"; log "skip $s: $why"; }
     done
   fi
   REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-$regen_batches}"

@@ -25,7 +25,7 @@ import sys
 import traceback
 
 from pipeline.config import RunConfig, load_config
-from pipeline.errors import UserError, is_out_of_memory
+from pipeline.errors import CPU_ALLOCATOR_FAILED, UserError, is_out_of_memory
 from pipeline.stage_dir import RankInfo, StageDir, merge_ranks, rank_from_env
 
 STAGES = ("curate", "regen", "tokenize", "extract", "train", "eval")
@@ -280,7 +280,7 @@ OUT_OF_MEMORY_FIXES = {
 def out_of_memory_message(command: str, e: BaseException) -> str:
     """One line: what ran out and how much was asked (torch's first sentences), and what to lower in this stage."""
     text = " ".join(str(e).split())
-    if "DefaultCPUAllocator" in text:
+    if CPU_ALLOCATOR_FAILED in text:
         asked = re.search(r"you tried to allocate (\d+) bytes", text)
         what = "host memory ran out" + (f" (tried to allocate {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else "")
     else:

@@ -41,7 +41,7 @@ class DamagedFile(StageError):
         super().__init__(f"{path}: {problem}: the file is damaged" + (f". {repair}" if repair else ""))
 
 
-_CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
+CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's host allocator refusing
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -49,4 +49,4 @@ def is_out_of_memory(e: BaseException) -> bool:
     allocator refused (a plain RuntimeError). Never a bad input: a stage stops on it (finished units kept) rather than
     count the request it was serving as failed."""
     return (type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch")) \
-        or _CPU_ALLOCATOR_FAILED in str(e)
+        or CPU_ALLOCATOR_FAILED in str(e)

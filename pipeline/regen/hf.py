@@ -32,6 +32,13 @@ class _VocabLimit:
         return mask_padded_vocab(scores, self.vocab_limit)
 
 
+def longest_first_batches(prompts: Sequence[list[int]], batch_size: int) -> list[list[int]]:
+    """The batches `HFGenerator.generate` decodes: indices of `prompts`, longest first (little padding per batch),
+    `batch_size` at a time."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    return [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+
+
 class HFGenerator:
     def __init__(self, model, *, pad_id: int, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
                  batch_size: int, decode: str = "auto", cuda_graphs: bool = True, gqa_fold: bool = True,
@@ -67,13 +74,11 @@ class HFGenerator:
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int],
                  seeds: Sequence[int] | None = None) -> list[Generation]:
         """Batches of `batch_size` prompts, longest first (little padding); results in input order."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list[Generation | None] = [None] * len(prompts)
         stop = set(self.stop_ids)
         # the first (longest) batch's K/V length for every batch: one static state and one set of step graphs
         span = max((len(p) for p in prompts), default=0) + max(max_new_tokens, default=0)
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start: start + self.batch_size]
+        for idx in longest_first_batches(prompts, self.batch_size):
             batch, limits = [prompts[i] for i in idx], [max_new_tokens[i] for i in idx]
             seed = seeds[idx[0]] if seeds is not None else 0
             for i, stream in zip(idx, self._generate_batch(batch, limits, seed, span)):
