@@ -37,6 +37,8 @@
 # sets (GSM8K train, Code Alpaca, Alpaca seed tasks) from $DRAFTER_DATA_DIR, the cache or the hub: installed / set,
 # or carried by --bundle (benchmarks/offline_bundle.sh pack --out .bundle --no-gguf --data-dir "$DRAFTER_DATA_DIR"
 # --data gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl; parts over several calls).
+# --tokenizer DIR tokenizes regen's prompts with that tokenizer (e.g. SmolLM2's, as for speed_gpu.sh: its ids fit the
+# 27B shape's vocabulary and its prompt lengths are a real BPE's; without it, the byte tokenizer, several times longer).
 # REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256 on a card of >= 100 GB, else 16,32: 64 ran out of
 # memory on an 80 GB card). On a card smaller than online training's memory before activations (`drafter plan`'s
 # train memory for configs/qwen3.6-27b.yaml online: 85 GB), train and trainmax are left out with a line saying so.
@@ -48,7 +50,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-BUNDLE="" OUT="" WORK="/tmp/hybrid-gpu" BUDGET_S=560 SMOKE="" RECORD="" RETRY=() SKIP=() FIRST=()
+BUNDLE="" OUT="" WORK="/tmp/hybrid-gpu" BUDGET_S=560 SMOKE="" RECORD="" TOKENIZER="" RETRY=() SKIP=() FIRST=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE="$2"; shift 2 ;;
@@ -57,6 +59,7 @@ while [ $# -gt 0 ]; do
     --budget-s) BUDGET_S="$2"; shift 2 ;;
     --cpu-smoke) SMOKE=1; shift ;;
     --record) RECORD=1; shift ;;
+    --tokenizer) TOKENIZER="$2"; shift 2 ;;
     --retry) RETRY+=("$2"); shift 2 ;;
     --skip) SKIP+=("$2"); shift 2 ;;
     --first) IFS=, read -ra FIRST <<< "$2"; shift 2 ;;
@@ -65,6 +68,10 @@ while [ $# -gt 0 ]; do
 done
 STEPS=(env tests regen round commit extract train trainmax)
 [ -n "$OUT" ] || { echo "hybrid_gpu.sh: --out DIR is required" >&2; exit 2; }
+if [ -n "$TOKENIZER" ]; then
+  [ -f "$TOKENIZER/tokenizer.json" ] || { echo "hybrid_gpu.sh: --tokenizer $TOKENIZER has no tokenizer.json" >&2; exit 2; }
+  TOKENIZER="$(cd "$TOKENIZER" && pwd)"
+fi
 source benchmarks/gpu_steps.sh  # begin_steps, left, log, step, timeboxed
 begin_steps hybrid_gpu.sh
 finish() {
@@ -120,6 +127,7 @@ if total < 1.05 * need:
   fi
   REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-$regen_batches}"
               --modes generate,static --generate-prompts 256)
+  [ -n "$TOKENIZER" ] && REGEN_ARGS+=(--tokenizer "$TOKENIZER")
   ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
   COMMIT_RUN=("$PY" benchmarks/bench_gdn_commit.py --shape qwen3.6-27b)
   EXTRACT_ARGS=(--extract-tokens 100000 --profile-extract)

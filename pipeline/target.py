@@ -451,6 +451,7 @@ def base_model(model):
 
 
 POINTWISE_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")  # of each decoder layer
+GATED_NORM = ("linear_attn", "norm")  # a Gated-DeltaNet layer's output norm: RMSNorm(core) * silu(gate), in fp32
 ROTARY_FUNCTION = "apply_rotary_pos_emb"  # the module-level function transformers' attention layers call for RoPE
 
 
@@ -468,7 +469,9 @@ class CompiledFunction:
 
 def compile_pointwise_modules(model) -> list:
     """torch.compile (in place, `Module.compile`) the parts of `model`'s decoder layers that touch no cache: the two
-    RMSNorms and the MLP of every layer, the final norm, and the rotary embedding its attention layers apply
+    RMSNorms and the MLP of every layer, a Gated-DeltaNet layer's gated output norm (`GATED_NORM`; eager, ~11 fp32
+    passes over [tokens x value heads, head_dim], the largest pointwise work of a hybrid's forward; compiled, one
+    read of the core output and the gate), the final norm, and the rotary embedding its attention layers apply
     (`apply_rotary_pos_emb` of their modeling module, swapped for its compiled self: rotate_half's concatenation
     and four products become one kernel for q and k). Eager, an RMSNorm is ~8 kernels and SiLU * up two more,
     over activations a few rows deep in a decode step (mostly such launches) and around the GEMMs of a long
@@ -480,6 +483,9 @@ def compile_pointwise_modules(model) -> list:
     all."""
     body = base_model(model)
     modules = [getattr(layer, name) for layer in body.layers for name in POINTWISE_MODULES if hasattr(layer, name)]
+    owner, name = GATED_NORM
+    modules += [getattr(getattr(layer, owner), name) for layer in body.layers
+                if hasattr(getattr(layer, owner, None), name)]
     if hasattr(body, "norm"):
         modules.append(body.norm)
     for module in modules:

@@ -101,7 +101,8 @@ def test_compile_auto_keeps_cpu_eager_and_a_hybrids_compiled_norms_and_mlps_are_
 @pytest.mark.slow
 def test_a_hybrids_extraction_runs_with_compiled_norms_and_mlps_equal_to_eager(random_target):
     """extract.compile=on on a Gated-DeltaNet hybrid: the model's forward with its norms and MLPs torch.compile'd
-    (inductor, CPU here) gives the eager features on shapes the probes did not have."""
+    (inductor, CPU here), each Gated-DeltaNet layer's gated output norm included, gives the eager features on shapes
+    the probes did not have."""
     from extract.hf import compiled_forward
     from extract.layers import forward_taps
     from pipeline.target import uncompile
@@ -112,7 +113,9 @@ def test_a_hybrids_extraction_runs_with_compiled_norms_and_mlps_equal_to_eager(r
     eager = [forward_taps(hybrid, ids, [1, 3]) for ids in batches]
     assert compiled_forward(hybrid, [1, 3], "on", torch.device("cpu")) is forward_taps
     compiled = [m for layer in hybrid.model.layers for m in (layer.mlp, layer.input_layernorm)]
-    assert all(m._compiled_call_impl is not None for m in compiled)
+    gated_norms = [layer.linear_attn.norm for layer in hybrid.model.layers if hasattr(layer, "linear_attn")]
+    assert gated_norms and all(m._compiled_call_impl is not None for m in compiled + gated_norms)
+    compiled += gated_norms
     for ids, ref in zip(batches, eager):
         torch.testing.assert_close(forward_taps(hybrid, ids, [1, 3]), ref, rtol=1e-4, atol=1e-4)
     uncompile(compiled)
