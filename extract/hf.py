@@ -32,8 +32,8 @@ from extract.layers import call_decoder_layer, forward_taps, forward_taps_loop, 
 from extract.store import STORAGE_DTYPES, ShardWriter, encode_features
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
-from pipeline.target import compile_pointwise_modules, load_target, resolve_device, resolve_dtype, text_config, \
-    uncompile
+from pipeline.target import bind_whole_sequence_gated_delta, compile_pointwise_modules, gated_delta_kernels, \
+    load_target, resolve_device, resolve_dtype, text_config, uncompile
 
 log = get_logger("extract.hf")
 
@@ -159,16 +159,20 @@ def compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torc
 
 def _pointwise_compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torch.device, reason: str):
     """`forward_taps` with the decoder layers' norms and MLPs compiled (`compile_pointwise_modules`), for targets the
-    layer loop does not rebuild (`reason`: hybrids, sliding windows); checked against the eager forward on the probe
-    batches first, undone on any failure (eager, with a warning; an error with "on")."""
+    layer loop does not rebuild (`reason`: hybrids, sliding windows), and on a GPU with fla-core a hybrid's
+    Gated-DeltaNet layers on their whole-sequence forward (`bind_whole_sequence_gated_delta`); checked against
+    transformers' eager forward on the probe batches first, undone on any failure (eager, with a warning; an error
+    with "on")."""
     import time
 
-    n, started, modules = len(layer_ids), time.perf_counter(), []
+    n, started, modules, bound = len(layer_ids), time.perf_counter(), [], []
     try:
         vocab = text_config(model.config).vocab_size
         gen = torch.Generator().manual_seed(0)
         probes = [torch.randint(0, vocab, (B, S), generator=gen).to(device) for B, S in COMPILE_PROBES]
         refs = [forward_taps(model, ids, layer_ids) for ids in probes]
+        if device.type == "cuda" and gated_delta_kernels(model) == "fla":
+            bound = bind_whole_sequence_gated_delta(model)
         modules = compile_pointwise_modules(model)
         err = max(_max_relative_error(forward_taps(model, ids, layer_ids), ref, n) for ids, ref in zip(probes, refs))
         if err > COMPILED_MAX_ERROR:
@@ -176,6 +180,8 @@ def _pointwise_compiled_forward(model, layer_ids: Sequence[int], setting: str, d
                                f"{COMPILED_MAX_ERROR})")
     except Exception as e:  # noqa: BLE001 — any failure of the optional fast path
         uncompile(modules)
+        for item in bound:
+            item.undo()
         if setting == "on":
             raise RuntimeError(f"extract.compile=on: the layer loop does not cover this target ({reason}) and its "
                                f"norms and MLPs could not be compiled: {e}") from e
@@ -183,7 +189,8 @@ def _pointwise_compiled_forward(model, layer_ids: Sequence[int], setting: str, d
                     reason, type(e).__name__, e)
         return forward_taps
     log.info("extract.compile: the layer loop does not cover this target (%s); its %d norms and MLPs are compiled "
-             "instead, checked against eager in %.1f s (relative error %.2e)", reason, len(modules),
+             "instead%s, checked against eager in %.1f s (relative error %.2e)", reason, len(modules),
+             f" and its {len(bound)} Gated-DeltaNet layers run their whole-sequence forward on fla" if bound else "",
              time.perf_counter() - started, err)
     return forward_taps
 

@@ -361,6 +361,74 @@ def bind_fla_short_convolution(model) -> bool:
     return True
 
 
+def fla_gated_delta_kernels():
+    """fla-core's two kernels a whole-sequence Gated-DeltaNet forward needs, as (conv, rule):
+    conv(x [B, T, C], weight [C, W], bias [C] | None, activation=None | 'silu') -> (out [B, T, C], state) and
+    rule(q [B, T, H, K], k, v [B, T, HV, V], g=a [B, T, HV] (raw), beta [B, T, HV], use_qk_l2norm_in_kernel=True,
+    use_gate_in_kernel=True, A_log [HV], dt_bias [HV]) -> (o [B, T, HV, V], final state): value head j reads key
+    head j // (HV / H) (grouped value attention) and the decay -exp(A_log) * softplus(a + dt_bias) is made in fp32
+    inside the kernel."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return causal_conv1d, chunk_gated_delta_rule
+
+
+@dataclass
+class BoundForward:
+    """A module whose `forward` is replaced (an instance attribute over its class's) until `undo()`."""
+
+    module: Any
+
+    def undo(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def whole_sequence_gated_delta_forward(layer, kernels=None):
+    """transformers' Gated-DeltaNet layer forward (Qwen3.5/3.6, Qwen3-Next) for a forward with no cache over whole
+    sequences (extraction, a target forward for online features), with nothing spent around the kernels: the
+    short convolution runs on the projection's [B, T, C] layout (no transposes), q / k keep their H key heads
+    (the kernel reads key head j // (HV / H) for value head j: no repeat_interleave copies to HV heads), and the
+    decay is made inside the rule's kernel (no five fp32 passes over [B, T, HV]). `kernels`: (conv, rule) with
+    `fla_gated_delta_kernels`' contract, fla's by default. A forward with a cache, with packed sequences
+    (`cu_seq_lens_q`) or on CPU tensors is transformers' own. Returns the new forward; hidden [B, T, D] -> [B, T, D],
+    equal to transformers' up to the order of fp32 sums."""
+    original = layer.forward
+    namespace = sys.modules[type(layer).__module__]
+
+    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if cache_params is not None or kwargs.get("cu_seq_lens_q") is not None or (
+                kernels is None and not hidden_states.is_cuda):
+            return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        conv, rule = kernels or fla_gated_delta_kernels()
+        hidden_states = namespace.apply_mask_to_padding_states(hidden_states, attention_mask)
+        batch, seq_len, _ = hidden_states.shape
+        mixed, _ = conv(layer.in_proj_qkv(hidden_states), layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
+                        activation=layer.activation)
+        query, key, value = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+        core, _ = rule(query.unflatten(-1, (-1, layer.head_k_dim)), key.unflatten(-1, (-1, layer.head_k_dim)),
+                       value.unflatten(-1, (-1, layer.head_v_dim)), g=layer.in_proj_a(hidden_states),
+                       beta=layer.in_proj_b(hidden_states).sigmoid(), use_qk_l2norm_in_kernel=True,
+                       use_gate_in_kernel=True, A_log=layer.A_log, dt_bias=layer.dt_bias)
+        gate = layer.in_proj_z(hidden_states)
+        core = layer.norm(core.reshape(-1, layer.head_v_dim), gate.reshape(-1, layer.head_v_dim))
+        return layer.out_proj(core.reshape(batch, seq_len, -1))
+
+    return forward
+
+
+def bind_whole_sequence_gated_delta(model, kernels=None) -> list[BoundForward]:
+    """Every Gated-DeltaNet layer of `model` runs `whole_sequence_gated_delta_forward` (on fla's kernels, or
+    `kernels`) until each returned item's `undo()`; none for a target without such layers."""
+    bound = []
+    for layer in base_model(model).layers:
+        block = getattr(layer, "linear_attn", None)
+        if block is not None and "forward" not in block.__dict__:
+            block.forward = whole_sequence_gated_delta_forward(block, kernels)
+            bound.append(BoundForward(block))
+    return bound
+
+
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, enable_thinking: bool) -> str:
     """THE chat-template call: the same one the serving engine makes (thinking flag included)."""
     return tokenizer.apply_chat_template(

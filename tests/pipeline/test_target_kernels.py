@@ -83,3 +83,89 @@ def test_fla_short_convolution_equals_transformers_torch_convolution_on_cuda():
                 got, ref = adapter(x, w, b, activation=act), reference(x, w, b, activation=act)
                 assert got.shape == ref.shape == x.shape and got.dtype == ref.dtype
                 torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def _reference_gated_delta_kernels(namespace):
+    """fla's whole-sequence contract (`fla_gated_delta_kernels`) stated in transformers' torch definitions: the
+    convolution on [B, T, C], grouped value heads (value head j reads key head j // (HV / H)) and the decay made from
+    the raw gate input inside the rule."""
+    import inspect
+
+    import torch.nn.functional as F
+
+    torch_conv, torch_rule = (inspect.unwrap(namespace.causal_conv1d_fn),
+                              inspect.unwrap(namespace.torch_chunk_gated_delta_rule))
+
+    def conv(x, weight, bias=None, activation=None):
+        return torch_conv(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2), None
+
+    def rule(q, k, v, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias):
+        assert use_qk_l2norm_in_kernel and use_gate_in_kernel
+        groups = v.shape[2] // q.shape[2]
+        decay = -A_log.float().exp() * F.softplus(g.float() + dt_bias)
+        return torch_rule(q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2), v, g=decay,
+                          beta=beta, use_qk_l2norm_in_kernel=True)
+
+    return conv, rule
+
+
+def test_whole_sequence_gated_delta_forward_equals_transformers_forward_and_leaves_cached_forwards_to_it():
+    """`bind_whole_sequence_gated_delta` on a hybrid with grouped value heads (4 value heads over 2 key heads), with
+    fla's kernel contract stated in transformers' torch code: the logits of a padded batch equal transformers' own
+    forward; a forward with a cache (generate) is transformers' forward, token for token; undo() restores the class's
+    forward. Split order, head grouping, gate or norm plumbing wrong: the logits move."""
+    import sys
+
+    from pipeline.target import bind_whole_sequence_gated_delta
+
+    model = random_target("qwen3_5_text")
+    blocks = [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
+    assert blocks[0].num_v_heads == 2 * blocks[0].num_k_heads
+    namespace = sys.modules[type(blocks[0]).__module__]
+    ids = torch.randint(3, 200, (3, 41), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0  # right padding
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask, use_cache=False).logits
+        generated = model.generate(ids[:1, :12], max_new_tokens=6, do_sample=False)
+    bound = bind_whole_sequence_gated_delta(model, kernels=_reference_gated_delta_kernels(namespace))
+    assert len(bound) == len(blocks) and all("forward" in b.__dict__ for b in blocks)
+    assert bind_whole_sequence_gated_delta(model) == []  # bound once
+    calls = []
+    blocks[0].register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        after = model(ids, attention_mask=mask, use_cache=False).logits
+        assert torch.equal(model.generate(ids[:1, :12], max_new_tokens=6, do_sample=False), generated)
+    assert calls
+    torch.testing.assert_close(after[mask.bool()], before[mask.bool()], rtol=1e-5, atol=1e-5)
+    for item in bound:
+        item.undo()
+    assert not any("forward" in b.__dict__ for b in blocks)
+    assert not bind_whole_sequence_gated_delta(random_target("qwen3"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's Triton kernels run on CUDA (GPU machine with gpu-hybrid)")
+def test_whole_sequence_gated_delta_forward_on_fla_equals_transformers_forward_on_cuda():
+    """The whole-sequence forward on fla's kernels (grouped value heads and the decay inside the rule) vs
+    transformers' forward (heads repeated, decay made in torch), on the 27B layer's head shapes (16 key heads of 128,
+    48 value heads of 128) over 2 sequences: fp32 within the order of sums, bf16 within bf16's rounding."""
+    pytest.importorskip("fla")
+    from pipeline.target import base_model, bind_whole_sequence_gated_delta, random_target_config
+    from transformers import AutoModelForCausalLM
+
+    overrides = dict(hidden_size=512, linear_num_key_heads=16,
+                     linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                     layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 3e-2)):
+        model = AutoModelForCausalLM.from_config(random_target_config("qwen3_5_text", overrides)).to("cuda", dtype)
+        model.eval().requires_grad_(False)
+        ids = torch.randint(3, 200, (2, 300), device="cuda")
+        hidden = base_model(model).embed_tokens(ids)
+        block = base_model(model).layers[0].linear_attn
+        with torch.no_grad():
+            ref = block(hidden)
+            bound = bind_whole_sequence_gated_delta(model)
+            got = block(hidden)
+        assert bound and got.shape == ref.shape == hidden.shape
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
