@@ -39,8 +39,8 @@
 # --data gsm8k_train.jsonl,code_alpaca_2k.json,alpaca_seed_tasks.jsonl; parts over several calls).
 # --tokenizer DIR tokenizes regen's prompts with that tokenizer (e.g. SmolLM2's, as for speed_gpu.sh: its ids fit the
 # 27B shape's vocabulary and its prompt lengths are a real BPE's; without it, the byte tokenizer, several times longer).
-# REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256 on a card of >= 100 GB, else 16,32: 64 ran out of
-# memory on an 80 GB card). On a card smaller than online training's memory before activations (`drafter plan`'s
+# REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256 over 512 prompts, `generate` over 256, on a card of
+# >= 100 GB; else 16,32 over 128 and 64: 64 ran out of memory on an 80 GB card). On a card smaller than online training's memory before activations (`drafter plan`'s
 # train memory for configs/qwen3.6-27b.yaml online: 85 GB), train and trainmax are left out with a line saying so.
 # PYTHON=... picks the interpreter. Exit status 0 unless the arguments or the bundle are wrong.
 set -uo pipefail
@@ -107,9 +107,11 @@ else
   fi
   SHAPE=qwen3.6-27b TRAIN_SHAPE=qwen3.6-27b
   # batch 256 needs the H200's memory: 54 GB of weights + 144 MiB of fp32 states per row + K/V; an 80 GB card
-  # (the device tool may lend an H100 for an H200) takes 16 and 32
+  # (the device tool may lend an H100 for an H200) takes 16 and 32, over fewer prompts (there, `generate` at batch
+  # 16 had not finished 256 prompts x 256 tokens after 300 s)
   mem_mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)"
-  [ "${mem_mib:-0}" -ge 100000 ] && regen_batches=64,256 || regen_batches=16,32
+  if [ "${mem_mib:-0}" -ge 100000 ]; then regen_batches=64,256 regen_prompts=512 generate_prompts=256
+  else regen_batches=16,32 regen_prompts=128 generate_prompts=64; fi
   # online training holds the whole target and the drafter's training state before any activation (drafter plan's
   # train memory); where that and 5 % for a micro-batch's activations pass what torch can allocate on this card,
   # train and trainmax cannot fit and are left out of this --work (--retry still runs them)
@@ -125,8 +127,8 @@ if total < 1.05 * need:
       [ -f "$WORK/done.$s" ] || { leave_out "$s"; log "skip $s: $why"; }
     done
   fi
-  REGEN_ARGS=(--dtype bfloat16 --num-prompts 512 --max-new-tokens 256 --batch-size "${REGEN_BATCHES:-$regen_batches}"
-              --modes generate,static --generate-prompts 256)
+  REGEN_ARGS=(--dtype bfloat16 --num-prompts $regen_prompts --max-new-tokens 256
+              --batch-size "${REGEN_BATCHES:-$regen_batches}" --modes generate,static --generate-prompts $generate_prompts)
   [ -n "$TOKENIZER" ] && REGEN_ARGS+=(--tokenizer "$TOKENIZER")
   ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
   COMMIT_RUN=("$PY" benchmarks/bench_gdn_commit.py --shape qwen3.6-27b)
@@ -195,6 +197,6 @@ step_trainmax() {  # each trial is a fresh process; the log keeps every trial's 
 
 step env 30
 [ -z "$SMOKE" ] && [ "$(cat "$WORK/done.env" 2>/dev/null)" != 0 ] && { log "env failed: nothing else runs"; exit 0; }
-run_steps tests:240 regen:300 round:120 commit:90 extract:240 train:450 trainmax:300
+run_steps tests:330 regen:300 round:120 commit:90 extract:240 train:450 trainmax:300
 [ -f "$WORK/done.trainmax" ] && log "all steps done"
 exit 0
