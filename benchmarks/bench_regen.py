@@ -215,11 +215,15 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
                       batch_size=batch_size, decode="generate" if mode == "generate" else "static",
                       cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold",
                       decode_gemm=mode != "static-sdpa", compile_pointwise=mode == "static-compiled")
-    # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning); the static loop decodes one whole batch so that the
-    # step graphs of its key buckets are captured before the clock starts
-    warm = limits[:batch_size] if mode != "generate" else [min(8, m) for m in limits[:batch_size]]
+    # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning). The static loop decodes the run's last batch (its
+    # shortest prompts) until it reaches the run's K/V length (longest prompt + longest answer): its state then has
+    # the timed run's shape and its step graphs every live length the run reaches, captured before the clock starts,
+    # as in a regen stage, where one decoder's graphs serve shard after shard
+    last = [prompts[i] for i in longest_first_batches(prompts, batch_size)[-1]]
+    span = max(map(len, prompts)) + max(limits)
+    steps = span - max(map(len, last)) if mode != "generate" else min(8, max(limits))
     try:
-        gen.generate(prompts[:batch_size], warm)
+        gen.generate(last, [steps] * len(last))
         _sync(device)
         captured = GRAPH_LOG.captured
         t0 = time.perf_counter()

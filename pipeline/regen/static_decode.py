@@ -343,8 +343,8 @@ class StaticDecoder:
         rows = list(prompts) + [prompts[0]] * max(0, (pad_to or n) - n)
         lens = torch.tensor([len(p) for p in rows], device=self.device)
         width, steps = int(lens.max()), max(limits)
-        cache_len = -(-max(width + steps, cache_len) // self.length_bucket) * self.length_bucket
-        state = self._prepare(len(rows), cache_len)
+        state = self._prepare(len(rows), -(-max(width + steps, cache_len) // self.length_bucket) * self.length_bucket)
+        cache_len = state.slots.max_len  # (a state kept from an earlier call may hold more slots than this one needs)
 
         pad = width - lens  # [B] left padding per row
         ids = torch.full((len(rows), width), 0, dtype=torch.long, device=self.device)
@@ -420,7 +420,11 @@ class StaticDecoder:
 
     # -- internals -----------------------------------------------------------------------------
     def _prepare(self, batch: int, cache_len: int) -> _State:
-        if self._key != (batch, cache_len):
+        """The state for `batch` rows and at least `cache_len` slots: the one in hand when it has `batch` rows and
+        that many slots or more (so its captured step graphs serve every later call of this decoder: a regen stage
+        calls it once per shard, each with its own longest prompt), else a new one of exactly that shape, the
+        previous one freed first."""
+        if self._key is None or self._key[0] != batch or self._key[1] < cache_len:
             self._state = None  # free the previous shape's cache and graph first
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -138,6 +138,34 @@ def test_every_batch_of_a_run_decodes_on_one_static_state(target, monkeypatch):
     assert allocated == [-(-(len(prompts[-1]) + 20) // 8) * 8], allocated
 
 
+def test_later_calls_decode_on_the_state_in_hand_while_it_holds_them_and_a_longer_call_allocates_once(target,
+                                                                                                      monkeypatch):
+    """A regen stage calls its generator once per shard, each with its own longest prompt. The decoder keeps its
+    state (K/V slots, on a GPU its captured step graphs) for every later call of the same batch size whose K/V length
+    fits it: a shorter call allocates nothing, a longer one allocates once, and the one after it reuses that. Greedy
+    output equals model.generate's in every call."""
+    import pipeline.regen.static_decode as static_decode
+
+    allocated = []
+
+    class CountingSlotCache(static_decode.SlotCache):
+        def __init__(self, max_len, device):
+            super().__init__(max_len, device)
+            allocated.append(max_len)
+
+    monkeypatch.setattr(static_decode, "SlotCache", CountingSlotCache)
+    prompts = sorted(target[3], key=len)[1:]  # two short, two long: two calls of one batch each
+    gen, reference = _gen(target, "static", 2, length_bucket=8), _gen(target, "generate", 1)
+    bucket = lambda n: -(-n // 8) * 8  # noqa: E731
+    first, longer = bucket(len(prompts[3]) + 12), bucket(len(prompts[3]) + 24)
+    assert bucket(len(prompts[1]) + 12) < first < longer
+    calls = [(prompts[2:], [12, 12]), (prompts[:2], [12, 12]), (prompts[2:], [24, 24]), (prompts[:2], [20, 20])]
+    for batch, limits in calls:
+        got = gen.generate(batch, limits)
+        assert [o.token_ids for o in got] == [r.token_ids for r in reference.generate(batch, limits)]
+    assert allocated == [first, longer], allocated
+
+
 def test_a_wide_batch_prefills_in_narrower_chunks_within_its_token_budget_and_decodes_the_same(target, monkeypatch):
     """`prefill_tokens` bounds rows x positions of one prefill forward: the batch of 5 with a budget of 20 prefills
     4 positions at a time (1 at a budget of 3), each forward within the budget, and greedy output equals

@@ -201,13 +201,17 @@ def test_a_compacted_hybrid_batch_decodes_what_the_full_batch_would_and_sampling
     """Three of five rows end at 9 tokens: at the check after step 16 the two others move, with their conv windows
     and recurrent states, to the first rows of the buffers and decode on at batch 2. Greedy output equals
     `model.generate`'s, every compacted step's logits equal HF's unpadded forward; sampled output is seeded and every
-    row keeps its own stream."""
+    row keeps its own stream. A second call on the same decoder (the state and its compacted views kept) decodes the
+    same answers."""
     model, tok, eot, prompts = hybrid
     limits = [40, 9, 9, 9, 40]
     reference = _gen(hybrid, "generate", 1, stop=[len(tok) + 1]).generate(prompts, limits)
     gen = _gen(hybrid, "static", 5, stop=[len(tok) + 1], min_compact_batch=1)
     assert [o.token_ids for o in gen.generate(prompts, limits)] == [r.token_ids for r in reference]
     assert 2 in gen.static._state.compact, "the batch was not compacted"
+    state = gen.static._state  # the next call (a regen stage's next shard) decodes on it, compacted views included
+    assert [o.token_ids for o in gen.generate(prompts[::-1], limits[::-1])] == [r.token_ids for r in reference[::-1]]
+    assert gen.static._state is state
 
     seen = static_step_logits(model, prompts, limits, len(tok), monkeypatch, min_compact_batch=1)
     assert [s.shape[0] for s in seen] == [5] * 16 + [2] * 24
