@@ -210,6 +210,13 @@ def vllm_location(args, location):
     return materialize_target(TargetConfig(model=f"gguf:{Path(args.model) / args.gguf_file}"), REPO / ".cache")
 
 
+def tokenizer_name(path: str) -> str:
+    """How a run's log names its --tokenizer: the path inside this checkout, else the folder's name (a log is
+    committed with the results and names nothing outside the repository)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else resolved.name
+
+
 def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=False):
     gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
                       batch_size=batch_size, decode="generate" if mode == "generate" else "static",
@@ -368,7 +375,8 @@ def main() -> None:
            "dtype": args.dtype, "threads": torch.get_num_threads(), "model_load_s": round(load_s, 1),
            "prompt_tokens_mean": round(sum(map(len, prompts)) / max(1, len(prompts)), 1),
            "prompt_tokens_max": max(map(len, prompts), default=0), "prompts_over_max_model_len": over,
-           "tokenizer": args.tokenizer or ("byte" if args.shape else "the target's")}
+           "tokenizer": tokenizer_name(args.tokenizer) if args.tokenizer
+           else ("byte" if args.shape else "the target's")}
     if not prompts:
         raise SystemExit(f"bench_regen: every prompt has --max-model-len {args.max_model_len} tokens or more")
     import transformers
