@@ -370,7 +370,7 @@ class StaticDecoder:
             if k + 1 < steps and (k + 1) % STOP_CHECK_EVERY == 0:
                 alive = int((~done).sum())  # the host sync of the check
                 if alive == 0:
-                    return [row[: k + 1].tolist() for row in out[:n]]
+                    return out[:n, : k + 1].tolist()  # (one read-back for the batch, not one per row)
                 size = max(self.min_compact_batch, 1 << (alive - 1).bit_length())
                 if size <= len(done) // 2:  # half the rows or more finished: go on with the others only
                     keep = torch.nonzero(~done).flatten()
@@ -379,14 +379,14 @@ class StaticDecoder:
                     nxt, limit_t, done, row_of, real = nxt[idx], limit_t[idx], done[idx], row_of[idx], alive
                     done[alive:] = True
             if k + 1 == steps:
-                return [row[: k + 1].tolist() for row in out[:n]]
+                return out[:n, : k + 1].tolist()
             state.ids.copy_(nxt[:, None])
             state.mask[:, :, :, width + k] = 0.0
             state.slots.set_write_pos(width + k)
             state.slots.live = min(cache_len, -(-(width + k + 1) // bucket) * bucket)  # the filled buckets
             logits = self._step(state)
             state.pos.add_(1)
-        return [row.tolist() for row in out[:n]]
+        return out[:n].tolist()
 
     def _compact(self, root: _State, idx: Tensor, size: int, written: int) -> _State:
         """Rows `idx` of the batch in flight (rows 0.. of `root`'s buffers) moved to rows 0..size-1 of the same

@@ -263,6 +263,27 @@ def test_static_decode_on_cuda_replays_its_checked_graph_and_equals_generate(tar
     assert gens["static"].static.on_graphs(), "the decode step fell back to eager (capture or self-check failed)"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist on CUDA only (run on the GPU machine)")
+def test_static_decode_on_cuda_waits_for_the_gpu_only_at_its_stop_checks(target):
+    """Once its graphs are captured, a batch's decode loop lets the host run ahead of the GPU: it waits on it only for
+    the prompt width, at each finished-rows check (every STOP_CHECK_EVERY steps) and once to read the batch's answers
+    back, never once per step or per row. A per-step sync leaves the GPU idle while the host prepares the next step; the failure lists
+    where each sync happened."""
+    from pipeline.cuda_graphs import host_syncs
+    from pipeline.regen.static_decode import STOP_CHECK_EVERY
+
+    _, tok, _, prompts = target
+    cuda = load_target(materialize_target(TINY_QWEN3, CACHE), TINY_QWEN3, device="cuda")
+    gen = HFGenerator(cuda, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=[len(tok) + 1],
+                      sampling=Sampling(), batch_size=5, decode="static")
+    limits = [64] * 5
+    gen.generate(prompts, limits)  # captures the step graphs
+    syncs, outs = host_syncs(lambda: gen.generate(prompts, limits))
+    assert all(len(o.token_ids) == 64 for o in outs)
+    allowed = 1 + 64 // STOP_CHECK_EVERY + 1 + 2  # width, checks, the read-back, slack
+    assert len(syncs) <= allowed, f"{len(syncs)} host syncs for 64 decode steps:\n" + "\n".join(syncs)
+
+
 def test_bench_regen_names_the_logit_gap_where_two_greedy_outputs_part(target):
     """benchmarks/bench_regen.py's divergence report: an output that takes the runner-up token at position 3 parts
     there with the gap top-1 minus runner-up of the reference's logits; one that agrees until it ends early is
