@@ -387,7 +387,8 @@ class BoundForward:
 def whole_sequence_gated_delta_forward(layer, kernels=None):
     """transformers' Gated-DeltaNet layer forward (Qwen3.5/3.6, Qwen3-Next) for a forward with no cache over whole
     sequences (extraction, a target forward for online features), with nothing spent around the kernels: the
-    short convolution runs on the projection's [B, T, C] layout (no transposes), q / k keep their H key heads
+    short convolution runs on the projection's [B, T, C] layout (no transposes), q / k / v each contiguous from
+    its own projection rows (`_short_convolved_qkv`: no copies of strided slices), q / k keep their H key heads
     (the kernel reads key head j // (HV / H) for value head j: no repeat_interleave copies to HV heads), and the
     decay is made inside the rule's kernel (no five fp32 passes over [B, T, HV]). `kernels`: (conv, rule) with
     `fla_gated_delta_kernels`' contract, fla's by default. A forward with a cache, with packed sequences
@@ -403,9 +404,7 @@ def whole_sequence_gated_delta_forward(layer, kernels=None):
         conv, rule = kernels or fla_gated_delta_kernels()
         hidden_states = namespace.apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, seq_len, _ = hidden_states.shape
-        mixed, _ = conv(layer.in_proj_qkv(hidden_states), layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
-                        activation=layer.activation)
-        query, key, value = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+        query, key, value = _short_convolved_qkv(layer, hidden_states, conv)
         core, _ = rule(query.unflatten(-1, (-1, layer.head_k_dim)), key.unflatten(-1, (-1, layer.head_k_dim)),
                        value.unflatten(-1, (-1, layer.head_v_dim)), g=layer.in_proj_a(hidden_states),
                        beta=layer.in_proj_b(hidden_states).sigmoid(), use_qk_l2norm_in_kernel=True,
@@ -415,6 +414,28 @@ def whole_sequence_gated_delta_forward(layer, kernels=None):
         return layer.out_proj(core.reshape(batch, seq_len, -1))
 
     return forward
+
+
+def _short_convolved_qkv(layer, hidden_states, conv):
+    """q [B, T, H*dk], k [B, T, H*dk], v [B, T, HV*dv] of a Gated-DeltaNet layer: its q/k/v projection then its
+    short convolution (per channel), each part from its own rows of the projection's and the convolution's weights,
+    so each comes out contiguous (slices of one [B, T, C] output are strided, and fla's rule copies a strided input
+    before it starts). A projection that is not a plain `nn.Linear` (a quantized one) runs whole and is split."""
+    import torch
+
+    sizes = [layer.key_dim, layer.key_dim, layer.value_dim]
+    projection, taps, conv_bias = layer.in_proj_qkv, layer.conv1d.weight.squeeze(1), layer.conv1d.bias
+    if type(projection) is not torch.nn.Linear:
+        mixed, _ = conv(projection(hidden_states), taps, conv_bias, activation=layer.activation)
+        return mixed.split(sizes, dim=-1)
+    parts = zip(projection.weight.split(sizes), _split_or_none(projection.bias, sizes), taps.split(sizes),
+                _split_or_none(conv_bias, sizes))
+    return [conv(torch.nn.functional.linear(hidden_states, w, b), c, cb, activation=layer.activation)[0]
+            for w, b, c, cb in parts]
+
+
+def _split_or_none(tensor, sizes):
+    return tensor.split(sizes) if tensor is not None else [None] * len(sizes)
 
 
 def bind_whole_sequence_gated_delta(model, kernels=None) -> list[BoundForward]:

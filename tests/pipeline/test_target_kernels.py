@@ -113,7 +113,8 @@ def test_whole_sequence_gated_delta_forward_equals_transformers_forward_and_leav
     """`bind_whole_sequence_gated_delta` on a hybrid with grouped value heads (4 value heads over 2 key heads), with
     fla's kernel contract stated in transformers' torch code: the logits of a padded batch equal transformers' own
     forward; a forward with a cache (generate) is transformers' forward, token for token; undo() restores the class's
-    forward. Split order, head grouping, gate or norm plumbing wrong: the logits move."""
+    forward. Split order, head grouping, gate or norm plumbing wrong: the logits move. A q/k/v projection that is
+    not a plain nn.Linear (a quantized one) runs whole and is split, to the same logits."""
     import sys
 
     from pipeline.target import bind_whole_sequence_gated_delta
@@ -138,6 +139,17 @@ def test_whole_sequence_gated_delta_forward_equals_transformers_forward_and_leav
         assert torch.equal(model.generate(ids[:1, :12], max_new_tokens=6, do_sample=False), generated)
     assert calls
     torch.testing.assert_close(after[mask.bool()], before[mask.bool()], rtol=1e-5, atol=1e-5)
+
+    class OtherLinear(torch.nn.Linear):  # a projection that is not a plain nn.Linear (a quantized one): run whole
+        pass
+
+    for block in blocks:
+        plain = block.in_proj_qkv
+        block.in_proj_qkv = OtherLinear(plain.in_features, plain.out_features, bias=False)
+        block.in_proj_qkv.weight = plain.weight
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(whole[mask.bool()], before[mask.bool()], rtol=1e-5, atol=1e-5)
     for item in bound:
         item.undo()
     assert not any("forward" in b.__dict__ for b in blocks)
