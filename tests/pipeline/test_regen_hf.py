@@ -115,10 +115,8 @@ def test_a_batch_compacted_to_its_unfinished_rows_decodes_what_the_full_batch_wo
     assert a[0].token_ids != a[4].token_ids
 
 
-def test_every_batch_of_a_run_decodes_on_one_static_state(target, monkeypatch):
-    """Batches of different widths (8-slot buckets: the longest prompts need more slots than the rest) reuse the
-    first batch's K/V slots instead of allocating their own: on a GPU one state means its step graphs are captured
-    once per run, not once per batch shape. Greedy output still equals model.generate's."""
+def slot_cache_lengths(monkeypatch) -> list[int]:
+    """The K/V slot count of every SlotCache the static decoder allocates from now on (in order)."""
     import pipeline.regen.static_decode as static_decode
 
     allocated = []
@@ -129,6 +127,14 @@ def test_every_batch_of_a_run_decodes_on_one_static_state(target, monkeypatch):
             allocated.append(max_len)
 
     monkeypatch.setattr(static_decode, "SlotCache", CountingSlotCache)
+    return allocated
+
+
+def test_every_batch_of_a_run_decodes_on_one_static_state(target, monkeypatch):
+    """Batches of different widths (8-slot buckets: the longest prompts need more slots than the rest) reuse the
+    first batch's K/V slots instead of allocating their own: on a GPU one state means its step graphs are captured
+    once per run, not once per batch shape. Greedy output still equals model.generate's."""
+    allocated = slot_cache_lengths(monkeypatch)
     prompts = sorted(target[3], key=len)[1:]  # four prompts of four different lengths: two batches of two
     assert len({len(p) for p in prompts}) == 4 and len(prompts[-1]) - len(prompts[0]) > 8
     limits = [20] * 4
@@ -144,16 +150,7 @@ def test_later_calls_decode_on_the_state_in_hand_while_it_holds_them_and_a_longe
     state (K/V slots, on a GPU its captured step graphs) for every later call of the same batch size whose K/V length
     fits it: a shorter call allocates nothing, a longer one allocates once, and the one after it reuses that. Greedy
     output equals model.generate's in every call."""
-    import pipeline.regen.static_decode as static_decode
-
-    allocated = []
-
-    class CountingSlotCache(static_decode.SlotCache):
-        def __init__(self, max_len, device):
-            super().__init__(max_len, device)
-            allocated.append(max_len)
-
-    monkeypatch.setattr(static_decode, "SlotCache", CountingSlotCache)
+    allocated = slot_cache_lengths(monkeypatch)
     prompts = sorted(target[3], key=len)[1:]  # two short, two long: two calls of one batch each
     gen, reference = _gen(target, "static", 2, length_bucket=8), _gen(target, "generate", 1)
     bucket = lambda n: -(-n // 8) * 8  # noqa: E731
