@@ -154,9 +154,10 @@ except ImportError as e:
 PY
 }
 
-TEST_FILES=(tests/eval/test_tree_recurrent.py tests/eval/test_tree_recurrent_triton.py tests/eval/test_hybrid_cache.py
-            tests/eval/test_decode_greedy.py tests/pipeline/test_regen_static_hybrid.py tests/extract/test_hf.py
-            tests/pipeline/test_target_kernels.py)
+# the kernel-equality tests first (quick, and what the extract step's numbers rest on), then the slower decode ones
+TEST_FILES=(tests/pipeline/test_target_kernels.py tests/extract/test_hf.py tests/eval/test_tree_recurrent.py
+            tests/eval/test_tree_recurrent_triton.py tests/eval/test_hybrid_cache.py tests/eval/test_decode_greedy.py
+            tests/pipeline/test_regen_static_hybrid.py)
 step_tests() {
   if [ -n "$SMOKE" ]; then  # CUDA-only tests skip on the CPU: prove the selection names tests
     timeboxed "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TEST_FILES[@]}" -k "cuda or fla_kernels"
