@@ -1,4 +1,5 @@
-"""Regeneration throughput: generated tokens/s of the regen backends on real chat prompts, greedy.
+"""Regeneration throughput: generated tokens/s of the regen backends on real chat prompts, greedy (or sampled as a
+recipe samples: `--temperature 0.7 --top-p 0.95`, seeded).
 
 Modes (each runs the same prompts; the table also says whether its outputs equal the first mode's):
   generate        hf backend, transformers `model.generate` (left padding, length-sorted batches)
@@ -99,6 +100,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.12, help="vllm mode (on CPU: RAM share)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vllm mode: requests decoded at once (regen.vllm."
                    "max_num_seqs; default: vLLM's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="as regen.temperature (0 = greedy); the recipe "
+                   "configs sample at 0.7")
+    p.add_argument("--top-p", type=float, default=1.0, help="as regen.top_p (the recipe configs: 0.95)")
+    p.add_argument("--top-k", type=int, default=0, help="as regen.top_k (0 = off)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--profile", action="store_true", help="static modes: after the timed run, one more batch under "
@@ -217,8 +222,8 @@ def tokenizer_name(path: str) -> str:
     return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else resolved.name
 
 
-def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=False):
-    gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
+def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=False, sampling=Sampling()):
+    gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=sampling,
                       batch_size=batch_size, decode="generate" if mode == "generate" else "static",
                       cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold",
                       decode_gemm=mode != "static-sdpa", compile_pointwise=mode == "static-compiled")
@@ -311,7 +316,7 @@ def print_profile(mode: str, p: dict) -> None:
                 print(f"{r['us_per_step']:9.1f} {r['calls_per_step']:6.2f}  {r['name']}")
 
 
-def run_vllm(args, location, tok, stop, prompts, limits):
+def run_vllm(args, location, tok, stop, prompts, limits, sampling=Sampling()):
     from pipeline.config import RegenConfig, TargetConfig, VLLMConfig
     from pipeline.regen.vllm import VLLMGenerator
 
@@ -319,7 +324,7 @@ def run_vllm(args, location, tok, stop, prompts, limits):
     rcfg = RegenConfig(backend="vllm", max_model_len=args.max_model_len,
                        vllm=VLLMConfig(gpu_memory_utilization=args.gpu_memory_utilization,
                                        enforce_eager=not args.device.startswith("cuda"), max_num_seqs=args.max_num_seqs))
-    gen = VLLMGenerator.load(location, tcfg, rcfg, tokenizer=tok, stop_ids=stop, sampling=Sampling())
+    gen = VLLMGenerator.load(location, tcfg, rcfg, tokenizer=tok, stop_ids=stop, sampling=sampling)
     gen.generate(prompts[:4], [4] * min(4, len(prompts)))
     t0 = time.perf_counter()
     outs = gen.generate(prompts, limits)
@@ -373,6 +378,7 @@ def main() -> None:
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
            "dtype": args.dtype, "threads": torch.get_num_threads(), "model_load_s": round(load_s, 1),
+           "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
            "prompt_tokens_mean": round(sum(map(len, prompts)) / max(1, len(prompts)), 1),
            "prompt_tokens_max": max(map(len, prompts), default=0), "prompts_over_max_model_len": over,
            "tokenizer": tokenizer_name(args.tokenizer) if args.tokenizer
@@ -398,6 +404,7 @@ def main() -> None:
     print("# bench_regen", json.dumps(env))
 
     rows, reference = [], None
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; choose from {MODES}")
@@ -407,11 +414,13 @@ def main() -> None:
             row = {"mode": mode, "batch": bs or "engine", "prompts": n}
             try:
                 if mode == "vllm":
-                    outs, secs = run_vllm(args, vllm_location(args, location), tok, stop, prompts[:n], limits[:n])
+                    outs, secs = run_vllm(args, vllm_location(args, location), tok, stop, prompts[:n], limits[:n],
+                                          sampling)
                     row["graphs"] = device.type == "cuda"
                 else:
                     outs, secs, row["graphs"], row["graphs_captured_timed"], found = run_hf(
-                        mode, model, tok, stop, prompts[:n], limits[:n], bs, device, profile=args.profile)
+                        mode, model, tok, stop, prompts[:n], limits[:n], bs, device, profile=args.profile,
+                        sampling=sampling)
                     if found:
                         row["profile"] = found
                         print_profile(mode, found)

@@ -24,7 +24,8 @@
 #   regen   bench_regen.py --shape smollm2-135m: the static decode with cuDNN's fused attention (static-sdpa), with
 #           the GEMM attention (static, the default), and with norms / MLPs / RoPE compiled (static-compiled), at
 #           each batch of REGEN_BATCHES (default 512,1024), 2,048 prompts x <= 256 tokens within 2,048 of context (as
-#           the stage: longer prompts left out and counted), the middle batch of each row profiled
+#           the stage: longer prompts left out and counted), the middle batch of each row profiled; greedy, or
+#           REGEN_SAMPLING="--temperature 0.7 --top-p 0.95" (the recipe's sampling)
 #   train   bench_train.py --shape smollm2: TRAIN_VARIANTS (default: the recipe's online compiled step with CE, with
 #           CE+KL (the recipe's loss: its target logits now per position), and with 64 anchors per sample)
 # Writes results.jsonl, steps.log, summary.md, json/ (every step's JSON) and logs.tgz into --out.
@@ -84,7 +85,7 @@ else
   DEVICE=cuda
   REGEN_ARGS=(--shape smollm2-135m --dtype bfloat16 --num-prompts 2048 --max-new-tokens 256
               --batch-size "${REGEN_BATCHES:-512,1024}" --modes static-sdpa,static,static-compiled --profile
-              ${TOKENIZER:+--tokenizer "$TOKENIZER"})
+              ${TOKENIZER:+--tokenizer "$TOKENIZER"} ${REGEN_SAMPLING:-})
   TRAIN_ARGS=(--shape smollm2 --engine torch --variants "${TRAIN_VARIANTS:-trainer-flex-compile-online,trainer-flex-compile-online-kl,trainer-flex-compile-online-anc64}")
 fi
 

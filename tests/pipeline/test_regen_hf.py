@@ -337,8 +337,8 @@ def test_bench_regen_shape_tokenizes_with_a_real_tokenizer_and_refuses_one_large
                                                                                                   tmp_path,
                                                                                                   monkeypatch):
     """`--shape smollm2-135m --tokenizer DIR`: the random-init shape decodes prompts of the real tokenizer's
-    lengths (far shorter than the byte tokenizer's), each within --max-model-len; the tiny shape (320 ids) refuses
-    SmolLM2's 49,152-id tokenizer in one line."""
+    lengths (far shorter than the byte tokenizer's), each within --max-model-len, sampled as the recipe samples when
+    asked; the tiny shape (320 ids) refuses SmolLM2's 49,152-id tokenizer in one line."""
     import json
     import os
     import subprocess
@@ -355,7 +355,8 @@ def test_bench_regen_shape_tokenizes_with_a_real_tokenizer_and_refuses_one_large
     assert refused.stderr.strip().splitlines()[-1].endswith("more than --shape tiny's vocabulary of 320")
     out = tmp_path / "real.json"
     subprocess.run(base + ["--shape", "smollm2-135m", "--max-model-len", "160", "--tokenizer", smollm2_dir, "--json",
-                           str(out)], cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+                           str(out), "--temperature", "0.7", "--top-p", "0.95"],  # (the recipe's sampling)
+                   cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
     real = json.loads(out.read_text())["env"], json.loads(out.read_text())["rows"][0]
     from benchmarks.bench_regen import real_prompts
     from pipeline.target import build_byte_tokenizer
@@ -365,6 +366,7 @@ def test_bench_regen_shape_tokenizes_with_a_real_tokenizer_and_refuses_one_large
     (info, row) = real
     assert info["tokenizer"] == str(Path(smollm2_dir).resolve().relative_to(REPO))  # (a committed log names no
     assert info["prompt_tokens_max"] < 160                                          # path outside the repository)
+    assert info["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": 0} and row["gen_tokens"] > 0
     assert info["prompts_over_max_model_len"] < sum(n >= 160 for n in byte)  # the byte lengths pass the limit more
     kept = [n for n in byte if n < 160]
     assert info["prompt_tokens_mean"] < sum(kept) / len(kept)  # shorter even than the byte prompts that fit
