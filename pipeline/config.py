@@ -492,6 +492,10 @@ class TrainConfig:
                                           ge=1, hashed=False)
     eval_every: int = doc("optimizer steps between held-out evaluations (0 = only at the end)", 200, ge=0, hashed=False)
     save_every: int = doc("optimizer steps between checkpoints (0 = only at the end)", 500, ge=0, hashed=False)
+    keep_best: bool = doc(
+        "export the evaluated step with the lowest held-out loss (every eval_every steps and the last) instead of the "
+        "last step: the best so far is exported to train/best/ as training goes, and train/export/ is that one",
+        False)
     log_every: int = doc("optimizer steps between metric logs", 10, ge=1, hashed=False)
     num_workers: int = doc("data-loading worker processes", 1, ge=0, hashed=False)
     seed: int = doc("training seed (anchors, order, init)", 0)

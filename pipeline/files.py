@@ -70,6 +70,38 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise with_path(e, path) from e
 
 
+def replace_dir(new: Path, path: Path) -> None:
+    """Put the finished directory `new` at `path` (a sibling), replacing what is there: the old one is renamed to
+    `<path>.old` first and removed last, so a kill at any point leaves `path` or `<path>.old` whole
+    (`recover_dir` puts the latter back)."""
+    import shutil
+
+    new, path = Path(new), Path(path)
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.rename(path, old)
+    os.rename(new, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_dir(path: Path) -> None:
+    """After a kill inside `replace_dir`: `path` missing and `<path>.old` whole -> renamed back."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.is_dir():
+        os.rename(old, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 from pipeline.config import RunConfig
 from pipeline.log import get_logger, progress
 from pipeline.errors import StageError
-from pipeline.files import atomic_write_json, sha256_file
+from pipeline.files import atomic_write_json, read_json, recover_dir, replace_dir, sha256_file
 from pipeline.target import load_target
 from train import checkpoint
 from train.data import EVAL_EPOCH, MicroBatchDataset, RunPlan, batch_to, make_loader, rank_micro_batches
@@ -41,6 +42,9 @@ from train.preempt import Preempted, StopSignals, any_rank_stopping
 from train.step import StepStats, eval_step, train_step
 
 log = get_logger("train")
+
+BEST_DIR = "best"  # train/best/: the z-lab export of the evaluated step with the lowest held-out loss (train.keep_best)
+BEST_RECORD = "best.json"  # in it: {"step", "eval_loss"}
 
 
 @dataclass
@@ -85,7 +89,8 @@ class Trainer:
         self.shape = DrafterShape.from_args(self.args)
         self.peak = peak_flops(device, train_cfg.precision)
         self.tile = 128 if device.type == "cuda" else None  # flex tile: aligned rows, few distinct shapes to compile
-        self.position = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "tokens_seen": 0}
+        self.position = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "tokens_seen": 0,
+                         "best_step": None, "best_eval_loss": None}  # (train.keep_best: what train/best/ holds)
         self.resumed = False
         self.last_saved = -1
         self.logger: MetricsLogger | None = None
@@ -124,11 +129,16 @@ class Trainer:
             tag, saved = latest
             checkpoint.check_resumable(saved, self.resume_state())
             state = checkpoint.load(self.engine, self.ckpt_dir, tag, rank=self.dist.rank, device=self.device)
-            self.position = {k: state.get(k, 0) for k in self.position}
+            self.position = {k: state.get(k, v) for k, v in self.position.items()}
             self.resumed, self.last_saved = True, self.position["global_step"]
             if self.dist.is_main:
                 log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", tag, state["global_step"],
                          state["epoch"], state["step_in_epoch"])
+        if self.train_cfg.keep_best:  # what train/best/ holds is the truth (a kill may have come after its export
+            best_dir = self.out_dir / BEST_DIR  # and before the next checkpoint): the best so far, whatever step
+            rank0_first(lambda: recover_dir(best_dir), self.dist.is_main)
+            record = read_json(best_dir / BEST_RECORD) if (best_dir / BEST_RECORD).is_file() else {}
+            self.position["best_step"], self.position["best_eval_loss"] = record.get("step"), record.get("eval_loss")
         if self.dist.is_main:
             self.logger = MetricsLogger(self.cfg, self.out_dir,
                                         resume_step=self.position["global_step"] if self.resumed else None)
@@ -228,7 +238,7 @@ class Trainer:
                         torch.cuda.synchronize(self.device)  # the queued training work counts as training
                     paused = time.time()
                     if evaluate:
-                        self.evaluate()
+                        self.keep_if_best(self.evaluate())
                     if save:
                         self.save()
                     window.start += time.time() - paused
@@ -259,9 +269,11 @@ class Trainer:
         """Final held-out eval, a checkpoint of the last step (unless just saved), the z-lab export (read back and
         compared) and the replica check."""
         final_eval = self.evaluate()
+        self.keep_if_best(final_eval)
         if self.last_saved != self.position["global_step"]:
             self.save()
-        export_info = self.export(self.out_dir / "export", final_eval)
+        export_info = self.export_best() if self.train_cfg.keep_best and self.position["best_step"] is not None \
+            else self.export(self.out_dir / "export", final_eval)
         replicas = replica_digests(self.drafter, self.out_dir, self.dist.rank, self.dist.world_size, self.sharded)
         last_train = None
         if self.logger is not None:
@@ -279,6 +291,43 @@ class Trainer:
         extra = {"export": export_info, "world_size": self.dist.world_size, "replica_digests": replicas,
                  "final_eval": final_eval, "final_train": last_train}
         return TrainResult(counts, extra, final_eval)
+
+    def keep_if_best(self, metrics: dict | None) -> None:
+        """train.keep_best: when `metrics` (this step's held-out evaluation, the same on every rank) has the lowest
+        loss so far, export this step to train/best/ (collective; written beside it and renamed over it, so a kill
+        leaves the previous best whole) and remember it in the position that checkpoints save."""
+        if not self.train_cfg.keep_best or metrics is None:
+            return
+        loss, best = float(metrics["loss"]), self.position["best_eval_loss"]
+        if best is not None and loss >= best:
+            return
+        step, best_dir = self.position["global_step"], self.out_dir / BEST_DIR
+        staging = best_dir.with_name(BEST_DIR + ".tmp")
+        if self.dist.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.export(staging, metrics)
+        if self.dist.is_main:
+            atomic_write_json(staging / BEST_RECORD, {"step": step, "eval_loss": loss})
+            replace_dir(staging, best_dir)
+        barrier()
+        self.position["best_step"], self.position["best_eval_loss"] = step, loss
+
+    def export_best(self) -> dict | None:
+        """train.keep_best at the end: train/export/ becomes a copy of train/best/ (the lowest held-out loss), read
+        back and compared with it file by file. Returns `export`'s record plus the step it holds (rank 0)."""
+        if not self.dist.is_main:
+            return None
+        best_dir, out_dir = self.out_dir / BEST_DIR, self.out_dir / "export"
+        staging = out_dir.with_name("export.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(best_dir, staging)
+        replace_dir(staging, out_dir)
+        files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)}
+                 for f in sorted(out_dir.iterdir()) if f.is_file() and f.name != CARD_NAME]
+        if [f["sha256"] for f in files] != [sha256_file(best_dir / f["name"]) for f in files]:
+            raise StageError(f"{out_dir} does not read back equal to {best_dir}")
+        return {"path": str(out_dir), "files": files, "verified": True, "step": self.position["best_step"],
+                "selected": "lowest held-out loss (train.keep_best)", "eval_loss": self.position["best_eval_loss"]}
 
     def export(self, out_dir: Path, final_eval: dict | None = None) -> dict | None:
         """Write the z-lab layout with its model card (rank 0), read it back with load_zlab and compare every tensor.

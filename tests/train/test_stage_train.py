@@ -286,3 +286,53 @@ def test_a_training_that_fails_before_its_export_ends_its_wandb_run_as_failed(tm
     again = make_config(tmp_path / "again", overrides=FAST)
     write_extract_stage(again)
     assert run_train(again)["counts"]["steps"] == 6
+
+
+def test_keep_best_exports_the_evaluated_step_of_lowest_held_out_loss_and_a_killed_swap_resumes_to_it(tmp_path,
+                                                                                                      monkeypatch):
+    """train.keep_best with held-out losses scripted so that step 3 (of 3 and 6) is the best: train/best/ and the
+    final train/export/ hold step 3's weights (equal to its checkpoint's), best.json and the manifest say so. A run
+    killed inside the swap of train/best/ (only best.old left) and before its last checkpoint resumes, puts
+    best.old back and exports step 3 again."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    import train.trainer as trainer_module
+    from dflash_model.export import load_zlab
+    from train.stage import run_train
+
+    scripted = {0: 9.0, 3: 1.0, 6: 2.0}
+    real = trainer_module.Trainer.evaluate
+
+    def evaluate(self):
+        metrics = real(self)
+        return {**metrics, "loss": scripted[self.position["global_step"]]} if metrics is not None else None
+
+    monkeypatch.setattr(trainer_module.Trainer, "evaluate", evaluate)
+    cfg = make_config(tmp_path, overrides=FAST + ["train.engine=torch", "train.keep_best=true"])
+    write_extract_stage(cfg)
+    manifest = run_train(cfg)
+    train_dir = cfg.run_dir / "train"
+    best, export = train_dir / "best", train_dir / "export"
+    assert json.loads((best / "best.json").read_text()) == {"step": 3, "eval_loss": 1.0}
+    assert manifest["export"]["step"] == 3 and manifest["export"]["eval_loss"] == 1.0
+    exported = load_zlab(export)[0].state_dict()
+    step3 = load_file(train_dir / "checkpoints" / "step-00000003" / "model.safetensors")
+    step6 = load_file(train_dir / "checkpoints" / "step-00000006" / "model.safetensors")
+    for name, tensor in exported.items():
+        key = next(k for k in step3 if k == name or k.endswith("." + name))
+        assert torch.equal(tensor.to(step3[key].dtype), step3[key]), name
+    assert any(not torch.equal(step3[k], step6[k]) for k in step3)  # (the last step's weights are other ones)
+    files = sorted(f.name for f in best.iterdir())
+    assert files == sorted(f.name for f in export.iterdir())
+    assert all((best / f).read_bytes() == (export / f).read_bytes() for f in files)
+
+    (train_dir / "manifest.json").unlink()
+    shutil.rmtree(train_dir / "checkpoints" / "step-00000006")
+    best.rename(train_dir / "best.old")  # killed between replace_dir's two renames
+    shutil.rmtree(export)
+    resumed = run_train(cfg)
+    assert json.loads((best / "best.json").read_text()) == {"step": 3, "eval_loss": 1.0}
+    assert resumed["export"]["step"] == 3 and not (train_dir / "best.old").exists()
+    assert all((best / f).read_bytes() == (export / f).read_bytes() for f in files)
