@@ -227,15 +227,16 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
                       batch_size=batch_size, decode="generate" if mode == "generate" else "static",
                       cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold",
                       decode_gemm=mode != "static-sdpa", compile_pointwise=mode == "static-compiled")
-    # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning). The static loop decodes the run's last batch (its
-    # shortest prompts) until it reaches the run's K/V length (longest prompt + longest answer): its state then has
-    # the timed run's shape and its step graphs every live length the run reaches, captured before the clock starts,
-    # as in a regen stage, where one decoder's graphs serve shard after shard
-    last = [prompts[i] for i in longest_first_batches(prompts, batch_size)[-1]]
-    span = max(map(len, prompts)) + max(limits)
-    steps = span - max(map(len, last)) if mode != "generate" else min(8, max(limits))
+    # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning). The static loop decodes the run's first batch (its
+    # longest prompts) and its last (the shortest) to the longest answer: the first sizes the decoder's state for
+    # the whole run (longest prompt + longest answer), which every later call keeps, as a regen stage's decoder
+    # serves shard after shard, and both capture the step graphs of their live lengths. Graphs of the lengths only
+    # the middle batches reach are captured on the clock: `graphs_captured_timed` counts them
+    batches = longest_first_batches(prompts, batch_size)
+    steps = max(limits) if mode != "generate" else min(8, max(limits))
     try:
-        gen.generate(last, [steps] * len(last))
+        for idx in {0: batches[0], len(batches) - 1: batches[-1]}.values():
+            gen.generate([prompts[i] for i in idx], [steps] * len(idx))
         _sync(device)
         captured = GRAPH_LOG.captured
         t0 = time.perf_counter()

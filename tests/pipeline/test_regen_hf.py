@@ -281,6 +281,21 @@ def test_static_decode_on_cuda_waits_for_the_gpu_only_at_its_stop_checks(target)
     assert len(syncs) <= allowed, f"{len(syncs)} host syncs for 64 decode steps:\n" + "\n".join(syncs)
 
 
+def test_bench_regen_warm_up_sizes_the_decoder_state_for_the_whole_timed_run(target, monkeypatch):
+    """bench_regen's untimed warm-up decodes the run's longest batch first, so the timed run decodes every batch on
+    the state it made (one allocation; on a GPU: no state, and no graph of its live lengths, built on the clock),
+    not on a new one sized for prompts longer than the warm-up's."""
+    from benchmarks.bench_regen import run_hf
+
+    model, tok, stop, prompts = target
+    prompts = prompts[:4]  # two full batches of two (on a GPU every batch is padded to the batch size)
+    allocated = slot_cache_lengths(monkeypatch)
+    limits = [40] * len(prompts)  # the first two prompts (64 + 40) fit 128 slots, the longest (97 + 40) needs 256
+    assert max(map(len, prompts[:2])) + 40 <= 128 < max(map(len, prompts)) + 40
+    outs = run_hf("static-nograph", model, tok, stop, prompts, limits, 2, torch.device("cpu"))[0]
+    assert len(outs) == len(prompts) and allocated == [256], allocated
+
+
 def test_bench_regen_names_the_logit_gap_where_two_greedy_outputs_part(target):
     """benchmarks/bench_regen.py's divergence report: an output that takes the runner-up token at position 3 parts
     there with the gap top-1 minus runner-up of the reference's logits; one that agrees until it ends early is
