@@ -35,6 +35,12 @@ leave_out() {  # NAME: mark a step as not run in this --work (no results line: a
   [ -f "$WORK/done.$1" ] || echo skipped > "$WORK/done.$1"
 }
 
+check_tokenizer() {  # SCRIPT: a --tokenizer DIR must hold tokenizer.json; TOKENIZER becomes its absolute path
+  [ -n "$TOKENIZER" ] || return 0
+  [ -f "$TOKENIZER/tokenizer.json" ] || { echo "$1: --tokenizer $TOKENIZER has no tokenizer.json" >&2; exit 2; }
+  TOKENIZER="$(cd "$TOKENIZER" && pwd)"
+}
+
 timeboxed() { timeout -k 15 $(( $(left) - 10 )) "$@"; }  # a command that must end before the call's budget does
 
 begin_steps() {  # SCRIPT: check --retry / --skip / --first against STEPS, start the call's clock, make WORK and OUT, apply them

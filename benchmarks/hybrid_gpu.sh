@@ -40,8 +40,9 @@
 # --tokenizer DIR tokenizes regen's prompts with that tokenizer (e.g. SmolLM2's, as for speed_gpu.sh: its ids fit the
 # 27B shape's vocabulary and its prompt lengths are a real BPE's; without it, the byte tokenizer, several times longer).
 # REGEN_BATCHES=64,128 sets regen's batch sizes (default 64,256 over 512 prompts, `generate` over 256, on a card of
-# >= 100 GB; else 16,32 over 128 and 64: 64 ran out of memory on an 80 GB card). On a card smaller than online training's memory before activations (`drafter plan`'s
-# train memory for configs/qwen3.6-27b.yaml online: 85 GB), train and trainmax are left out with a line saying so.
+# >= 100 GB; else 16,32 over 128 and 64: 64 ran out of memory on an 80 GB card). On a card smaller than online
+# training's memory before activations (`drafter plan`'s train memory for configs/qwen3.6-27b.yaml online: 85 GB),
+# train and trainmax are left out with a line saying so.
 # PYTHON=... picks the interpreter. Exit status 0 unless the arguments or the bundle are wrong.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 DRAFTER_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -68,11 +69,8 @@ while [ $# -gt 0 ]; do
 done
 STEPS=(env tests regen round commit extract train trainmax)
 [ -n "$OUT" ] || { echo "hybrid_gpu.sh: --out DIR is required" >&2; exit 2; }
-if [ -n "$TOKENIZER" ]; then
-  [ -f "$TOKENIZER/tokenizer.json" ] || { echo "hybrid_gpu.sh: --tokenizer $TOKENIZER has no tokenizer.json" >&2; exit 2; }
-  TOKENIZER="$(cd "$TOKENIZER" && pwd)"
-fi
 source benchmarks/gpu_steps.sh  # begin_steps, left, log, step, timeboxed
+check_tokenizer hybrid_gpu.sh
 begin_steps hybrid_gpu.sh
 finish() {
   "$PY" benchmarks/hybrid_gpu_summary.py --work "$WORK" --out "$OUT/summary.json" \

@@ -58,11 +58,8 @@ if [ -n "$DATA" ]; then
   [ -d "$DATA" ] || { echo "speed_gpu.sh: --data $DATA is not a directory" >&2; exit 2; }
   export DRAFTER_DATA_DIR="$(cd "$DATA" && pwd)"
 fi
-if [ -n "$TOKENIZER" ]; then
-  [ -f "$TOKENIZER/tokenizer.json" ] || { echo "speed_gpu.sh: --tokenizer $TOKENIZER has no tokenizer.json" >&2; exit 2; }
-  TOKENIZER="$(cd "$TOKENIZER" && pwd)"
-fi
 source benchmarks/gpu_steps.sh  # begin_steps, left, log, step, timeboxed
+check_tokenizer speed_gpu.sh
 begin_steps speed_gpu.sh
 finish() {
   cp "$WORK/results.jsonl" "$WORK/steps.log" "$OUT/" 2>/dev/null

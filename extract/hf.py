@@ -32,8 +32,8 @@ from extract.layers import call_decoder_layer, forward_taps, forward_taps_loop, 
 from extract.store import STORAGE_DTYPES, ShardWriter, encode_features
 from pipeline.config import ExtractConfig, TargetConfig
 from pipeline.log import get_logger
-from pipeline.target import base_model, bind_whole_sequence_gated_delta, compile_pointwise_modules, \
-    gated_delta_kernels, load_target, resolve_device, resolve_dtype, text_config, uncompile
+from pipeline.target import bind_whole_sequence_gated_delta, compile_pointwise_modules, gated_delta_kernels, \
+    load_target, resolve_device, resolve_dtype, text_config, uncompile, whole_sequence_gated_delta_layers
 
 log = get_logger("extract.hf")
 
@@ -188,8 +188,7 @@ def _pointwise_compiled_forward(model, layer_ids: Sequence[int], setting: str, d
         log.warning("extract.compile: running the eager forward (%s; compiling its norms and MLPs failed: %s: %s)",
                     reason, type(e).__name__, e)
         return forward_taps
-    fast = sum("forward" in vars(layer.linear_attn) for layer in base_model(model).layers  # (bound by an earlier
-               if hasattr(layer, "linear_attn"))                                           # call too)
+    fast = whole_sequence_gated_delta_layers(model)  # (bound by an earlier call too)
     log.info("extract.compile: the layer loop does not cover this target (%s); its %d norms and MLPs are compiled "
              "instead%s, checked against eager in %.1f s (relative error %.2e)", reason, len(modules),
              f" and its {fast} Gated-DeltaNet layers run their whole-sequence forward on fla" if fast else "",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,6 @@ def replace_dir(new: Path, path: Path) -> None:
     """Put the finished directory `new` at `path` (a sibling), replacing what is there: the old one is renamed to
     `<path>.old` first and removed last, so a kill at any point leaves `path` or `<path>.old` whole
     (`recover_dir` puts the latter back)."""
-    import shutil
-
     new, path = Path(new), Path(path)
     old = path.with_name(path.name + ".old")
     shutil.rmtree(old, ignore_errors=True)

@@ -440,14 +440,26 @@ def _split_or_none(tensor, sizes):
 
 def bind_whole_sequence_gated_delta(model, kernels=None) -> list[BoundForward]:
     """Every Gated-DeltaNet layer of `model` runs `whole_sequence_gated_delta_forward` (on fla's kernels, or
-    `kernels`) until each returned item's `undo()`; none for a target without such layers."""
+    `kernels`) until each returned item's `undo()`; none for a target without such layers (or already bound)."""
     bound = []
-    for layer in base_model(model).layers:
-        block = getattr(layer, "linear_attn", None)
-        if block is not None and "forward" not in block.__dict__:
+    for block in _gated_delta_blocks(model):
+        if not _runs_bound_forward(block):
             block.forward = whole_sequence_gated_delta_forward(block, kernels)
             bound.append(BoundForward(block))
     return bound
+
+
+def whole_sequence_gated_delta_layers(model) -> int:
+    """How many of `model`'s Gated-DeltaNet layers run the whole-sequence forward now (bound by any call)."""
+    return sum(map(_runs_bound_forward, _gated_delta_blocks(model)))
+
+
+def _gated_delta_blocks(model) -> list:
+    return [layer.linear_attn for layer in base_model(model).layers if hasattr(layer, "linear_attn")]
+
+
+def _runs_bound_forward(block) -> bool:
+    return "forward" in vars(block)  # (an instance attribute over the class's: BoundForward.undo removes it)
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, enable_thinking: bool) -> str:

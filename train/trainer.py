@@ -322,8 +322,7 @@ class Trainer:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.copytree(best_dir, staging)
         replace_dir(staging, out_dir)
-        files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)}
-                 for f in sorted(out_dir.iterdir()) if f.is_file() and f.name != CARD_NAME]
+        files = export_files(out_dir)
         if [f["sha256"] for f in files] != [sha256_file(best_dir / f["name"]) for f in files]:
             raise StageError(f"{out_dir} does not read back equal to {best_dir}")
         return {"path": str(out_dir), "files": files, "verified": True, "step": self.position["best_step"],
@@ -343,8 +342,7 @@ class Trainer:
             bad = [k for k in ref if k not in state or not torch.equal(state[k].to(ref[k].dtype).cpu(), ref[k].cpu())]
             if bad or set(state) - set(ref):
                 raise StageError(f"exported drafter at {out_dir} does not read back equal: {bad[:5]}")
-        files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)}
-                 for f in sorted(Path(out_dir).iterdir()) if f.is_file() and f.name != CARD_NAME]
+        files = export_files(out_dir)
         return {"path": str(out_dir), "files": files, "verified": True}
 
     def card_facts(self, final_eval: dict | None) -> dict:
@@ -371,6 +369,13 @@ class Trainer:
         if final_eval:
             facts["held-out loss / τ̂"] = f"{final_eval['loss']:.4f} / {final_eval['tau_hat']:.3f}"
         return facts
+
+
+def export_files(out_dir: Path) -> list[dict]:
+    """[{name, bytes, sha256}] of an export's drafter files (config, weights; not the card, which `drafter eval`
+    rewrites)."""
+    return [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)}
+            for f in sorted(Path(out_dir).iterdir()) if f.is_file() and f.name != CARD_NAME]
 
 
 def full_parameters(drafter: torch.nn.Module, sharded: bool):
