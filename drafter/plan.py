@@ -218,12 +218,14 @@ def estimate(cfg: RunConfig, mean_prompt_tokens: float = 200.0, mean_response_to
 def checkpoint_bytes(cfg: RunConfig, params: float) -> tuple[float, float]:
     """(bytes of the training checkpoints at their peak, bytes of the export). A checkpoint holds the weights (2 bytes
     a parameter in bf16, 4 in fp32), the fp32 master copy (bf16 only) and AdamW's two fp32 moments; `checkpoint.KEEP`
-    complete checkpoints stay, plus the one being written before the oldest goes. The export is the weights alone."""
+    complete checkpoints stay, plus the one being written before the oldest goes. The export is the weights alone;
+    with train.keep_best, twice: train/best/ stays beside train/export/ (its copy), and while training a new best is
+    staged beside the old one before the old one goes."""
     from train.checkpoint import KEEP
 
     weight = 2 if cfg.train.precision == "bf16" else 4
     per_param = weight + (4 if cfg.train.precision == "bf16" else 0) + 8
-    return params * per_param * (KEEP + 1), params * weight
+    return params * per_param * (KEEP + 1), params * weight * (2 if cfg.train.keep_best else 1)
 
 
 def training_memory(cfg: RunConfig, shape: TargetShape, params: float, gpus: int = 1) -> dict:
@@ -389,7 +391,8 @@ def format_plan(cfg: RunConfig, est: dict) -> str:
         f" = {est['feature_bytes_per_token']:,} bytes",
         f"  feature storage         {feature_line}",
         f"  checkpoints             {human_bytes(est['checkpoint_bytes'])} at the peak ({est['checkpoints_kept']} kept + 1 "
-        f"being written: weights, fp32 master, AdamW moments), export {human_bytes(est['export_bytes'])}",
+        f"being written: weights, fp32 master, AdamW moments), export {human_bytes(est['export_bytes'])}"
+        f"{' (with train/best/)' if cfg.train.keep_best else ''}",
         f"  storage, total          {human_bytes(est['storage_bytes'])} ({est['storage_bytes'] / 1e12:.2f} TB)",
         f"  drafter parameters      {est['drafter_params'] / 1e9:.3f} B trainable",
         _memory_line(est["train_memory"]),

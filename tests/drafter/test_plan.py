@@ -104,6 +104,8 @@ def test_checkpoints_and_the_export_are_counted_in_storage():
     assert est["storage_bytes"] == est["feature_bytes"] + est["checkpoint_bytes"] + est["export_bytes"]
     fp32 = estimate(load_config(REPO / "configs/qwen3-8b.yaml", ["train.precision=fp32"]))
     assert fp32["checkpoint_bytes"] == params * (4 + 8) * (KEEP + 1) and fp32["export_bytes"] == params * 4
+    best = estimate(load_config(REPO / "configs/qwen3-8b.yaml", ["train.keep_best=true"]))  # train/best/ + its copy
+    assert best["export_bytes"] == params * 2 * 2 and best["checkpoint_bytes"] == est["checkpoint_bytes"]
 
 
 def test_an_engine_wider_than_the_gpus_is_refused_and_eval_uses_at_most_its_units():
