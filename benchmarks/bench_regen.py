@@ -232,21 +232,22 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
     # the whole run (longest prompt + longest answer), which every later call keeps, as a regen stage's decoder
     # serves shard after shard, and both capture the step graphs of their live lengths. Graphs of the lengths only
     # the middle batches reach are captured on the clock: `graphs_captured_timed` counts them
-    batches = longest_first_batches(prompts, batch_size)
+    batches = longest_first_batches(prompts, batch_size, limits)
     steps = max(limits) if mode != "generate" else min(8, max(limits))
     try:
         for idx in {0: batches[0], len(batches) - 1: batches[-1]}.values():
             gen.generate([prompts[i] for i in idx], [steps] * len(idx))
         _sync(device)
-        captured = GRAPH_LOG.captured
+        captured, warm_up = GRAPH_LOG.captured, len(gen.batch_log)
         t0 = time.perf_counter()
         outs = gen.generate(prompts, limits)
         _sync(device)
         seconds = time.perf_counter() - t0
+        timed = gen.batch_log[warm_up:]  # the timed run's batches: rows, width, seconds
         graphs = bool(gen.static and gen.static.on_graphs())
         found = profile_batch(gen, *middle_batch(prompts, limits, batch_size), device) \
             if profile and gen.static else None
-        return outs, seconds, graphs, GRAPH_LOG.captured - captured, found
+        return outs, seconds, graphs, GRAPH_LOG.captured - captured, found, timed
     finally:  # the next batch size (or the vLLM engine) gets the memory back: K/V slots and graph pools
         gen.close()
 
@@ -256,7 +257,7 @@ def middle_batch(prompts: list[list[int]], limits: list[int], batch_size: int):
     decodes): a typical width, where
     the first n prompts of the input could hold the longest one and profile its padding instead.
     -> (its prompts, its limits)."""
-    batches = longest_first_batches(prompts, batch_size)
+    batches = longest_first_batches(prompts, batch_size, limits)
     idx = batches[len(batches) // 2]
     return [prompts[i] for i in idx], [limits[i] for i in idx]
 
@@ -419,9 +420,10 @@ def main() -> None:
                                           sampling)
                     row["graphs"] = device.type == "cuda"
                 else:
-                    outs, secs, row["graphs"], row["graphs_captured_timed"], found = run_hf(
+                    outs, secs, row["graphs"], row["graphs_captured_timed"], found, row["batches"] = run_hf(
                         mode, model, tok, stop, prompts[:n], limits[:n], bs, device, profile=args.profile,
                         sampling=sampling)
+                    print(f"# {mode} batch {bs}: " + batch_times(row["batches"]), flush=True)
                     if found:
                         row["profile"] = found
                         print_profile(mode, found)
@@ -460,6 +462,12 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "rows": rows,
                                                "summary": {"regen_tok_s": summary(rows)}}, indent=2))
+
+
+def batch_times(batches: list[dict]) -> str:
+    """One line for a run's batches (`HFGenerator.batch_log`): rows x width (the longest prompt) and seconds each,
+    e.g. "3 batches: 32x1350 0.41 s, 512x275 1.90 s, 512x64 1.62 s"."""
+    return f"{len(batches)} batches: " + ", ".join(f"{b['rows']}x{b['width']} {b['seconds']:.2f} s" for b in batches)
 
 
 def agreement(ids: list[list[int]], ref: list[list[int]]) -> dict:

@@ -326,7 +326,8 @@ class RegenConfig:
     top_p: float = doc("nucleus sampling", 1.0, gt=0, le=1)
     top_k: int = doc("top-k sampling (0 = off)", 0, ge=0)
     strip_reasoning: bool = doc("drop <think>…</think> text from regenerated turns", False)
-    batch_size: int = doc("prompts per generate call (hf backend)", 32, ge=1)
+    batch_size: int = doc("most prompts per batch (hf backend); longest first, a batch closes early where more than "
+                          "half its K/V slots would be padding", 32, ge=1)
     shard_size: int = doc("conversations per regen shard (the unit of resume)", 256, ge=1)
     max_samples: Optional[int] = doc("regenerate only the first N curated conversations", None, ge=1)
     samples_per_prompt: int = doc(

@@ -9,6 +9,7 @@ Two decode loops with the same semantics (see pipeline.regen.generator for the i
 from __future__ import annotations
 
 import gc
+import time
 from typing import Sequence
 
 import torch
@@ -32,11 +33,32 @@ class _VocabLimit:
         return mask_padded_vocab(scores, self.vocab_limit)
 
 
-def longest_first_batches(prompts: Sequence[list[int]], batch_size: int) -> list[list[int]]:
-    """The batches `HFGenerator.generate` decodes: indices of `prompts`, longest first (little padding per batch),
-    `batch_size` at a time."""
+def longest_first_batches(prompts: Sequence[list[int]], batch_size: int,
+                          max_new_tokens: Sequence[int] | None = None) -> list[list[int]]:
+    """The batches `HFGenerator.generate` decodes: indices of `prompts`, longest first, at most `batch_size` each.
+
+    A batch is left-padded to its first (longest) prompt, and every decode step of every row reads K/V over that
+    width: a few long prompts at the head of a batch of short ones would make the whole batch attend over their
+    length for its whole answer. So a batch also closes before the prompt that would leave more than half of its K/V
+    slots padding:
+
+        rows x (longest prompt + longest answer)  >  2 x sum over rows of (prompt + answer)
+
+    (answer = `max_new_tokens[i]`, 0 where not given). The long tail then decodes in small batches of its own and
+    the rest in full ones whose width is their own."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    return [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+    answer = (lambda i: max_new_tokens[i]) if max_new_tokens is not None else (lambda i: 0)  # noqa: E731
+    batches: list[list[int]] = []
+    for i in order:
+        batch = batches[-1] if batches else None
+        if batch is not None and len(batch) < batch_size:
+            longest = len(prompts[batch[0]]) + max(answer(j) for j in (batch[0], i))  # (answers may differ)
+            real = sum(len(prompts[j]) + answer(j) for j in batch) + len(prompts[i]) + answer(i)
+            if (len(batch) + 1) * longest <= 2 * real:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
 
 
 class HFGenerator:
@@ -58,6 +80,7 @@ class HFGenerator:
                         "this target")
             decode = "generate"
         self.decode = decode
+        self.batch_log: list[dict] = []  # per decoded batch: rows, width (longest prompt), answer limit, seconds
         self.static = (StaticDecoder(model, vocab_limit=vocab_limit, stop_ids=self.stop_ids, sampling=sampling,
                                      cuda_graphs=cuda_graphs, gqa_fold=gqa_fold, decode_gemm=decode_gemm,
                                      compile_pointwise=compile_pointwise, length_bucket=length_bucket,
@@ -73,15 +96,20 @@ class HFGenerator:
 
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int],
                  seeds: Sequence[int] | None = None) -> list[Generation]:
-        """Batches of `batch_size` prompts, longest first (little padding); results in input order."""
+        """Batches of at most `batch_size` prompts, longest first (`longest_first_batches`: little padding); results
+        in input order. Each batch's size, width and time go to `batch_log`."""
         results: list[Generation | None] = [None] * len(prompts)
         stop = set(self.stop_ids)
         # the first (longest) batch's K/V length for every batch: one static state and one set of step graphs
         span = max((len(p) for p in prompts), default=0) + max(max_new_tokens, default=0)
-        for idx in longest_first_batches(prompts, self.batch_size):
+        for idx in longest_first_batches(prompts, self.batch_size, max_new_tokens):
             batch, limits = [prompts[i] for i in idx], [max_new_tokens[i] for i in idx]
             seed = seeds[idx[0]] if seeds is not None else 0
-            for i, stream in zip(idx, self._generate_batch(batch, limits, seed, span)):
+            t0 = time.perf_counter()
+            streams = self._generate_batch(batch, limits, seed, span)  # (read back to the host: the GPU is done)
+            self.batch_log.append({"rows": len(idx), "width": len(batch[0]), "max_new_tokens": max(limits),
+                                   "seconds": round(time.perf_counter() - t0, 4)})
+            for i, stream in zip(idx, streams):
                 results[i] = cut_at_stop(stream, max_new_tokens[i], stop)
         return results
 

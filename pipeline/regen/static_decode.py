@@ -196,6 +196,16 @@ class SlotCache:
         self.is_compileable = True
         self._pos = 0
 
+    def reserve(self, layers: Sequence[int], batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Allocate the K/V buffers [batch, kv_heads, max_len, head_dim] of the attention layers `layers` (decoder
+        layer indices, in order) before any forward, so that views of their first rows (`first_rows`) can be taken
+        before the first forward on all of them."""
+        device = self.write_pos.device
+        for i in layers:
+            self.slot[i] = len(self.keys)
+            self.keys.append(torch.zeros(batch, kv_heads, self.max_len, head_dim, dtype=dtype, device=device))
+            self.values.append(torch.zeros(batch, kv_heads, self.max_len, head_dim, dtype=dtype, device=device))
+
     def set_write_pos(self, slot: int) -> None:
         self._pos = slot
         self.write_pos.fill_(slot)
@@ -209,6 +219,9 @@ class SlotCache:
             b, h, _, d = key_states.shape
             self.keys.append(key_states.new_zeros(b, h, self.max_len, d))
             self.values.append(value_states.new_zeros(b, h, self.max_len, value_states.shape[-1]))
+        elif self.keys[j].shape[1] != key_states.shape[1] or self.keys[j].shape[3] != key_states.shape[3]:
+            raise ValueError(f"static decode: attention layer {layer_idx} gives K/V of {key_states.shape[1]} heads x "
+                             f"{key_states.shape[3]}, its reserved slots hold {tuple(self.keys[j].shape)}")
         slots = self.write_pos + torch.arange(key_states.shape[2], device=key_states.device)
         self.keys[j].index_copy_(2, slots, key_states)
         self.values[j].index_copy_(2, slots, value_states)
@@ -219,10 +232,8 @@ class SlotCache:
 
     def first_rows(self, size: int) -> "SlotCache":
         """A SlotCache over views of the first `size` batch rows of these buffers."""
-        out = SlotCache(self.max_len, self.write_pos.device)
-        out.write_pos = self.write_pos  # one device scalar for every batch size
+        out = copy.copy(self)  # the same write position (one device scalar for every batch size) and layer slots
         out.keys, out.values = [t[:size] for t in self.keys], [t[:size] for t in self.values]
-        out.slot = self.slot
         return out
 
 
@@ -284,7 +295,9 @@ class StaticDecoder:
     Compaction: at each finished-rows check (every STOP_CHECK_EVERY steps), once the rows still generating fit in
     half the batch or less, they move to the first rows of the same buffers and decoding goes on at the smallest
     power of two that holds them (not below `min_compact_batch`): sampled answers end at very different lengths,
-    and a batch no longer decodes at full size for its longest answer.
+    and a batch no longer decodes at full size for its longest answer. A batch of fewer rows than the state holds
+    (a run's few long prompts, its last partial batch) starts on such a first-rows state the same way
+    (`rows_to_run`): the same views, the same captured graphs.
 
     Attention of a one-token step: the query heads folded onto their KV head (`gqa_fold`), computed as two batched
     GEMMs (`decode_gemm`, `decode_attention`) or by torch's fused SDPA kernel (`decode_gemm=False`).
@@ -332,28 +345,35 @@ class StaticDecoder:
                  cache_len: int = 0, generator: torch.Generator | None = None) -> list[list[int]]:
         """prompts: token id lists; limits: max new tokens per prompt. Returns the raw generated stream of
         each prompt (max(limits) tokens, to be cut at the first stop id / its limit by the caller).
-        `pad_to` fills the batch with dummy rows up to that size and `cache_len` sizes the K/V slots at least that
-        long, so that every batch of a run has one shape: one state, whose captured step graphs serve them all
-        (a batch of another shape frees the state and captures its graphs again)."""
+        `pad_to` sizes the state for that many rows and `cache_len` its K/V slots at least that long, so that every
+        batch of a run decodes on one state, whose captured step graphs serve them all (a batch the state cannot
+        hold frees it and captures its graphs again). The batch itself runs on the state's first `rows_to_run` rows,
+        dummy rows (copies of its first prompt) filling them past its own."""
         with torch.inference_mode(), attention_implementation(self.model, self.attention):
             return self._generate(prompts, limits, pad_to=pad_to, cache_len=cache_len, generator=generator)
 
     def _generate(self, prompts, limits, *, pad_to, cache_len, generator) -> list[list[int]]:
         n = len(prompts)
-        rows = list(prompts) + [prompts[0]] * max(0, (pad_to or n) - n)
-        lens = torch.tensor([len(p) for p in rows], device=self.device)
-        width, steps = int(lens.max()), max(limits)
-        state = self._prepare(len(rows), -(-max(width + steps, cache_len) // self.length_bucket) * self.length_bucket)
-        cache_len = state.slots.max_len  # (a state kept from an earlier call may hold more slots than this one needs)
+        width, steps = max(len(p) for p in prompts), max(limits)
+        root = self._prepare(max(n, pad_to or n), -(-max(width + steps, cache_len) // self.length_bucket)
+                             * self.length_bucket)
+        cache_len = root.slots.max_len  # (a state kept from an earlier call may hold more slots than this one needs)
+        size = self.rows_to_run(n, self._key[0])
+        state = root if size == self._key[0] else self._first_rows(root, size)
+        rows = list(prompts) + [prompts[0]] * (size - n)
 
-        pad = width - lens  # [B] left padding per row
-        ids = torch.full((len(rows), width), 0, dtype=torch.long, device=self.device)
+        # built on the host, one asynchronous copy each: a copy from pageable memory, or a device value read on the
+        # host, would make the host wait for the GPU to drain
+        lens = self._to_device(torch.tensor([len(p) for p in rows]))
+        host_ids = torch.zeros(len(rows), width, dtype=torch.long)
         for i, p in enumerate(rows):
-            ids[i, width - len(p):] = torch.tensor(p, device=self.device)
+            host_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids = self._to_device(host_ids)
+        pad = width - lens  # [B] left padding per row
         logits = self._prefill(state, ids, pad, cache_len)
 
         out = torch.empty(len(rows), steps, dtype=torch.long, device=self.device)
-        limit_t = torch.tensor(list(limits) + [1] * (len(rows) - n), device=self.device)
+        limit_t = self._to_device(torch.tensor(list(limits) + [1] * (len(rows) - n)))
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         state.mask.fill_(torch.finfo(self.dtype).min)
         slots = torch.arange(cache_len, device=self.device)
@@ -362,7 +382,7 @@ class StaticDecoder:
         ).to(self.dtype)
         state.pos.copy_(lens[:, None])
         bucket = self.length_bucket
-        root, row_of, real = state, torch.arange(len(rows), device=self.device), len(rows)
+        row_of, real = torch.arange(len(rows), device=self.device), len(rows)
         for k in range(steps):
             nxt = sample_next(mask_padded_vocab(logits.float(), self.vocab_limit), self.sampling, generator)
             out[row_of[:real], k] = nxt[:real]
@@ -388,25 +408,44 @@ class StaticDecoder:
             state.pos.add_(1)
         return out[:n].tolist()
 
+    def rows_to_run(self, n: int, rows: int) -> int:
+        """The rows a batch of `n` prompts decodes on, of a state of `rows`: without graphs `n` (any first-rows view
+        serves); with graphs the smallest power of two that holds them (not below `min_compact_batch`) where that
+        is at most half the state, else all `rows` (the sizes compaction uses, whose graphs every batch shares)."""
+        if not self.use_graphs:
+            return n
+        size = max(self.min_compact_batch, 1 << (n - 1).bit_length())
+        return size if size <= rows // 2 else rows
+
+    def _to_device(self, host: Tensor) -> Tensor:
+        """A host tensor on the decoder's device: from pinned memory, asynchronously, on CUDA."""
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+
     def _compact(self, root: _State, idx: Tensor, size: int, written: int) -> _State:
         """Rows `idx` of the batch in flight (rows 0.. of `root`'s buffers) moved to rows 0..size-1 of the same
         buffers (cache, positions, mask, a hybrid's stacked states: their batch axis is 1), and the state over those
-        first rows (kept per size: its graphs are reused by every later batch). Of the K/V buffers only the
-        `written` slots move (the rest are written by later steps before any unmasked read). Nothing is allocated
-        but the gathered copies."""
+        first rows (`_first_rows`). Of the K/V buffers only the `written` slots move (the rest are written by later
+        steps before any unmasked read). Nothing is allocated but the gathered copies."""
         for buf in [*root.slots.keys, *root.slots.values]:
             buf[:size, :, :written].copy_(buf[:, :, :written][idx])  # the gather copies before rows are overwritten
         for buf in (root.pos, root.mask):
             buf[:size].copy_(buf[idx])
         for buf in root.states():
             buf[:, :size].copy_(buf[:, idx])
+        return self._first_rows(root, size)
+
+    def _first_rows(self, root: _State, size: int) -> _State:
+        """The state over the first `size` rows of `root`'s buffers (views: K/V, inputs, mask, a hybrid's stacked
+        states), kept per size, so its graphs serve every later batch and compaction of that size."""
         if size not in root.compact:
             slots = root.slots.first_rows(size)
             cache, conv, recurrent = slots, None, None
             if self.linear:
                 conv, recurrent = root.conv[:, :size], root.recurrent[:, :size]
-                cache = root.cache.first_rows(size, self.linear, root.conv, root.recurrent)
-                cache.slots = slots
+                cache = None  # until a prefill on these rows makes one, where `root` has none yet
+                if isinstance(root.cache, HybridSlotCache):
+                    cache = root.cache.first_rows(size, self.linear, root.conv, root.recurrent)
+                    cache.slots = slots
             root.compact[size] = _State(slots=slots, ids=root.ids[:size], pos=root.pos[:size], mask=root.mask[:size],
                                         cache=cache, conv=conv, recurrent=recurrent)
         return root.compact[size]
@@ -420,11 +459,13 @@ class StaticDecoder:
 
     # -- internals -----------------------------------------------------------------------------
     def _prepare(self, batch: int, cache_len: int) -> _State:
-        """The state for `batch` rows and at least `cache_len` slots: the one in hand when it has `batch` rows and
-        that many slots or more (so its captured step graphs serve every later call of this decoder: a regen stage
-        calls it once per shard, each with its own longest prompt), else a new one of exactly that shape, the
-        previous one freed first."""
-        if self._key is None or self._key[0] != batch or self._key[1] < cache_len:
+        """The state for `batch` rows and at least `cache_len` slots: the one in hand when it has `batch` rows (or,
+        without graphs, more) and that many slots or more (so its captured step graphs serve every later call of this
+        decoder: a regen stage calls it once per shard, each with its own longest prompt), else a new one of exactly
+        that shape, the previous one freed first. A hybrid's stacked Gated-DeltaNet states come with it, so that
+        first-rows states are views of them from the start."""
+        rows_ok = self._key is not None and (self._key[0] == batch or not self.use_graphs and self._key[0] > batch)
+        if not rows_ok or self._key[1] < cache_len:
             self._state = None  # free the previous shape's cache and graph first
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -434,6 +475,14 @@ class StaticDecoder:
                 pos=torch.zeros(batch, 1, dtype=torch.long, device=self.device),
                 mask=torch.zeros(batch, 1, 1, cache_len, dtype=self.dtype, device=self.device),
             )
+            text = text_config(self.model.config)
+            self._state.slots.reserve([i for i, t in enumerate(layer_types(self.model.config)) if t != LINEAR_ATTENTION],
+                                      batch, text.num_key_value_heads,
+                                      getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+                                      self.dtype)
+            if self.linear:
+                self._state.conv, self._state.recurrent = linear_state_buffers(
+                    self.model.config, self.linear, batch, self.dtype, self.device)
             self._key = (batch, cache_len)
         return self._state
 

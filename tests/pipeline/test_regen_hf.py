@@ -11,8 +11,8 @@ import torch
 
 from pipeline.config import TargetConfig
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids, strip_reasoning
-from pipeline.regen.generator import Sampling
-from pipeline.regen.hf import HFGenerator
+from pipeline.regen.generator import Sampling, cut_at_stop
+from pipeline.regen.hf import HFGenerator, longest_first_batches
 from pipeline.target import build_byte_tokenizer, load_target, load_tokenizer, materialize_target
 from tests.conftest import CACHE
 
@@ -262,10 +262,10 @@ def test_static_decode_on_cuda_replays_its_checked_graph_and_equals_generate(tar
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist on CUDA only (run on the GPU machine)")
 def test_static_decode_on_cuda_waits_for_the_gpu_only_at_its_stop_checks(target):
-    """Once its graphs are captured, a batch's decode loop lets the host run ahead of the GPU: it waits on it only for
-    the prompt width, at each finished-rows check (every STOP_CHECK_EVERY steps) and once to read the batch's answers
-    back, never once per step or per row. A per-step sync leaves the GPU idle while the host prepares the next step; the failure lists
-    where each sync happened."""
+    """Once its graphs are captured, a batch's decode loop lets the host run ahead of the GPU: it waits on it only at
+    each finished-rows check (every STOP_CHECK_EVERY steps) and once to read the batch's answers back, never once per
+    step or per row, nor to move the prompts in (pinned, asynchronous copies). A per-step sync leaves the GPU idle
+    while the host prepares the next step; the failure lists where each sync happened."""
     from pipeline.cuda_graphs import host_syncs
     from pipeline.regen.static_decode import STOP_CHECK_EVERY
 
@@ -277,8 +277,61 @@ def test_static_decode_on_cuda_waits_for_the_gpu_only_at_its_stop_checks(target)
     gen.generate(prompts, limits)  # captures the step graphs
     syncs, outs = host_syncs(lambda: gen.generate(prompts, limits))
     assert all(len(o.token_ids) == 64 for o in outs)
-    allowed = 1 + 64 // STOP_CHECK_EVERY + 1 + 2  # width, checks, the read-back, slack
+    allowed = (64 // STOP_CHECK_EVERY - 1) + 1 + 1  # the checks at steps 8 .. 56, the read-back, one spare
     assert len(syncs) <= allowed, f"{len(syncs)} host syncs for 64 decode steps:\n" + "\n".join(syncs)
+
+
+def test_a_long_tail_decodes_in_small_batches_of_its_own_and_every_prompt_exactly_once():
+    """A few long prompts among many short ones (a real prompt mix: 1,350 tokens at the head, ~80 typical) no longer
+    set the width of a whole batch of short ones: `longest_first_batches` keeps each batch's padding to at most half
+    its K/V slots, so the long tail decodes in a small batch of its own and the others in full batches of their own
+    width, reading a fraction of the K/V slots fixed batches read. Every prompt is in exactly one batch, longest
+    first; prompts of one length still make full batches."""
+    lengths = [1350] * 4 + [410] * 4 + [300] * 8 + [260 - i for i in range(40)] + [120 - (i % 80) for i in range(1000)]
+    prompts, answer = [[1] * n for n in lengths], [256] * len(lengths)
+    batches = longest_first_batches(prompts, 512, answer)
+    order = [i for b in batches for i in b]
+    assert sorted(order) == list(range(len(prompts))) and [len(prompts[i]) for i in order] == sorted(lengths)[::-1]
+    for b in batches:
+        assert len(b) <= 512 and len(b) * (len(prompts[b[0]]) + 256) <= 2 * sum(len(prompts[i]) + 256 for i in b)
+    assert len(batches[0]) < 32 and {len(prompts[i]) for i in batches[0]} >= {1350}
+    assert max(map(len, batches)) == 512
+    slots = lambda bs: sum(len(b) * (len(prompts[b[0]]) + 256) for b in bs)  # noqa: E731
+    fixed = [order[i:i + 512] for i in range(0, len(order), 512)]
+    assert slots(batches) < 0.5 * slots(fixed)
+    assert [len(b) for b in longest_first_batches([[1] * 50] * 1000, 512, [256] * 1000)] == [512, 488]
+    assert [len(b) for b in longest_first_batches([[1] * n for n in (9, 8, 1)], 2)] == [2, 1]  # no answers given
+
+
+def test_a_smaller_batch_decodes_on_the_first_rows_of_the_state_in_hand(target, monkeypatch):
+    """A batch with fewer rows than the decoder's state (the long tail's, a run's last) decodes on a view of the
+    state's first rows, allocating nothing: greedy output equals model.generate's, and the view is the one kept
+    for its size (on a GPU its captured graphs serve every later batch of that size). With graphs, a batch runs at
+    the power of two that holds it (not below min_compact_batch) where that is at most half the state's rows."""
+    allocated = slot_cache_lengths(monkeypatch)
+    prompts, limits = target[3], [20, 20, 12, 20, 16]
+    gen, reference = _gen(target, "static", 4), _gen(target, "generate", 1)
+    outs = gen.generate(prompts, limits)  # batches of 4 and 1
+    assert [len(b) for b in longest_first_batches(prompts, 4, limits)] == [4, 1]
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference.generate(prompts, limits)]
+    assert len(allocated) == 1 and set(gen.static._state.compact) == {1}
+    view = gen.static._state.compact[1]
+    assert view.slots.keys[0].data_ptr() == gen.static._state.slots.keys[0].data_ptr()
+    # a run whose first batch is its small one (the long tail) starts on a view of a state no forward has filled yet
+    fresh, allocated[:] = _gen(target, "static", 4).static, []
+    longest = max(range(5), key=lambda i: len(prompts[i]))
+    calls = [([prompts[longest]], [20]), (prompts[:4], limits[:4])]
+    for batch, lims in calls:
+        streams = fresh.generate(batch, lims, pad_to=4)
+        got = [cut_at_stop(stream, n, set(target[2])).token_ids for stream, n in zip(streams, lims)]
+        assert got == [r.token_ids for r in reference.generate(batch, lims)]
+    assert len(allocated) == 1 and fresh._state.compact[1].slots.keys[0].data_ptr() == \
+        fresh._state.slots.keys[0].data_ptr()
+    decoder = gen.static
+    decoder.use_graphs = True  # (rows_to_run alone: nothing is captured here)
+    assert [decoder.rows_to_run(n, 512) for n in (1, 8, 9, 27, 256, 257, 512)] == [8, 8, 16, 32, 256, 512, 512]
+    decoder.use_graphs = False
+    assert decoder.rows_to_run(27, 512) == 27
 
 
 def test_bench_regen_warm_up_sizes_the_decoder_state_for_the_whole_timed_run(target, monkeypatch):

@@ -231,6 +231,26 @@ def test_a_compacted_hybrid_batch_decodes_what_the_full_batch_would_and_sampling
     assert [o.token_ids for o in top1] == [o.token_ids for o in _gen(hybrid, "static", 5).generate(prompts, [20] * 5)]
 
 
+def test_a_hybrid_batch_smaller_than_the_state_decodes_on_views_of_its_first_rows(hybrid):
+    """A run's long tail comes first and is small: the decoder's state is made for the full batch (K/V slots and the
+    stacked Gated-DeltaNet states, before any forward), and the small batch decodes on views of its first rows; the
+    full batches after it decode on the whole state, and a small one after them on the same views. Nothing else is
+    allocated, and greedy output equals `model.generate`'s in every call."""
+    _, tok, _, prompts = hybrid
+    stop = [len(tok) + 1]
+    reference = _gen(hybrid, "generate", 1, stop=stop)
+    decoder = _gen(hybrid, "static", 4, stop=stop).static
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for batch, limits in [([prompts[longest]], [24]), (prompts[:4], [24, 12, 24, 20]), (prompts[1:3], [16, 16])]:
+        streams = decoder.generate(batch, limits, pad_to=4)
+        assert [s[:n] for s, n in zip(streams, limits)] == [r.token_ids for r in reference.generate(batch, limits)]
+    root = decoder._state
+    assert decoder._key[0] == 4 and set(root.compact) == {1, 2}
+    for size, view in root.compact.items():
+        assert view.conv.data_ptr() == root.conv.data_ptr() and view.recurrent.data_ptr() == root.recurrent.data_ptr()
+        assert view.slots.keys[-1].data_ptr() == root.slots.keys[-1].data_ptr() and view.ids.shape[0] == size
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
 def test_hybrid_static_decode_on_cuda_replays_its_checked_graphs_and_equals_generate():
     """On CUDA the hybrid's one-token step (HF's decode step: fla's fused recurrent kernel where fla-core is
