@@ -160,7 +160,9 @@ def test_whole_sequence_gated_delta_forward_equals_transformers_forward_and_leav
 def test_whole_sequence_gated_delta_forward_on_fla_equals_transformers_forward_on_cuda():
     """The whole-sequence forward on fla's kernels (grouped value heads and the decay inside the rule) vs
     transformers' forward (heads repeated, decay made in torch), on the 27B layer's head shapes (16 key heads of 128,
-    48 value heads of 128) over 2 sequences: fp32 within the order of sums, bf16 within bf16's rounding."""
+    48 value heads of 128) over 2 sequences: fp32 within TF32's rounding (Triton's dot multiplies fp32 operands in
+    TF32 by default, a 10-bit mantissa: fla's fp32 forward differed by 3e-4 of the output's scale on an H100), bf16
+    within bf16's."""
     pytest.importorskip("fla")
     from pipeline.target import base_model, bind_whole_sequence_gated_delta, random_target_config
     from transformers import AutoModelForCausalLM
@@ -169,7 +171,7 @@ def test_whole_sequence_gated_delta_forward_on_fla_equals_transformers_forward_o
                      linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
                      layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
     torch.manual_seed(0)
-    for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 3e-2)):
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 3e-2)):
         model = AutoModelForCausalLM.from_config(random_target_config("qwen3_5_text", overrides)).to("cuda", dtype)
         model.eval().requires_grad_(False)
         ids = torch.randint(3, 200, (2, 300), device="cuda")
