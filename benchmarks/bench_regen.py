@@ -460,7 +460,8 @@ def main() -> None:
                   f"{r['seconds']} | {r['tok_s']} | {r['stopped']} | {r['same_as_ref']}"
                   + (f" (prefix {r['prefix_agreement']})" if r.get("prefix_agreement") is not None else "") + f" |{extra}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "rows": rows,
+        logged_args = {**vars(args), "tokenizer": env["tokenizer"]}  # (a path named as the log names it)
+        Path(args.json).write_text(json.dumps({"env": env, "args": logged_args, "rows": rows,
                                                "summary": {"regen_tok_s": summary(rows)}}, indent=2))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -157,14 +158,23 @@ def compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torc
     return lambda m, ids, taps: forward_taps_loop(m, ids, taps, layer_call)
 
 
+_POINTWISE_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its check's error
+
+
 def _pointwise_compiled_forward(model, layer_ids: Sequence[int], setting: str, device: torch.device, reason: str):
     """`forward_taps` with the decoder layers' norms and MLPs compiled (`compile_pointwise_modules`), for targets the
     layer loop does not rebuild (`reason`: hybrids, sliding windows), and on a GPU with fla-core a hybrid's
     Gated-DeltaNet layers on their whole-sequence forward (`bind_whole_sequence_gated_delta`); checked against
     transformers' eager forward on the probe batches first, undone on any failure (eager, with a warning; an error
-    with "on")."""
+    with "on"). A model an earlier call set up and checked, still in that state, is not checked again: its
+    "eager" reference would be the fast forward itself."""
     import time
 
+    earlier = _POINTWISE_CHECKED.get(model)
+    if earlier is not None and _on_fast_forward(model):
+        log.info("extract.compile: the layer loop does not cover this target (%s); its norms and MLPs are compiled "
+                 "and checked against eager already (relative error %.2e)", reason, earlier)
+        return forward_taps
     n, started, modules, bound = len(layer_ids), time.perf_counter(), [], []
     try:
         vocab = text_config(model.config).vocab_size
@@ -188,12 +198,19 @@ def _pointwise_compiled_forward(model, layer_ids: Sequence[int], setting: str, d
         log.warning("extract.compile: running the eager forward (%s; compiling its norms and MLPs failed: %s: %s)",
                     reason, type(e).__name__, e)
         return forward_taps
-    fast = whole_sequence_gated_delta_layers(model)  # (bound by an earlier call too)
+    fast = whole_sequence_gated_delta_layers(model)
+    _POINTWISE_CHECKED[model] = err
     log.info("extract.compile: the layer loop does not cover this target (%s); its %d norms and MLPs are compiled "
              "instead%s, checked against eager in %.1f s (relative error %.2e)", reason, len(modules),
              f" and its {fast} Gated-DeltaNet layers run their whole-sequence forward on fla" if fast else "",
              time.perf_counter() - started, err)
     return forward_taps
+
+
+def _on_fast_forward(model) -> bool:
+    """Whether any of `model`'s modules runs compiled or a Gated-DeltaNet layer its whole-sequence forward."""
+    return bool(whole_sequence_gated_delta_layers(model)) or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -98,6 +98,43 @@ def test_compile_auto_keeps_cpu_eager_and_a_hybrids_compiled_norms_and_mlps_are_
             m._compiled_call_impl = None
 
 
+def test_a_second_call_on_a_model_already_compiled_and_checked_is_not_checked_against_itself(random_target,
+                                                                                            monkeypatch, caplog):
+    """A process that runs the stage twice on one model (bench_hybrid: bf16, then fp8 features) finds it compiled by
+    the first call: its eager reference would be the compiled forward itself (a relative error of 0 that checks
+    nothing). The second call keeps the first call's check and says so; once the modules are eager again, a call
+    checks anew."""
+    import logging
+
+    import extract.hf as hf
+    from pipeline.target import uncompile
+
+    _, hybrid = random_target("qwen3_5_text")
+    mlps = [layer.mlp for layer in hybrid.model.layers]
+    checks = []
+
+    def slightly_off(model):  # a "compiled" MLP 1 % off eager: the first check measures it
+        for m in mlps:
+            m._compiled_call_impl = lambda *a, m=m, **k: type(m).forward(m, *a, **k) * (1 + 1e-2)
+        return mlps
+
+    monkeypatch.setattr(hf, "compile_pointwise_modules", slightly_off)
+    monkeypatch.setattr(hf, "_max_relative_error", lambda *a, f=hf._max_relative_error: checks.append(1) or f(*a))
+    try:
+        with caplog.at_level(logging.INFO, logger="drafter.extract.hf"):
+            for _ in range(2):
+                hf.compiled_forward(hybrid, [1, 3], "on", torch.device("cpu"))
+        first, second = [r.getMessage() for r in caplog.records if "extract.compile" in r.getMessage()]
+        measured = float(first.rsplit("relative error ", 1)[1].rstrip(")"))
+        assert 0 < measured < hf.COMPILED_MAX_ERROR and len(checks) == len(hf.COMPILE_PROBES)
+        assert "already" in second and f"{measured:.2e}" in second and len(checks) == len(hf.COMPILE_PROBES)
+        uncompile(mlps)
+        hf.compiled_forward(hybrid, [1, 3], "on", torch.device("cpu"))  # eager again: checked again
+        assert len(checks) == 2 * len(hf.COMPILE_PROBES)
+    finally:  # the fixture's model is shared
+        uncompile(mlps)
+
+
 @pytest.mark.slow
 def test_a_hybrids_extraction_runs_with_compiled_norms_and_mlps_equal_to_eager(random_target):
     """extract.compile=on on a Gated-DeltaNet hybrid: the model's forward with its norms and MLPs torch.compile'd

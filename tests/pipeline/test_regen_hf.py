@@ -425,7 +425,10 @@ def test_bench_regen_shape_tokenizes_with_a_real_tokenizer_and_refuses_one_large
     subprocess.run(base + ["--shape", "smollm2-135m", "--max-model-len", "160", "--tokenizer", smollm2_dir, "--json",
                            str(out), "--temperature", "0.7", "--top-p", "0.95"],  # (the recipe's sampling)
                    cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
-    real = json.loads(out.read_text())["env"], json.loads(out.read_text())["rows"][0]
+    logged = json.loads(out.read_text())
+    real = logged["env"], logged["rows"][0]
+    assert logged["args"]["tokenizer"] == logged["env"]["tokenizer"]  # (the args it records name it the same way)
+    assert [b["rows"] for b in real[1]["batches"]] and sum(b["rows"] for b in real[1]["batches"]) == real[1]["prompts"]
     from benchmarks.bench_regen import real_prompts
     from pipeline.target import build_byte_tokenizer
 
