@@ -15,7 +15,7 @@
 #             graphs equal to generate, extraction on fla's kernels, fla's short convolution equal to torch's (CPU
 #             smoke: the selection is collected only)
 #   regen     bench_regen.py --shape qwen3.6-27b: the static-decode loop vs `generate` at batch 64 and 256, each row
-#             beside its compute and memory roofline
+#             beside its compute and memory roofline, each static row's middle batch profiled (kernels, host ops)
 #   round     bench_hybrid.py verify + reference sections on the graphed cache: chain / tree verify, the round
 #             overhead (build + walk + read + commit + gather) per budget up to 256, host syncs, its profile
 #   commit    bench_gdn_commit.py: the device commit of every Gated-DeltaNet layer by piece beside a copy of the
@@ -126,7 +126,8 @@ if total < 1.05 * need:
     done
   fi
   REGEN_ARGS=(--dtype bfloat16 --num-prompts $regen_prompts --max-new-tokens 256
-              --batch-size "${REGEN_BATCHES:-$regen_batches}" --modes generate,static --generate-prompts $generate_prompts)
+              --batch-size "${REGEN_BATCHES:-$regen_batches}" --modes generate,static --generate-prompts $generate_prompts
+              --profile)  # (the static rows' middle batch again under the profiler: where the step's time goes)
   [ -n "$TOKENIZER" ] && REGEN_ARGS+=(--tokenizer "$TOKENIZER")
   ROUND_ARGS=(--cache graphs --past 1024 --budgets 16,64,256 --iters 10 --profile-overhead)
   COMMIT_RUN=("$PY" benchmarks/bench_gdn_commit.py --shape qwen3.6-27b)
@@ -196,6 +197,6 @@ step_trainmax() {  # each trial is a fresh process; the log keeps every trial's 
 
 step env 30
 [ -z "$SMOKE" ] && [ "$(cat "$WORK/done.env" 2>/dev/null)" != 0 ] && { log "env failed: nothing else runs"; exit 0; }
-run_steps tests:330 regen:300 round:120 commit:90 extract:240 train:450 trainmax:300
+run_steps tests:330 regen:400 round:120 commit:90 extract:240 train:450 trainmax:300
 [ -f "$WORK/done.trainmax" ] && log "all steps done"
 exit 0

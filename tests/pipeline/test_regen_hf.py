@@ -248,7 +248,8 @@ def test_thinking_flag_reaches_the_chat_template_and_reasoning_can_be_stripped()
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
 def test_static_decode_on_cuda_replays_its_checked_graph_and_equals_generate(target):
     """The static decode step runs as a pipeline.cuda_graphs.CudaGraphFn (captured, checked against eager on its
-    first replay, never disabled) and greedy output still equals model.generate token for token."""
+    first replay, never disabled) and greedy output still equals model.generate token for token, also where the
+    batch runs on the first rows of a larger state (views at a power-of-two size, their own graphs)."""
     _, tok, stop, prompts = target
     cuda = load_target(materialize_target(TINY_QWEN3, CACHE), TINY_QWEN3, device="cuda")
     limits = [40, 40, 12, 40, 33]
@@ -258,6 +259,11 @@ def test_static_decode_on_cuda_replays_its_checked_graph_and_equals_generate(tar
     outs = gens["static"].generate(prompts, limits)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert gens["static"].static.on_graphs(), "the decode step fell back to eager (capture or self-check failed)"
+    # a batch of 5 on a state of 16 rows runs on its first 8 (the tail or last batch of a run): views, graphed
+    wide = HFGenerator(cuda, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=Sampling(),
+                       batch_size=16, decode="static")
+    assert [o.token_ids for o in wide.generate(prompts, limits)] == [r.token_ids for r in reference]
+    assert wide.static._key[0] == 16 and set(wide.static._state.compact) >= {8} and wide.static.on_graphs()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist on CUDA only (run on the GPU machine)")

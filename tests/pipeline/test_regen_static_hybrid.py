@@ -256,7 +256,8 @@ def test_hybrid_static_decode_on_cuda_replays_its_checked_graphs_and_equals_gene
     """On CUDA the hybrid's one-token step (HF's decode step: fla's fused recurrent kernel where fla-core is
     installed) runs as a pipeline.cuda_graphs.CudaGraphFn per key bucket and batch size (captured with the stacked
     states restored between its runs, checked against eager on its first replay, never disabled), through a
-    compaction, and greedy output equals model.generate token for token (fp32)."""
+    compaction and on the first rows of a larger state, and greedy output equals model.generate token for token
+    (fp32)."""
     tcfg = HYBRIDS["text"]
     location = materialize_target(tcfg, CACHE)
     tok = load_tokenizer(location, tcfg)
@@ -273,6 +274,10 @@ def test_hybrid_static_decode_on_cuda_replays_its_checked_graphs_and_equals_gene
     assert state.compact, "no compaction happened"
     captured = [(size, live) for size, st in [(5, state), *state.compact.items()] for live in st.steps]
     assert len({live for _, live in captured}) >= 2, captured  # several key buckets captured
+    # a batch of 5 on a state of 16 rows runs on its first 8 (the tail or last batch of a run): views, graphed
+    wide = _gen(target, "static", 16, min_compact_batch=1, length_bucket=16)
+    assert [o.token_ids for o in wide.generate(prompts, limits)] == [r.token_ids for r in reference]
+    assert wide.static._key[0] == 16 and 8 in wide.static._state.compact and wide.static.on_graphs()
 
 
 @pytest.mark.slow
