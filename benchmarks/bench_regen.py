@@ -69,7 +69,7 @@ import torch  # noqa: E402
 from pipeline.cuda_graphs import GRAPH_LOG  # noqa: E402
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
 from pipeline.regen.generator import Sampling  # noqa: E402
-from pipeline.regen.hf import HFGenerator, longest_first_batches  # noqa: E402
+from pipeline.regen.hf import HFGenerator  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "smollm2-135m.yaml"  # its public prompt sets (mirror or hub, docs/data.md)
 MODES = ("generate", "static", "static-nograph", "static-nofold", "static-sdpa", "static-compiled", "vllm")
@@ -232,7 +232,7 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
     # the whole run (longest prompt + longest answer), which every later call keeps, as a regen stage's decoder
     # serves shard after shard, and both capture the step graphs of their live lengths. Graphs of the lengths only
     # the middle batches reach are captured on the clock: `graphs_captured_timed` counts them
-    batches = longest_first_batches(prompts, batch_size, limits)
+    batches = gen.batches(prompts, limits)
     steps = max(limits) if mode != "generate" else min(8, max(limits))
     try:
         for idx in {0: batches[0], len(batches) - 1: batches[-1]}.values():
@@ -245,19 +245,18 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
         seconds = time.perf_counter() - t0
         timed = gen.batch_log[warm_up:]  # the timed run's batches: rows, width, seconds
         graphs = bool(gen.static and gen.static.on_graphs())
-        found = profile_batch(gen, *middle_batch(prompts, limits, batch_size), device) \
+        found = profile_batch(gen, *middle_batch(gen, prompts, limits), device) \
             if profile and gen.static else None
         return outs, seconds, graphs, GRAPH_LOG.captured - captured, found, timed
     finally:  # the next batch size (or the vLLM engine) gets the memory back: K/V slots and graph pools
         gen.close()
 
 
-def middle_batch(prompts: list[list[int]], limits: list[int], batch_size: int):
-    """The middle batch of the run's longest-first order (`longest_first_batches`, what HFGenerator.generate
-    decodes): a typical width, where
-    the first n prompts of the input could hold the longest one and profile its padding instead.
-    -> (its prompts, its limits)."""
-    batches = longest_first_batches(prompts, batch_size, limits)
+def middle_batch(gen: HFGenerator, prompts: list[list[int]], limits: list[int]):
+    """The middle batch of the run's longest-first order (`HFGenerator.batches`, what `gen.generate` decodes): a
+    typical width, where the first n prompts of the input could hold the longest one and profile its padding
+    instead. -> (its prompts, its limits)."""
+    batches = gen.batches(prompts, limits)
     idx = batches[len(batches) // 2]
     return [prompts[i] for i in idx], [limits[i] for i in idx]
 

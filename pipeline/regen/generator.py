@@ -66,12 +66,12 @@ def mask_padded_vocab(logits, vocab_limit: int):
     return logits
 
 
-def sample_next(logits, sampling: Sampling, generator=None):
-    """logits [B, V] (already vocab-masked) -> next ids [B] (greedy argmax, or temperature / top-k / top-p)."""
+def nucleus_probs(logits, sampling: Sampling):
+    """logits [B, V] (already vocab-masked) -> [B, V] the distribution a sampled token is drawn from, in vocabulary
+    order: softmax(logits / temperature) over the top_k largest (0 = all), then over the smallest prefix of those,
+    in descending probability, whose mass reaches top_p, renormalized. The reference `sample_next` draws from."""
     import torch
 
-    if sampling.greedy:
-        return logits.argmax(dim=-1)
     logits = logits.float() / sampling.temperature
     if sampling.top_k > 0:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -82,5 +82,27 @@ def sample_next(logits, sampling: Sampling, generator=None):
         drop = probs.cumsum(-1) - probs > sampling.top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(-1)
+
+
+def sample_next(logits, sampling: Sampling, generator=None):
+    """logits [B, V] (already vocab-masked) -> next ids [B]: the argmax (greedy), else one draw per row from
+    `nucleus_probs`'s distribution. The draw is made among the candidates in descending order (torch.topk's top_k,
+    or every id sorted when only top_p is set), their dropped tail zeroed and the rest renormalized by
+    `torch.multinomial` itself, and the pick is mapped back through that order: no [B, V] scatter back to vocabulary
+    order and no second softmax, where a large batch's sampling step spends its memory traffic."""
+    import torch
+
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k <= 0 and sampling.top_p >= 1.0:
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    if sampling.top_k > 0:
+        values, order = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1)  # (descending)
+    else:
+        values, order = torch.sort(logits, descending=True, dim=-1)
+    probs = values.softmax(-1)
+    if sampling.top_p < 1.0:
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > sampling.top_p, 0.0)
+    return order.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(-1)

@@ -35,19 +35,21 @@ class _VocabLimit:
 
 def longest_first_batches(prompts: Sequence[list[int]], batch_size: int,
                           max_new_tokens: Sequence[int] | None = None) -> list[list[int]]:
-    """The batches `HFGenerator.generate` decodes: indices of `prompts`, longest first, at most `batch_size` each.
+    """Indices of `prompts`, longest first, in batches of at most `batch_size`.
 
     A batch is left-padded to its first (longest) prompt, and every decode step of every row reads K/V over that
     width: a few long prompts at the head of a batch of short ones would make the whole batch attend over their
-    length for its whole answer. So a batch also closes before the prompt that would leave more than half of its K/V
-    slots padding:
+    length for its whole answer. Given the answers' limits `max_new_tokens`, a batch also closes before the prompt
+    that would leave more than half of its K/V slots padding:
 
         rows x (longest prompt + longest answer)  >  2 x sum over rows of (prompt + answer)
 
-    (answer = `max_new_tokens[i]`, 0 where not given). The long tail then decodes in small batches of its own and
-    the rest in full ones whose width is their own."""
+    so the long tail decodes in small batches of its own and the rest in full ones whose width is their own. Without
+    them, batches are `batch_size` prompts at a time."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    answer = (lambda i: max_new_tokens[i]) if max_new_tokens is not None else (lambda i: 0)  # noqa: E731
+    if max_new_tokens is None:
+        return [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+    answer = max_new_tokens.__getitem__
     batches: list[list[int]] = []
     for i in order:
         batch = batches[-1] if batches else None
@@ -96,13 +98,12 @@ class HFGenerator:
 
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int],
                  seeds: Sequence[int] | None = None) -> list[Generation]:
-        """Batches of at most `batch_size` prompts, longest first (`longest_first_batches`: little padding); results
-        in input order. Each batch's size, width and time go to `batch_log`."""
+        """The prompts in `batches`; results in input order. Each batch's size, width and time go to `batch_log`."""
         results: list[Generation | None] = [None] * len(prompts)
         stop = set(self.stop_ids)
         # the first (longest) batch's K/V length for every batch: one static state and one set of step graphs
         span = max((len(p) for p in prompts), default=0) + max(max_new_tokens, default=0)
-        for idx in longest_first_batches(prompts, self.batch_size, max_new_tokens):
+        for idx in self.batches(prompts, max_new_tokens):
             batch, limits = [prompts[i] for i in idx], [max_new_tokens[i] for i in idx]
             seed = seeds[idx[0]] if seeds is not None else 0
             t0 = time.perf_counter()
@@ -112,6 +113,12 @@ class HFGenerator:
             for i, stream in zip(idx, streams):
                 results[i] = cut_at_stop(stream, max_new_tokens[i], stop)
         return results
+
+    def batches(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+        """The batches `generate` decodes (`longest_first_batches`): the static decoder's cut where more than half a
+        batch's K/V slots would be padding; `model.generate` (the CPU path) in full batches, where the per-step
+        overhead of more, smaller batches costs more than their padding."""
+        return longest_first_batches(prompts, self.batch_size, max_new_tokens if self.static is not None else None)
 
     def close(self) -> None:
         """Drop the model, the static state and its graphs (a state and its step graphs refer to each other: only

@@ -287,12 +287,13 @@ def test_static_decode_on_cuda_waits_for_the_gpu_only_at_its_stop_checks(target)
     assert len(syncs) <= allowed, f"{len(syncs)} host syncs for 64 decode steps:\n" + "\n".join(syncs)
 
 
-def test_a_long_tail_decodes_in_small_batches_of_its_own_and_every_prompt_exactly_once():
+def test_a_long_tail_decodes_in_small_batches_of_its_own_and_every_prompt_exactly_once(target):
     """A few long prompts among many short ones (a real prompt mix: 1,350 tokens at the head, ~80 typical) no longer
     set the width of a whole batch of short ones: `longest_first_batches` keeps each batch's padding to at most half
     its K/V slots, so the long tail decodes in a small batch of its own and the others in full batches of their own
     width, reading a fraction of the K/V slots fixed batches read. Every prompt is in exactly one batch, longest
-    first; prompts of one length still make full batches."""
+    first; prompts of one length still make full batches. The static decoder batches so; `model.generate` (the CPU
+    path, whose time is per-step overhead) keeps full batches."""
     lengths = [1350] * 4 + [410] * 4 + [300] * 8 + [260 - i for i in range(40)] + [120 - (i % 80) for i in range(1000)]
     prompts, answer = [[1] * n for n in lengths], [256] * len(lengths)
     batches = longest_first_batches(prompts, 512, answer)
@@ -306,7 +307,10 @@ def test_a_long_tail_decodes_in_small_batches_of_its_own_and_every_prompt_exactl
     fixed = [order[i:i + 512] for i in range(0, len(order), 512)]
     assert slots(batches) < 0.5 * slots(fixed)
     assert [len(b) for b in longest_first_batches([[1] * 50] * 1000, 512, [256] * 1000)] == [512, 488]
-    assert [len(b) for b in longest_first_batches([[1] * n for n in (9, 8, 1)], 2)] == [2, 1]  # no answers given
+    # without answer limits (model.generate's batches): batch_size at a time, the long tail included
+    assert [len(b) for b in longest_first_batches([[1] * 1350] + [[1] * 50] * 9, 4)] == [4, 4, 2]
+    assert [len(b) for b in _gen(target, "static", 512).batches(prompts, answer)] == [len(b) for b in batches]
+    assert [len(b) for b in _gen(target, "generate", 512).batches(prompts, answer)] == [512, 512, 32]
 
 
 def test_a_smaller_batch_decodes_on_the_first_rows_of_the_state_in_hand(target, monkeypatch):
@@ -394,7 +398,7 @@ def test_bench_regen_profile_counts_every_decode_step_and_leaves_the_decoder_as_
     assert [o.token_ids for o in gen.generate(prompts, [9, 9, 9])] == before
 
 
-def test_bench_regen_keeps_the_stages_context_limit_and_profiles_a_middle_batch_of_the_longest_first_order():
+def test_bench_regen_keeps_the_stages_context_limit_and_profiles_a_middle_batch_of_the_longest_first_order(target):
     """bench_regen leaves out a prompt of --max-model-len tokens or more and caps the others' new tokens at the room
     left, as the regen stage does; its profile decodes the middle batch of the run's longest-first order, not the
     input's first prompts (which may hold the longest one)."""
@@ -403,7 +407,7 @@ def test_bench_regen_keeps_the_stages_context_limit_and_profiles_a_middle_batch_
     kept, limits, over = within_context([[1] * 3, [1] * 10, [1] * 5, [1] * 8], 4, 8)
     assert [len(p) for p in kept] == [3, 5] and limits == [4, 3] and over == 2
     prompts = [[7] * n for n in range(1, 11)]
-    batch, lims = middle_batch(prompts, list(range(1, 11)), 3)
+    batch, lims = middle_batch(_gen(target, "static", 3), prompts, list(range(1, 11)))
     assert [len(p) for p in batch] == [4, 3, 2] and lims == [4, 3, 2]  # batches [10 9 8] [7 6 5] [4 3 2] [1]
 
 
@@ -537,3 +541,23 @@ def test_static_decode_with_compiled_norms_and_mlps_equals_generate_and_close_re
     gen.close()
     assert all(m._compiled_call_impl is None for m in modules)
     assert modeling.apply_rotary_pos_emb is rotary.original
+
+
+def test_a_sampled_token_is_drawn_from_the_nucleus_distribution():
+    """`sample_next` draws among the candidates in descending order and maps the pick back; its draws follow
+    `nucleus_probs` (temperature, top-k, top-p in vocabulary order) within sampling noise, and never an id that
+    distribution excludes: beyond the top-k, past the nucleus, or a padded vocabulary row."""
+    from pipeline.regen.generator import nucleus_probs, sample_next
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 40, generator=gen)
+    logits[2, 30:] = float("-inf")  # padded vocabulary rows
+    n = 20000
+    for sampling in (Sampling(temperature=0.7, top_p=0.9), Sampling(temperature=1.3, top_k=5),
+                     Sampling(temperature=0.7, top_p=0.8, top_k=8), Sampling(temperature=1.0)):
+        want = nucleus_probs(logits, sampling)
+        draws = sample_next(logits.repeat_interleave(n, dim=0), sampling, gen).view(3, n)
+        freq = torch.stack([torch.bincount(row, minlength=40).float() / n for row in draws])
+        assert (freq[want == 0] == 0).all(), sampling  # nothing outside the distribution
+        assert (freq - want).abs().max() < 0.02, (sampling, (freq - want).abs().max())
+        assert (want > 0).sum(-1).min() > 1  # each case keeps several ids
