@@ -24,8 +24,9 @@
 #   regen   bench_regen.py --shape smollm2-135m: the static decode with cuDNN's fused attention (static-sdpa), with
 #           the GEMM attention (static, the default), and with norms / MLPs / RoPE compiled (static-compiled), at
 #           each batch of REGEN_BATCHES (default 512,1024), 2,048 prompts x <= 256 tokens within 2,048 of context (as
-#           the stage: longer prompts left out and counted), the middle batch of each row profiled; greedy, or
-#           REGEN_SAMPLING="--temperature 0.7 --top-p 0.95" (the recipe's sampling)
+#           the stage: longer prompts left out and counted), the middle batch of each row profiled; greedy
+#   sampled the same prompts with the recipe's sampling (temperature 0.7, top-p 0.95: a sort of the vocabulary per
+#           row per step), static-compiled at each batch of REGEN_BATCHES, profiled
 #   train   bench_train.py --shape smollm2: TRAIN_VARIANTS (default: the recipe's online compiled step with CE, with
 #           CE+KL (the recipe's loss: its target logits now per position), and with 64 anchors per sample)
 # Writes results.jsonl, steps.log, summary.md, json/ (every step's JSON) and logs.tgz into --out.
@@ -52,7 +53,7 @@ while [ $# -gt 0 ]; do
     *) echo "speed_gpu.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
-STEPS=(env tests regen train)
+STEPS=(env tests regen sampled train)
 [ -n "$OUT" ] || { echo "speed_gpu.sh: --out DIR is required" >&2; exit 2; }
 if [ -n "$DATA" ]; then
   [ -d "$DATA" ] || { echo "speed_gpu.sh: --data $DATA is not a directory" >&2; exit 2; }
@@ -76,13 +77,18 @@ if [ -n "$SMOKE" ]; then  # here: toy sizes on the CPU (CUDA-only tests are coll
   : "${DRAFTER_DATA_DIR:?--cpu-smoke: regen reads the prompt mirror, set DRAFTER_DATA_DIR or pass --data}"
   REGEN_ARGS=(--shape tiny --dtype float32 --num-prompts 8 --max-new-tokens 8 --batch-size 4,8
               --modes static-sdpa,static --threads 1)
+  SAMPLED_ARGS=(--shape tiny --dtype float32 --num-prompts 8 --max-new-tokens 8 --batch-size 4 --modes static
+                --threads 1)
   TRAIN_ARGS=(--shape tiny --variants trainer-dense-online,trainer-dense-online-kl --seqs 2 --steps 1 --warmup 0
               --engine torch)
 else
   DEVICE=cuda
   REGEN_ARGS=(--shape smollm2-135m --dtype bfloat16 --num-prompts 2048 --max-new-tokens 256
               --batch-size "${REGEN_BATCHES:-512,1024}" --modes static-sdpa,static,static-compiled --profile
-              ${TOKENIZER:+--tokenizer "$TOKENIZER"} ${REGEN_SAMPLING:-})
+              ${TOKENIZER:+--tokenizer "$TOKENIZER"})
+  SAMPLED_ARGS=(--shape smollm2-135m --dtype bfloat16 --num-prompts 2048 --max-new-tokens 256
+                --batch-size "${REGEN_BATCHES:-512,1024}" --modes static-compiled --profile
+                ${TOKENIZER:+--tokenizer "$TOKENIZER"})
   TRAIN_ARGS=(--shape smollm2 --engine torch --variants "${TRAIN_VARIANTS:-trainer-flex-compile-online,trainer-flex-compile-online-kl,trainer-flex-compile-online-anc64}")
 fi
 
@@ -109,11 +115,16 @@ step_regen() {
   timeboxed "$PY" benchmarks/bench_regen.py --device $DEVICE "${REGEN_ARGS[@]}" --json "$WORK/json/regen.json"
 }
 
+step_sampled() {
+  timeboxed "$PY" benchmarks/bench_regen.py --device $DEVICE "${SAMPLED_ARGS[@]}" --temperature 0.7 --top-p 0.95 \
+    --json "$WORK/json/regen-sampled.json"
+}
+
 step_train() {
   timeboxed "$PY" benchmarks/bench_train.py --device $DEVICE "${TRAIN_ARGS[@]}" --json "$WORK/json/train.json"
 }
 
 step env 30
-run_steps tests:150 regen:300 train:300
+run_steps tests:150 regen:300 sampled:200 train:300
 [ -f "$WORK/done.train" ] && log "all steps done"
 exit 0

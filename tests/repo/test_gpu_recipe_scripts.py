@@ -341,7 +341,8 @@ def _speed(*args, env=None):
 def test_speed_gpu_script_times_regen_and_training_levers_at_toy_size_and_refuses_bad_arguments(tmp_path):
     """`speed_gpu.sh` (issue 29's regen and training speeds in one device call): argument errors are one line with
     exit 2; `--cpu-smoke` runs every step at toy size on the CPU: regen's fused-attention and GEMM-attention modes
-    decode the same greedy tokens, both training variants (CE, CE+KL) report tokens/s; a second call of the same
+    decode the same greedy tokens, the recipe's sampling is timed, both training variants (CE, CE+KL) report
+    tokens/s; a second call of the same
     --work runs nothing again, and --retry runs one step again."""
     from tests.conftest import mirror_file
 
@@ -355,10 +356,14 @@ def test_speed_gpu_script_times_regen_and_training_levers_at_toy_size_and_refuse
     first = _speed("--cpu-smoke", "--out", out, "--work", work, "--data", data, env={"OMP_NUM_THREADS": "1"})
     assert first.returncode == 0 and "all steps done" in first.stdout, first.stdout[-3000:] + first.stderr[-3000:]
     ran = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["rc"]) for r in ran] == [("env", 0), ("tests", 0), ("regen", 0), ("train", 0)]
+    assert [(r["step"], r["rc"]) for r in ran] == [("env", 0), ("tests", 0), ("regen", 0), ("sampled", 0),
+                                                   ("train", 0)]
     regen = json.loads((out / "json" / "regen.json").read_text())
     assert {r["mode"] for r in regen["rows"]} == {"static-sdpa", "static"}
     assert all(r["same_as_ref"] in ("ref", "8/8") and r["tok_s"] > 0 for r in regen["rows"])
+    sampled = json.loads((out / "json" / "regen-sampled.json").read_text())
+    assert sampled["env"]["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": 0}
+    assert [r["mode"] for r in sampled["rows"]] == ["static"] and sampled["rows"][0]["tok_s"] > 0
     train = json.loads((out / "json" / "train.json").read_text())
     assert [r["variant"] for r in train] == ["trainer-dense-online", "trainer-dense-online-kl"]
     assert all(r["ok"] and r["tokens_per_s"] > 0 for r in train)
