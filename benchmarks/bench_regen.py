@@ -343,6 +343,7 @@ def decode_ceilings(model, batch: int, ctx_mean: float, matmul: float, bandwidth
     Gated-DeltaNet states read and written and the K/V rows of the attention layers over the context)."""
     from benchmarks.bench_extract import flops_per_token
     from pipeline.recurrent_cache import layer_types
+    from pipeline.target import kv_head_shape
 
     cfg = model.config.get_text_config()
     types = layer_types(model.config)
@@ -357,8 +358,7 @@ def decode_ceilings(model, batch: int, ctx_mean: float, matmul: float, bandwidth
             + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4  # fp32
         per_row += linear * 2 * (state + conv_dim * cfg.linear_conv_kernel_dim * elt)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv_heads, head_dim = kv_head_shape(cfg)
     per_row += (len(types) - linear) * 2 * kv_heads * head_dim * elt * ctx_mean
     return {"compute_roofline_tok_s": round(matmul / flops, 1),
             "memory_roofline_tok_s": round(batch * bandwidth / (weights + batch * per_row), 1),

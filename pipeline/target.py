@@ -617,6 +617,14 @@ def text_config(config):
     return config.get_text_config(decoder=True)
 
 
+def kv_head_shape(config) -> tuple[int, int]:
+    """(K/V heads, head dim) of an attention layer of `config` (a model's or its text config): `num_key_value_heads`
+    (all the query heads where absent) and `head_dim` (hidden size / query heads where absent)."""
+    text = text_config(config)
+    return (getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 

@@ -40,7 +40,7 @@ from torch import Tensor
 from eval.engine import target_forward_triton, triton_runtime
 from eval.engine.verify import visibility_attention_mask
 from extract.layers import decoder_layers, validate_layer_ids
-from pipeline.target import base_model, text_config
+from pipeline.target import base_model, kv_head_shape, text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -218,8 +218,7 @@ class VerifyForward:
         layers = decoder_layers(target)
         self.tap_ids = validate_layer_ids(tap_ids, len(layers)) if tap_ids else []
         self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.kv_heads, self.head_dim = kv_head_shape(cfg)
         self.eps = cfg.rms_norm_eps
         self.scale = layers[0].self_attn.scaling
         self.layers = []

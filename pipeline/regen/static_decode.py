@@ -52,7 +52,7 @@ from pipeline.log import get_logger
 from pipeline.recurrent_cache import LINEAR_ATTENTION, bind_linear_states, layer_types, linear_attention_layers, \
     linear_state_buffers, prebind_linear_states, stack_linear_states
 from pipeline.regen.generator import Sampling, mask_padded_vocab, sample_next
-from pipeline.target import compile_pointwise_modules, text_config, uncompile
+from pipeline.target import compile_pointwise_modules, kv_head_shape, text_config, uncompile
 
 log = get_logger("regen.static")
 
@@ -182,7 +182,7 @@ def supports_static_decode(config) -> bool:
 
 
 class SlotCache:
-    """Per-attention-layer KV buffers [B, H_kv, L, D] (buffer j for the j-th attention layer a forward reaches,
+    """Per-attention-layer KV buffers [B, H_kv, L, D] (buffer j for the j-th attention layer `reserve` was given,
     `slot[layer_idx]`); a forward writes its T new keys at slots `write_pos .. write_pos+T-1` (a device scalar, so a
     captured graph reads the current value)."""
 
@@ -213,15 +213,11 @@ class SlotCache:
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """key/value_states [B, H_kv, T, D] -> views [B, H_kv, live, D] of the layer's buffers (the written slots
         must lie below `live`)."""
-        j = self.slot.get(layer_idx)
-        if j is None:  # first forward allocates (outside any graph capture)
-            j = self.slot[layer_idx] = len(self.keys)
-            b, h, _, d = key_states.shape
-            self.keys.append(key_states.new_zeros(b, h, self.max_len, d))
-            self.values.append(value_states.new_zeros(b, h, self.max_len, value_states.shape[-1]))
-        elif self.keys[j].shape[1] != key_states.shape[1] or self.keys[j].shape[3] != key_states.shape[3]:
+        j = self.slot.get(layer_idx)  # (`reserve` made every attention layer's buffers)
+        if j is None or self.keys[j].shape[1] != key_states.shape[1] or self.keys[j].shape[3] != key_states.shape[3]:
+            held = "no reserved slots" if j is None else f"reserved slots of {tuple(self.keys[j].shape)}"
             raise ValueError(f"static decode: attention layer {layer_idx} gives K/V of {key_states.shape[1]} heads x "
-                             f"{key_states.shape[3]}, its reserved slots hold {tuple(self.keys[j].shape)}")
+                             f"{key_states.shape[3]}; it has {held}")
         slots = self.write_pos + torch.arange(key_states.shape[2], device=key_states.device)
         self.keys[j].index_copy_(2, slots, key_states)
         self.values[j].index_copy_(2, slots, value_states)
@@ -475,11 +471,8 @@ class StaticDecoder:
                 pos=torch.zeros(batch, 1, dtype=torch.long, device=self.device),
                 mask=torch.zeros(batch, 1, 1, cache_len, dtype=self.dtype, device=self.device),
             )
-            text = text_config(self.model.config)
             self._state.slots.reserve([i for i, t in enumerate(layer_types(self.model.config)) if t != LINEAR_ATTENTION],
-                                      batch, text.num_key_value_heads,
-                                      getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-                                      self.dtype)
+                                      batch, *kv_head_shape(self.model.config), self.dtype)
             if self.linear:
                 self._state.conv, self._state.recurrent = linear_state_buffers(
                     self.model.config, self.linear, batch, self.dtype, self.device)
@@ -490,10 +483,7 @@ class StaticDecoder:
         """ids [B, P] left-padded -> logits [B, V] at the last prompt slot; fills cache slots 0..P-1 (and a hybrid's
         Gated-DeltaNet states: HF's cache made for this batch, its states then moved into the stacked buffers)."""
         if self.linear:  # HF's prefill writes the Gated-DeltaNet states straight into the stacked buffers
-            state.cache = HybridSlotCache(self.model.config, state.slots)
-            if state.conv is None:
-                state.conv, state.recurrent = linear_state_buffers(self.model.config, self.linear, ids.shape[0],
-                                                                   self.dtype, self.device)
+            state.cache = HybridSlotCache(self.model.config, state.slots)  # (its buffers: made with the state)
             prebind_linear_states(state.cache, self.linear, state.conv, state.recurrent)
         width = ids.shape[1]
         neg = torch.finfo(self.dtype).min

@@ -60,7 +60,7 @@ from eval.engine.walk import compact_path_rows, compact_rows
 from pipeline.cuda_graphs import CudaGraphFn
 from pipeline.recurrent_cache import stack_linear_states
 from extract.layers import decoder_layers
-from pipeline.target import gated_delta_kernels, text_config
+from pipeline.target import gated_delta_kernels, kv_head_shape, text_config
 
 LINEAR_ATTENTION = "linear_attention"
 RECORD_FIELDS = ("conv_inputs", "conv_outputs", "g", "beta")  # a verify's node rows, stacked over the layers
@@ -140,8 +140,7 @@ class HybridTargetCache(TargetCache):
             return
         if self.kv is None or self.kv.shape[4] < capacity:
             cfg = text_config(self.config)
-            heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            heads, head_dim = kv_head_shape(cfg)
             capacity = -(-capacity // 2048) * 2048  # buckets: graphs (keyed by the buffer) survive across prompts
             self.kv = None
             self._verify_fns.clear()

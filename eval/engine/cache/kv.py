@@ -36,7 +36,7 @@ from eval.engine.verify import (ancestor_matrix, causal_attention_mask, tree_att
 from eval.engine.walk import compact_path_rows, compact_rows
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
-from pipeline.target import text_config
+from pipeline.target import kv_head_shape, text_config
 
 log = get_logger("eval.engine.cache.kv")
 
@@ -116,8 +116,7 @@ class KVTargetCache(TargetCache):
             return
         if self.kv is None or self.kv.capacity < capacity:
             cfg = text_config(self.forward.target.config)
-            heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            heads, head_dim = kv_head_shape(cfg)
             capacity = -(-capacity // 2048) * 2048  # buckets: graphs (keyed by capacity) survive across prompts
             self.kv = None
             self._verify_fns.clear()
