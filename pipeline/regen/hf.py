@@ -49,17 +49,17 @@ def longest_first_batches(prompts: Sequence[list[int]], batch_size: int,
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     if max_new_tokens is None:
         return [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
-    answer = max_new_tokens.__getitem__
     batches: list[list[int]] = []
+    width = answer = real = 0  # of the batch being filled: its first prompt's length, longest answer, sum of both
     for i in order:
-        batch = batches[-1] if batches else None
-        if batch is not None and len(batch) < batch_size:
-            longest = len(prompts[batch[0]]) + max(answer(j) for j in (batch[0], i))  # (answers may differ)
-            real = sum(len(prompts[j]) + answer(j) for j in batch) + len(prompts[i]) + answer(i)
-            if (len(batch) + 1) * longest <= 2 * real:
-                batch.append(i)
-                continue
-        batches.append([i])
+        n, a = len(prompts[i]), max_new_tokens[i]
+        if batches and len(batches[-1]) < batch_size and \
+                (len(batches[-1]) + 1) * (width + max(answer, a)) <= 2 * (real + n + a):
+            batches[-1].append(i)
+            answer, real = max(answer, a), real + n + a
+        else:
+            batches.append([i])
+            width, answer, real = n, a, n + a
     return batches
 
 

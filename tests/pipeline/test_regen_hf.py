@@ -307,6 +307,9 @@ def test_a_long_tail_decodes_in_small_batches_of_its_own_and_every_prompt_exactl
     fixed = [order[i:i + 512] for i in range(0, len(order), 512)]
     assert slots(batches) < 0.5 * slots(fixed)
     assert [len(b) for b in longest_first_batches([[1] * 50] * 1000, 512, [256] * 1000)] == [512, 488]
+    # the longest answer in the batch counts, not only its first prompt's: beside a 200-token answer, a third row
+    # with a 1-token one would leave more than half the slots padding
+    assert [len(b) for b in longest_first_batches([[1] * 10] * 3, 8, [1, 200, 1])] == [2, 1]
     # without answer limits (model.generate's batches): batch_size at a time, the long tail included
     assert [len(b) for b in longest_first_batches([[1] * 1350] + [[1] * 50] * 9, 4)] == [4, 4, 2]
     assert [len(b) for b in _gen(target, "static", 512).batches(prompts, answer)] == [len(b) for b in batches]
