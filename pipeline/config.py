@@ -346,6 +346,9 @@ class RegenConfig:
         "auto",
     )
     cuda_graphs: bool = doc("hf static decode on CUDA: replay the one-token step as a CUDA graph", True)
+    compile: Literal["auto", "on", "off"] = doc(
+        "hf static decode: torch.compile the decoder layers' norms, MLPs and rotary embedding (one kernel each; "
+        "the step's graphs replay them); auto = on for CUDA", "auto")
 
     def validate(self, key: str) -> None:
         if self.samples_per_prompt > 1 and self.temperature <= 0 and self.backend != "none":
@@ -370,6 +373,9 @@ class TokenizeConfig:
         "a multi-turn conversation whose template re-renders earlier turns (Qwen3 with thinking off drops the "
         "empty think block of past turns): 'split' starts a new sample at each such turn, its context the "
         "history as the target saw it; 'drop' drops the conversation (reason template_not_prefix_stable)", "split")
+    workers: Optional[int] = doc(
+        "processes tokenizing shards at once (chat-template rendering is Python: one core a process); None = one per "
+        "available core, at most one per shard to do", None, ge=1)
 
 
 @dataclass

@@ -31,9 +31,15 @@ dropped.<reason>.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
+import multiprocessing
+import os
+import signal
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -204,6 +210,41 @@ def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: R
     )
 
 
+_WORK = None  # a forked worker's unit function (inherited from the stage process, never pickled)
+
+
+def _start_worker(work) -> None:
+    """A worker process's start: dies with the stage process (a kill -9 of the stage leaves no worker writing
+    units behind it), then keeps `work`."""
+    global _WORK
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the stage died before the line above
+        os._exit(1)
+    _WORK = work
+
+
+def _run_unit(unit: str) -> None:
+    _WORK(unit)
+
+
+def _in_worker_processes(work, todo: list[str], workers: int, bar) -> None:
+    """`work(unit)` for every unit of `todo` in `workers` forked processes, one unit at a time each (each unit is
+    written atomically with its sidecar by the process that made it, as in the stage process). The first unit that
+    fails stops the rest and is raised."""
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_start_worker,
+                               initargs=(work,))
+    try:
+        for done in as_completed([pool.submit(_run_unit, unit) for unit in todo]):
+            done.result()
+            bar.update(1)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _finalize(stage: StageDir, units: list[str], *, regenerated: RegeneratedData, config_hash: str, fingerprint: dict,
               started: float) -> dict | None:
     done = stage.done_units(SIDECAR)
@@ -258,8 +299,17 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     mine = units_for_rank(units, ranks)
     todo = [u for u in mine if not stage.unit_done(u, fields=SIDECAR)]
     end_of_turn = set(end_of_turn_ids(tokenizer, target.location))
-    for unit in progress(todo, desc=f"tokenize rank {ranks.rank}", unit="shard"):
-        tokenize_unit(unit, regen, stage, tokenizer, cfg, end_of_turn=end_of_turn, fingerprint=fingerprint)
+    work = functools.partial(tokenize_unit, regen=regen, stage=stage, tokenizer=tokenizer, cfg=cfg,
+                             end_of_turn=end_of_turn, fingerprint=fingerprint)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(len(todo), cfg.tokenize.workers or cores)
+    with progress(total=len(todo), desc=f"tokenize rank {ranks.rank}", unit="shard") as bar:
+        if workers <= 1:
+            for unit in todo:
+                work(unit)
+                bar.update(1)
+        else:
+            _in_worker_processes(work, todo, workers, bar)
     rank_summary = stage.rank_summary(ranks, mine, started) if ranks.is_split else None
     manifest = _finalize(stage, units, regenerated=regenerated, config_hash=config_hash, fingerprint=fingerprint,
                          started=started)

@@ -401,13 +401,25 @@ def replica_digests(drafter: torch.nn.Module, out_dir: Path, rank: int, world: i
     return digests
 
 
+def compile_totals() -> tuple[int, float]:
+    """(frames, seconds): what torch.compile has compiled in this process so far, recompilations included, and the
+    time it took (dynamo's own timing of each frame's compile)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    times = compilation_time_metrics.get("_compile.compile_inner", [])
+    return len(times), float(sum(times))
+
+
 @dataclass
 class _Window:
     """Throughput since the last log: tokens and useful FLOPs over wall time (pauses subtracted from `start`). The
-    steps' statistics are summed on the device and read once, when the window is logged."""
+    steps' statistics are summed on the device and read once, when the window is logged. `compiles` / `compile_s`:
+    the frames torch.compile compiled inside the window and their seconds (part of its wall time: a slow window
+    with compile_s near its stall was recompiling)."""
 
     start: float
     steps: list = field(default_factory=list)
+    compiled: tuple = field(default_factory=compile_totals)
 
     def add(self, stats: StepStats) -> None:
         self.steps.append(stats)
@@ -415,7 +427,9 @@ class _Window:
     def rates(self, peak: float | None, world: int) -> dict:
         sums = StepStats.total(self.steps).sums
         dt = max(time.time() - self.start, 1e-9)
-        out = {"tokens_per_s": sums["tokens"] / dt, "tflops_per_s": sums["flops"] / dt / 1e12}
+        frames, seconds = compile_totals()
+        out = {"tokens_per_s": sums["tokens"] / dt, "tflops_per_s": sums["flops"] / dt / 1e12,
+               "compiles": frames - self.compiled[0], "compile_s": round(seconds - self.compiled[1], 3)}
         if peak:
             out["mfu"] = sums["flops"] / dt / (peak * world)
         return out

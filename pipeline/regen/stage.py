@@ -47,7 +47,7 @@ from pipeline.regen.generator import Generator, Sampling
 from pipeline.errors import StageError
 from pipeline.files import AtomicFile
 from pipeline.manifests import CuratedData, curate_outputs
-from pipeline.records import COUNTS, INT, LIST, NUMBER
+from pipeline.records import COUNTS, INT, LIST, NUMBER, Optional
 from pipeline.stage_dir import RankInfo, StageDir, units_for_rank
 from pipeline.sample_ids import response_id
 from pipeline.target import OpenedTarget, open_target
@@ -250,9 +250,25 @@ def _with_regen_metadata(metadata: str | None, info: dict) -> str:
     return json.dumps(meta, ensure_ascii=False)
 
 
+class BackendClock:
+    """The generator, its `generate` calls timed: `seconds` is the time a unit spent in the backend, the rest of
+    the unit's time is the host's (rendering prompts, decoding answers, writing the shard)."""
+
+    def __init__(self, generator):
+        self.generator, self.seconds = generator, 0.0
+
+    def generate(self, prompts, max_new_tokens, seeds=None):
+        t0 = time.perf_counter()
+        try:
+            return self.generator.generate(prompts, max_new_tokens, seeds)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, tokenizer, cfg: RunConfig) -> dict:
     """Regenerate one unit and record it (parquet + sidecar). Returns the sidecar record."""
     t0 = time.time()
+    backend = BackendClock(generator)
     rows = [row for name, lo, hi in unit.segments for row in read_rows(curate.shards / name, lo, hi)]
     n = samples_per_conversation(cfg)
     formats = cfg.regen.prompt_formats or {}
@@ -278,7 +294,7 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
             out_rows.append({**row, "metadata": meta})
         answered: dict[str, Answered] = {}
     else:
-        answered, gen_failures = regenerate(generator, tokenizer, [(sid, sk) for sid, _, sk, _ in items], cfg)
+        answered, gen_failures = regenerate(backend, tokenizer, [(sid, sk) for sid, _, sk, _ in items], cfg)
         failures.update(gen_failures)
         for sid, k, sk, row in items:
             a = answered.get(sid)
@@ -301,7 +317,7 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
         turns=sum(len(a.answers) for a in answered.values()),
         truncated_turns=sum(f == "length" for a in answered.values() for f in a.finish_reasons),
         generated_tokens=sum(sum(a.generated_tokens) for a in answered.values()),
-        seconds=round(time.time() - t0, 3),
+        seconds=round(time.time() - t0, 3), backend_seconds=round(backend.seconds, 3),
     )
 
 
@@ -316,7 +332,7 @@ def samples_per_conversation(cfg: RunConfig) -> int:
 
 # a regen unit's sidecar (pipeline/records.py shape), beside the files of every sidecar
 SIDECAR = {"written": INT, "failed": COUNTS, "failures": LIST, "turns": INT, "truncated_turns": INT,
-           "generated_tokens": INT, "seconds": NUMBER}
+           "generated_tokens": INT, "seconds": NUMBER, "backend_seconds": Optional(NUMBER)}  # (older sidecars: none)
 
 
 def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dict:
@@ -347,16 +363,21 @@ def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total:
         return None
     counts = _counts(units, done, total, samples_per_conversation(cfg))
     seconds = sum(done[u.name]["seconds"] for u in units)
+    timed = [done[u.name].get("backend_seconds") for u in units]
+    backend = round(sum(timed), 3) if None not in timed else None  # (units of an older run lack the field)
     examples = [f for u in units for f in done[u.name]["failures"]][:MAX_FAILURE_EXAMPLES]
     manifest = stage.write_manifest(
         config_hash=config_hash, fingerprint=fingerprint, inputs={"curate": curated.ref()}, counts=counts,
         started=started,
         extra={"failure_examples": examples, "generation_seconds": round(seconds, 3),
-               "generated_tokens_per_s": round(counts["generated_tokens"] / seconds, 1) if seconds else None},
+               "generated_tokens_per_s": round(counts["generated_tokens"] / seconds, 1) if seconds else None,
+               "backend_seconds": backend},
     )
+    where = (f" in {seconds:.0f} s ({backend:.0f} s in the backend, the rest on the host)"
+             if backend is not None and counts["generated_tokens"] else "")
     summary("regen", f"{counts['written']} written, {counts['failed']} failed, "
                      f"{counts['skipped.max_samples']} skipped of {counts['input']} samples; "
-                     f"{counts['generated_tokens']} tokens generated")
+                     f"{counts['generated_tokens']} tokens generated{where}")
     return manifest
 
 

@@ -546,6 +546,24 @@ def test_static_decode_with_compiled_norms_and_mlps_equals_generate_and_close_re
     assert modeling.apply_rotary_pos_emb is rotary.original
 
 
+def test_regen_compile_decides_whether_the_stage_s_static_decoder_compiles_its_pointwise_modules():
+    """`regen.compile` reaches the stage's generator (`HFGenerator.load`): 'on' compiles the static decoder's norms,
+    MLPs and rotary embedding (bench_regen's fastest mode, static-compiled), 'off' does not, and 'auto' does on CUDA
+    only (here, a CPU: not). Nothing is compiled until a step runs, so loading is cheap; close() undoes it."""
+    from pipeline.config import RegenConfig
+
+    location = materialize_target(TINY_QWEN3, CACHE)
+    tok = load_tokenizer(location, TINY_QWEN3)
+    for setting, compiled in (("on", True), ("off", False), ("auto", False)):
+        rcfg = RegenConfig(hf_decode="static", compile=setting)
+        gen = HFGenerator.load(location, TINY_QWEN3, rcfg, tokenizer=tok, stop_ids=end_of_turn_ids(tok, location),
+                               sampling=Sampling())
+        assert gen.static is not None and bool(gen.static.compiled) is compiled, setting
+        modules = [m for m in gen.static.compiled if isinstance(m, torch.nn.Module)]
+        gen.close()
+        assert all(m._compiled_call_impl is None for m in modules)
+
+
 def test_a_sampled_token_is_drawn_from_the_nucleus_distribution():
     """`sample_next` draws among the candidates in descending order and maps the pick back; its draws follow
     `nucleus_probs` (temperature, top-k, top-p in vocabulary order) within sampling noise, and never an id that

@@ -111,6 +111,11 @@ def test_failures_are_recorded_with_reasons_and_every_input_is_accounted_for(tmp
     assert failures["test/3"]["reason"] == "context_overflow" and "max_model_len" in failures["test/3"]["detail"]
     assert failures["test/5"]["detail"].startswith("turn 1")
     assert failures["test/4"]["reason"] == "malformed"
+    # every unit says how much of its time the backend took; the manifest adds them up beside the units' wall time
+    sidecars = [json.loads(p.read_text()) for p in sorted((cfg.run_dir / "regen" / "shards").glob("*.done.json"))]
+    assert len(sidecars) == 3 and all(0 < s["backend_seconds"] <= s["seconds"] for s in sidecars)
+    assert m["backend_seconds"] == pytest.approx(sum(s["backend_seconds"] for s in sidecars), abs=1e-2)
+    assert 0 < m["backend_seconds"] <= m["generation_seconds"] + 1e-2
 
 
 def test_backend_none_keeps_dataset_answers_and_fails_prompts_without_one(tmp_path):

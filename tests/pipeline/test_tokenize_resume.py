@@ -75,3 +75,23 @@ def test_kill_9_during_tokenize_then_rerun_equals_an_uninterrupted_run(tmp_path)
     ids = [i for p in sorted(stage.shards.glob("*.parquet")) for i in pq.read_table(p, columns=["id"])["id"].to_pylist()]
     assert len(ids) == len(set(ids)) == manifest["counts"]["written"]
     assert not list(cfg.run_dir.rglob("*.tmp-*"))
+
+
+def test_tokenize_in_worker_processes_writes_the_shards_of_one_process_byte_for_byte(tmp_path):
+    """`tokenize.workers`: units tokenized by several forked processes at once are the units one process writes
+    (byte-identical shards, the same counts), each once, and a worker's failure stops the stage with its error."""
+    one = regenerated_run(tmp_path / "one")
+    many = make_config(tmp_path / "many", overrides=OVERRIDES + ["tokenize.workers=3"])
+    shutil.copytree(one.run_dir, many.run_dir)
+    reference_manifest = run_tokenize(make_config(tmp_path / "one", overrides=OVERRIDES + ["tokenize.workers=1"]))
+    manifest = run_tokenize(many)
+    assert shards(many.run_dir) == shards(one.run_dir) and len(shards(one.run_dir)) == CONVERSATIONS
+    assert manifest["counts"] == reference_manifest["counts"]
+
+    broken = make_config(tmp_path / "broken", overrides=OVERRIDES + ["tokenize.workers=2"])
+    shutil.copytree(one.run_dir, broken.run_dir)
+    shutil.rmtree(broken.run_dir / "tokenize")
+    (broken.run_dir / "regen" / "shards" / "00042.parquet").write_bytes(b"not parquet")
+    with pytest.raises(Exception, match="00042|parquet|Parquet"):
+        run_tokenize(broken)
+    assert not (broken.run_dir / "tokenize" / "manifest.json").exists()

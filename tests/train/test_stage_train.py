@@ -336,3 +336,22 @@ def test_keep_best_exports_the_evaluated_step_of_lowest_held_out_loss_and_a_kill
     assert json.loads((best / "best.json").read_text()) == {"step": 3, "eval_loss": 1.0}
     assert resumed["export"]["step"] == 3 and not (train_dir / "best.old").exists()
     assert all((best / f).read_bytes() == (export / f).read_bytes() for f in files)
+
+
+def test_a_log_window_counts_the_torch_compile_work_done_inside_it():
+    """The logged `compiles` / `compile_s` of a window are the frames torch.compile compiled between its start and
+    its log (a recompilation for a new input rank, here), not those compiled before it: what tells a stall of the
+    training curve that was recompiling from one that was not."""
+    from train.step import SCALAR_STATS, StepStats
+    from train.trainer import _Window
+
+    f = torch.compile(lambda x: x.sin() + 1, backend="eager", dynamic=False)
+    f(torch.ones(3))  # compiled before the window opens
+    stats = StepStats(torch.ones(len(SCALAR_STATS) + 2 + 2 * 3, dtype=torch.float64), block_size=4)
+    window = _Window(time.time())
+    window.add(stats)
+    f(torch.ones(3))
+    assert window.rates(None, 1)["compiles"] == 0
+    f(torch.ones(3, 5))  # a new rank: compiled again, inside the window
+    rates = window.rates(None, 1)
+    assert rates["compiles"] >= 1 and rates["compile_s"] > 0
