@@ -100,6 +100,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.12, help="vllm mode (on CPU: RAM share)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vllm mode: requests decoded at once (regen.vllm."
                    "max_num_seqs; default: vLLM's)")
+    p.add_argument("--answer-lengths", default="limit", choices=["limit", "recipe"],
+                   help="how long each answer runs (a random-init target never stops by itself): 'limit' = every "
+                        "answer to --max-new-tokens; 'recipe' = drawn like the SmolLM2 recipe's sampled answers "
+                        "(ANSWER_MIX: a share at the limit, the rest exponential), so batches run to their "
+                        "longest answer and compact as rows finish, as a regen stage's do")
     p.add_argument("--temperature", type=float, default=0.0, help="as regen.temperature (0 = greedy); the recipe "
                    "configs sample at 0.7")
     p.add_argument("--top-p", type=float, default=1.0, help="as regen.top_p (the recipe configs: 0.95)")
@@ -109,6 +114,39 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="static modes: after the timed run, one more batch under "
                    "torch.profiler: where a decode step's time goes (kernels, host ops, the GPU's idle share)")
     return p.parse_args()
+
+
+# The answers of the 100K-prompt SmolLM2 recipe run (2026-12-07, T 0.7, top-p 0.95, limit 384): 19.0 % reached the
+# limit, the mean was 181 tokens; the rest is modelled as exponential with the mean that gives that average.
+ANSWER_MIX = {"at_limit": 0.19, "limit": 384, "mean": 181}
+
+
+def recipe_answer_lengths(limits: list[int], seed: int = 0) -> list[int]:
+    """limits [N] -> answer lengths [N], each <= its limit: ANSWER_MIX's share at the limit, the others drawn
+    from an exponential truncated to [1, limit), its scale chosen so that the average is ANSWER_MIX's mean at
+    ANSWER_MIX's limit (and scaled with the limit otherwise). Deterministic for a seed."""
+    import math
+    import random
+
+    mix = ANSWER_MIX
+    want = (mix["mean"] - mix["at_limit"] * mix["limit"]) / (1 - mix["at_limit"]) / mix["limit"]  # of the limit
+
+    def truncated_mean(scale: float) -> float:  # mean of an exponential of `scale` truncated to [0, 1)
+        return scale - math.exp(-1 / scale) / (1 - math.exp(-1 / scale))
+
+    lo, hi = 1e-3, 1e3
+    for _ in range(100):  # the truncated mean grows with the scale
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if truncated_mean(mid) < want else (lo, mid)
+    scale, rng, out = lo, random.Random(seed), []
+    for limit in limits:
+        if rng.random() < mix["at_limit"]:
+            out.append(limit)
+            continue
+        u = rng.random()  # inverse CDF of the truncated exponential
+        x = -scale * math.log(1 - u * (1 - math.exp(-1 / scale)))
+        out.append(max(1, min(limit - 1, round(x * limit))))
+    return out
 
 
 def within_context(prompts: list[list[int]], max_new_tokens: int, max_model_len: int):
@@ -376,12 +414,15 @@ def main() -> None:
     chats = real_prompts(args.num_prompts)
     prompts, limits, over = within_context([prompt_ids(tok, c, enable_thinking=False) for c in chats],
                                            args.max_new_tokens, args.max_model_len)
+    if args.answer_lengths == "recipe":
+        limits = recipe_answer_lengths(limits)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
            "dtype": args.dtype, "threads": torch.get_num_threads(), "model_load_s": round(load_s, 1),
            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
            "prompt_tokens_mean": round(sum(map(len, prompts)) / max(1, len(prompts)), 1),
            "prompt_tokens_max": max(map(len, prompts), default=0), "prompts_over_max_model_len": over,
+           "answer_lengths": args.answer_lengths, "answer_tokens_mean": round(sum(limits) / max(1, len(limits)), 1),
            "tokenizer": tokenizer_name(args.tokenizer) if args.tokenizer
            else ("byte" if args.shape else "the target's")}
     if not prompts:

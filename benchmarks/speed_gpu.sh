@@ -25,8 +25,10 @@
 #           the GEMM attention (static, the default), and with norms / MLPs / RoPE compiled (static-compiled), at
 #           each batch of REGEN_BATCHES (default 512,1024), 2,048 prompts x <= 256 tokens within 2,048 of context (as
 #           the stage: longer prompts left out and counted), the middle batch of each row profiled; greedy
-#   sampled the same prompts with the recipe's sampling (temperature 0.7, top-p 0.95: a sort of the vocabulary per
-#           row per step), static-compiled at each batch of REGEN_BATCHES, profiled
+#   sampled the same prompts as the recipe's regen stage runs them: its sampling (temperature 0.7, top-p 0.95: a
+#           sort of the vocabulary per row per step), its limit (384) and answers as long as its real ones
+#           (bench_regen --answer-lengths recipe: batches run to their longest answer and compact as rows finish),
+#           static-compiled at each batch of REGEN_BATCHES, profiled
 #   train   bench_train.py --shape smollm2: TRAIN_VARIANTS (default: the recipe's online compiled step with CE, with
 #           CE+KL (the recipe's loss: its target logits now per position), and with 64 anchors per sample)
 # Writes results.jsonl, steps.log, summary.md, json/ (every step's JSON) and logs.tgz into --out.
@@ -77,7 +79,7 @@ if [ -n "$SMOKE" ]; then  # here: toy sizes on the CPU (CUDA-only tests are coll
   : "${DRAFTER_DATA_DIR:?--cpu-smoke: regen reads the prompt mirror, set DRAFTER_DATA_DIR or pass --data}"
   REGEN_ARGS=(--shape tiny --dtype float32 --num-prompts 8 --max-new-tokens 8 --batch-size 4,8
               --modes static-sdpa,static --threads 1)
-  SAMPLED_ARGS=(--shape tiny --dtype float32 --num-prompts 8 --max-new-tokens 8 --batch-size 4 --modes static
+  SAMPLED_ARGS=(--shape tiny --dtype float32 --num-prompts 8 --max-new-tokens 8 --answer-lengths recipe --batch-size 4 --modes static
                 --threads 1)
   TRAIN_ARGS=(--shape tiny --variants trainer-dense-online,trainer-dense-online-kl --seqs 2 --steps 1 --warmup 0
               --engine torch)
@@ -86,7 +88,7 @@ else
   REGEN_ARGS=(--shape smollm2-135m --dtype bfloat16 --num-prompts 2048 --max-new-tokens 256
               --batch-size "${REGEN_BATCHES:-512,1024}" --modes static-sdpa,static,static-compiled --profile
               ${TOKENIZER:+--tokenizer "$TOKENIZER"})
-  SAMPLED_ARGS=(--shape smollm2-135m --dtype bfloat16 --num-prompts 2048 --max-new-tokens 256
+  SAMPLED_ARGS=(--shape smollm2-135m --dtype bfloat16 --num-prompts 2048 --max-new-tokens 384 --answer-lengths recipe
                 --batch-size "${REGEN_BATCHES:-512,1024}" --modes static-compiled --profile
                 ${TOKENIZER:+--tokenizer "$TOKENIZER"})
   TRAIN_ARGS=(--shape smollm2 --engine torch --variants "${TRAIN_VARIANTS:-trainer-flex-compile-online,trainer-flex-compile-online-kl,trainer-flex-compile-online-anc64}")

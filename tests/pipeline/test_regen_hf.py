@@ -347,6 +347,22 @@ def test_a_smaller_batch_decodes_on_the_first_rows_of_the_state_in_hand(target, 
     assert decoder.rows_to_run(27, 512) == 27
 
 
+def test_bench_regen_recipe_answer_lengths_match_the_recipe_run_s_answers():
+    """`bench_regen --answer-lengths recipe`: per-prompt answer lengths within each limit, their mean and the share
+    at the limit those of the 100K-prompt recipe run (ANSWER_MIX), the same for the same seed, and scaled with a
+    shorter limit."""
+    from benchmarks.bench_regen import ANSWER_MIX, recipe_answer_lengths
+
+    limits = [384] * 20000 + [40] * 20000
+    lengths = recipe_answer_lengths(limits)
+    assert lengths == recipe_answer_lengths(limits) and lengths != recipe_answer_lengths(limits, seed=1)
+    assert all(1 <= n <= limit for n, limit in zip(lengths, limits))
+    full, short = lengths[:20000], lengths[20000:]
+    assert sum(full) / len(full) == pytest.approx(ANSWER_MIX["mean"], rel=0.03)
+    assert sum(n == 384 for n in full) / len(full) == pytest.approx(ANSWER_MIX["at_limit"], abs=0.015)
+    assert sum(short) / len(short) == pytest.approx(ANSWER_MIX["mean"] * 40 / 384, rel=0.06)
+
+
 def test_bench_regen_warm_up_sizes_the_decoder_state_for_the_whole_timed_run(target, monkeypatch):
     """bench_regen's untimed warm-up decodes the run's longest batch first, so the timed run decodes every batch on
     the state it made (one allocation; on a GPU: no state, and no graph of its live lengths, built on the clock),

@@ -363,6 +363,7 @@ def test_speed_gpu_script_times_regen_and_training_levers_at_toy_size_and_refuse
     assert all(r["same_as_ref"] in ("ref", "8/8") and r["tok_s"] > 0 for r in regen["rows"])
     sampled = json.loads((out / "json" / "regen-sampled.json").read_text())
     assert sampled["env"]["sampling"] == {"temperature": 0.7, "top_p": 0.95, "top_k": 0}
+    assert sampled["env"]["answer_lengths"] == "recipe" and sampled["env"]["answer_tokens_mean"] < 8  # some stop early
     assert [r["mode"] for r in sampled["rows"]] == ["static"] and sampled["rows"][0]["tok_s"] > 0
     train = json.loads((out / "json" / "train.json").read_text())
     assert [r["variant"] for r in train] == ["trainer-dense-online", "trainer-dense-online-kl"]
