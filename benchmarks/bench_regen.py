@@ -438,7 +438,7 @@ def main() -> None:
 
         matmul, matmul_desc = matmul_rate(device, getattr(torch, args.dtype))
         bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
-        ctx_mean = env["prompt_tokens_mean"] + args.max_new_tokens / 2
+        ctx_mean = env["prompt_tokens_mean"] + env["answer_tokens_mean"] / 2  # (the answers actually asked for)
         ceilings = lambda bs: decode_ceilings(model, bs, ctx_mean, matmul, bandwidth)  # noqa: E731
         env.update(shape=args.shape, params=sum(p.numel() for p in model.parameters()),
                    gated_delta_kernels=gated_delta_kernels(model), matmul_tflops=round(matmul / 1e12, 2),

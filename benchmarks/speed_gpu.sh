@@ -79,8 +79,8 @@ if [ -n "$SMOKE" ]; then  # here: toy sizes on the CPU (CUDA-only tests are coll
   : "${DRAFTER_DATA_DIR:?--cpu-smoke: regen reads the prompt mirror, set DRAFTER_DATA_DIR or pass --data}"
   REGEN_ARGS=(--shape tiny --dtype float32 --num-prompts 8 --max-new-tokens 8 --batch-size 4,8
               --modes static-sdpa,static --threads 1)
-  SAMPLED_ARGS=(--shape tiny --dtype float32 --num-prompts 8 --max-new-tokens 8 --answer-lengths recipe --batch-size 4 --modes static
-                --threads 1)
+  SAMPLED_ARGS=(--shape tiny --dtype float32 --num-prompts 8 --max-new-tokens 8 --answer-lengths recipe --batch-size 4
+                --modes static --threads 1)
   TRAIN_ARGS=(--shape tiny --variants trainer-dense-online,trainer-dense-online-kl --seqs 2 --steps 1 --warmup 0
               --engine torch)
 else

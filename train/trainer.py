@@ -414,8 +414,9 @@ def compile_totals() -> tuple[int, float]:
 class _Window:
     """Throughput since the last log: tokens and useful FLOPs over wall time (pauses subtracted from `start`). The
     steps' statistics are summed on the device and read once, when the window is logged. `compiles` / `compile_s`:
-    the frames torch.compile compiled inside the window and their seconds (part of its wall time: a slow window
-    with compile_s near its stall was recompiling)."""
+    the frames torch.compile compiled since the window opened and their seconds: a slow window with compile_s near
+    its stall was recompiling (a held-out evaluation's compiles count too, though its pause is left out of the
+    rates)."""
 
     start: float
     steps: list = field(default_factory=list)

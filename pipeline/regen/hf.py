@@ -93,10 +93,10 @@ class HFGenerator:
     def load(cls, location: str, tcfg: TargetConfig, rcfg: RegenConfig, *, tokenizer, stop_ids, sampling):
         model = load_target(location, tcfg)
         on_cuda = next(model.parameters()).device.type == "cuda"
+        compile_pointwise = rcfg.compile == "on" or (rcfg.compile == "auto" and on_cuda)
         return cls(model, pad_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer), stop_ids=stop_ids,
                    sampling=sampling, batch_size=rcfg.batch_size, decode=rcfg.hf_decode,
-                   cuda_graphs=rcfg.cuda_graphs, compile_pointwise=rcfg.compile == "on" or rcfg.compile == "auto"
-                   and on_cuda)
+                   cuda_graphs=rcfg.cuda_graphs, compile_pointwise=compile_pointwise)
 
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int],
                  seeds: Sequence[int] | None = None) -> list[Generation]:
