@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.curate.dedup import dedup_text, normalize, shingle_hashes
+from pipeline.stage_dir import StageDir
 
 NEAR_CONTAINMENT = 0.8
 BATCH_ROWS = 8192  # training conversations shingled at once
@@ -52,12 +53,18 @@ def eval_shingles(content_turns: Iterable[str]) -> set[int]:
     return shingle_set("\n".join(normalize(t) for t in content_turns))
 
 
-def training_prompts(shards: Iterable[Path]) -> Iterator[tuple[list[str], list[str]]]:
-    """(ids, dedup texts) of the training conversations, in batches of at most BATCH_ROWS."""
+def training_prompts(curate: StageDir, shards: Iterable[Path]) -> Iterator[tuple[list[str], list[str]]]:
+    """(ids, dedup texts) of the training conversations in `curate`'s `shards`, in batches of at most BATCH_ROWS
+    (a damaged shard: a DamagedFile naming it)."""
     for shard in shards:
-        pf = pq.ParquetFile(shard)
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=["id", "messages"]):
-            rows = batch.to_pylist()
+        with curate.reading_shard(shard):
+            batches = pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["id", "messages"])
+        while True:
+            with curate.reading_shard(shard):
+                batch = next(batches, None)
+                rows = batch.to_pylist() if batch is not None else None
+            if rows is None:
+                break
             yield [r["id"] for r in rows], [dedup_text(r["messages"] or []) for r in rows]
 
 

@@ -102,7 +102,7 @@ def check_overlap(cfg: RunConfig, benchmarks: dict[str, LoadedBenchmark]) -> dic
         return {"against": None, "note": f"not checked: no curated training split in {curate.path}"}
     sets = {p.id: eval_shingles(format_content(b.name, t) for t in p.turns)
             for b in benchmarks.values() for p in b.prompts}
-    hits = find_overlap(sets, training_prompts(shards))
+    hits = find_overlap(sets, training_prompts(curate, shards))
     train_rows = curate_outputs(cfg.run_dir).train_conversations if curate.is_complete() else None
     out = summarize_overlap(hits, eval_prompts=len(sets), train_conversations=train_rows,
                             against=f"{curate.shards}/train-*.parquet")

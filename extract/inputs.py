@@ -15,9 +15,10 @@ import numpy as np
 
 from extract.layers import LAYER_CONVENTION, configured_layer_ids, stored_tap_ids
 from pipeline.config import RunConfig, config_record
-from pipeline.errors import StageError
+from pipeline.errors import DamagedFile, StageError
 from pipeline.manifests import tokenize_outputs
 from pipeline.stage_dir import StageDir, check_fingerprint
+from pipeline.tokenize import TOKENIZED_SCHEMA
 
 MAX_FAILURE_EXAMPLES = 5
 
@@ -36,10 +37,12 @@ class TokenizedIndex:
     row_in_file: np.ndarray  # int64 [N]
     ids: list[str]
     lengths: np.ndarray  # int64 [N]
+    stage: StageDir  # the tokenize stage the files belong to (its reader names a damaged shard)
 
 
 def read_tokenized_index(tok_stage: StageDir, max_samples: int | None = None) -> TokenizedIndex:
-    """Ids and lengths of every tokenized sample (reads only the small columns)."""
+    """Ids and lengths of every tokenized sample (reads only the small columns). Each shard is checked against its
+    sidecar and the tokenize schema first: a damaged one is a DamagedFile naming it and what to run."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -48,15 +51,15 @@ def read_tokenized_index(tok_stage: StageDir, max_samples: int | None = None) ->
         raise StageError(f"no tokenized shards in {tok_stage.shards}")
     file_of, rows, ids, lengths = [], [], [], []
     for k, f in enumerate(files):
-        schema = pq.read_schema(f)
-        missing = {"id", "input_ids", "loss_mask"} - set(schema.names)
-        if missing:
-            raise StageError(f"{f}: missing columns {sorted(missing)} (tokenize contract: id, input_ids, loss_mask)")
+        tok_stage.verify_shard(f)  # the bytes tokenize wrote (a damaged page can still decode, into other tokens)
+        with tok_stage.reading_shard(f):
+            schema = pq.read_schema(f)
+        tok_stage.check_columns(f, schema, TOKENIZED_SCHEMA, ["id", "input_ids", "loss_mask"])
         if "num_tokens" in schema.names:
-            t = pq.read_table(f, columns=["id", "num_tokens"])
+            t = tok_stage.read_shard(f, columns=["id", "num_tokens"], schema=TOKENIZED_SCHEMA)
             n = t.column("num_tokens").to_numpy()
         else:
-            t = pq.read_table(f, columns=["id", "input_ids"])
+            t = tok_stage.read_shard(f, columns=["id", "input_ids"], schema=TOKENIZED_SCHEMA)
             n = pc.list_value_length(t.column("input_ids")).to_numpy(zero_copy_only=False)
         ids += t.column("id").to_pylist()
         lengths.append(np.asarray(n, dtype=np.int64))
@@ -64,7 +67,8 @@ def read_tokenized_index(tok_stage: StageDir, max_samples: int | None = None) ->
         rows.append(np.arange(len(n), dtype=np.int64))
         if max_samples is not None and len(ids) >= max_samples:
             break
-    index = TokenizedIndex(files, np.concatenate(file_of), np.concatenate(rows), ids, np.concatenate(lengths))
+    index = TokenizedIndex(files, np.concatenate(file_of), np.concatenate(rows), ids, np.concatenate(lengths),
+                           tok_stage)
     if max_samples is not None:
         index.file_of, index.row_in_file = index.file_of[:max_samples], index.row_in_file[:max_samples]
         index.ids, index.lengths = index.ids[:max_samples], index.lengths[:max_samples]
@@ -73,13 +77,15 @@ def read_tokenized_index(tok_stage: StageDir, max_samples: int | None = None) ->
 
 def read_samples(index: TokenizedIndex, rows: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """``{row: (input_ids int32 [S], loss_mask uint8 [S])}`` for the requested global rows."""
-    import pyarrow.parquet as pq
-
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     rows = np.asarray(rows)
     for k in np.unique(index.file_of[rows]):
         mine = rows[index.file_of[rows] == k]
-        table = pq.read_table(index.files[k], columns=["input_ids", "loss_mask"]).take(index.row_in_file[mine])
+        table = index.stage.read_shard(index.files[k], columns=["input_ids", "loss_mask"], schema=TOKENIZED_SCHEMA)
+        if int(index.row_in_file[mine].max()) >= len(table):  # the file changed since the index read it
+            raise DamagedFile(index.files[k], f"{len(table)} rows, fewer than when the index read it",
+                              index.stage.repair_shard(index.files[k]))
+        table = table.take(index.row_in_file[mine])
         ids_col, mask_col = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
         for j, r in enumerate(mine):
             a, m = ids_col[j].values, mask_col[j].values

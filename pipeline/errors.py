@@ -9,7 +9,7 @@ resource limit, one line naming what to lower.
      └── StageError                         the stage machinery refuses to run
           ├── FingerprintMismatch           an input made under other settings
           ├── StageBusy                     another process holds the stage
-          ├── DamagedFile                   a manifest, state file, export or report of the wrong shape
+          ├── DamagedFile                   a manifest, state file, shard, export or report of the wrong shape
           └── Preempted (train/preempt.py)  stopped by the scheduler: exit 75, run it again
 """
 
@@ -39,6 +39,9 @@ class DamagedFile(StageError):
     def __init__(self, path, problem: str, repair: str):
         self.path, self.problem, self.repair = path, problem, repair
         super().__init__(f"{path}: {problem}: the file is damaged" + (f". {repair}" if repair else ""))
+
+    def __reduce__(self):  # rebuilt from its three parts: a stage's worker process raises it to the stage's process
+        return type(self), (self.path, self.problem, self.repair)
 
 
 CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's host allocator refusing

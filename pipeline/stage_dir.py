@@ -7,6 +7,8 @@ Layout of one stage:  <runs_dir>/<run>/<stage>/
     state.json               config hash + settings of the work in progress (another config's partial work is refused)
     shards/<unit>.<ext>      one output per unit of work, written temp + rename
     shards/<unit>.done.json  sidecar written after the shard: counts, bytes, sha256, failures
+                             (a later stage reads a parquet shard through `read_shard`: damage is a DamagedFile
+                             naming it and the repair, never pyarrow's traceback)
     work/<unit>.jsonl        `Journal` of a unit in progress (stages that resume inside a unit); removed when done
     ranks/rank-XXXXX.json    per-rank summary when the work was split over ranks
 
@@ -33,12 +35,13 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pipeline.config import ConfigError
-from pipeline.errors import FingerprintMismatch, StageBusy, StageError
+from pipeline.errors import DamagedFile, FingerprintMismatch, StageBusy, StageError
 from pipeline.files import REDO_UNIT, Journal, atomic_write_json, is_debris, sha256_file
 from pipeline.records import INT, OBJECT, STR, Optional, checked, read_record
 from pipeline.log import get_logger
@@ -390,6 +393,75 @@ class StageDir:
 
     def sidecar_path(self, unit: str) -> Path:
         return self.shards / f"{unit}.done.json"
+
+    def repair_shard(self, path: Path) -> str:
+        """What to run about a damaged shard of this stage (its sidecar and the manifest go with it: the stage then
+        resumes and rewrites that unit alone)."""
+        unit = Path(path).name.split(".")[0]
+        return (f"Delete it, its sidecar {self.sidecar_path(unit)} and {self.manifest_path}, then run "
+                f"`drafter {self.stage}` again with the same config: unit {unit} is rewritten, the others are kept")
+
+    def verify_shard(self, path: Path) -> None:
+        """`path` is the file its unit's sidecar records (size and sha256), else a DamagedFile naming it and
+        `repair_shard`: damage that still decodes (a parquet page has no checksum) is caught too. A shard with no
+        sidecar (written by hand, not by a stage) has no record to check: it is read as it is."""
+        path = Path(path)
+        if not path.exists():
+            raise DamagedFile(path, "missing", self.repair_shard(path))
+        unit = path.name.split(".")[0]
+        side = self.sidecar_path(unit)
+        if not side.exists():
+            return
+        entry = {f["name"]: f for f in self.read_sidecar(unit)["files"]}.get(path.name)
+        if entry is None:
+            raise DamagedFile(path, f"not listed in its sidecar {side}", self.repair_shard(path))
+        if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            raise DamagedFile(path, f"its size or sha256 differs from the record in {side}", self.repair_shard(path))
+
+    def read_shard(self, path: Path, *, columns: Sequence[str] | None = None, schema=None, memory_map: bool = False,
+                   verify: bool = False):
+        """A parquet shard of this stage as a pyarrow Table (`columns` only, when given). A shard pyarrow cannot
+        read (truncated, a damaged footer or page, missing), or whose columns are not those of `schema` (the
+        stage's pyarrow schema: names and types), is a DamagedFile naming it and `repair_shard`; with `verify`,
+        so is one that differs from its sidecar's record (`verify_shard`). Never modifies the stage."""
+        import pyarrow.parquet as pq
+
+        path = Path(path)
+        if verify:
+            self.verify_shard(path)
+        elif not path.exists():
+            raise DamagedFile(path, "missing", self.repair_shard(path))
+        with self.reading_shard(path):
+            if schema is not None:
+                self.check_columns(path, pq.read_schema(path), schema, columns)
+            return pq.read_table(path, columns=list(columns) if columns is not None else None, memory_map=memory_map)
+
+    def check_columns(self, path: Path, found, schema, columns: Sequence[str] | None = None) -> None:
+        """The `columns` (all of `schema`'s when None) of the shard's schema `found` have `schema`'s names, types and
+        nullability, else a DamagedFile naming the first that differs."""
+        for name in columns if columns is not None else schema.names:
+            want = schema.field(name).type
+            if name not in found.names:
+                raise DamagedFile(path, f"column {name!r} is missing", self.repair_shard(path))
+            got = found.field(name)
+            if got.type != want or got.nullable != schema.field(name).nullable:
+                raise DamagedFile(path, f"column {name!r} is {got.type}{'' if got.nullable else ' not null'}, not "
+                                        f"{want}{'' if schema.field(name).nullable else ' not null'}",
+                                  self.repair_shard(path))
+
+    @contextmanager
+    def reading_shard(self, path: Path):
+        """Inside it, pyarrow failing on `path` (truncated, a damaged footer or page) is a DamagedFile naming the
+        shard and `repair_shard`. For readers that open a shard themselves (row groups, metadata); keep the block to
+        the reads of that one file."""
+        import pyarrow as pa
+
+        try:
+            yield
+        except (pa.ArrowException, OSError, ValueError) as e:  # ArrowInvalid, a thrift error, a short read, ...
+            detail = " ".join(str(e).split())[:200]  # pyarrow's messages span lines (schemas): one line
+            raise DamagedFile(path, f"not readable parquet ({type(e).__name__}: {detail})",
+                              self.repair_shard(path)) from None
 
     def journal(self, unit: str, fields: dict | None = None) -> Journal:
         """The progress journal of a unit in progress (items finished so far, read back after a kill); each item

@@ -167,7 +167,7 @@ SIDECAR = {"input": INT, "split": INT, "written": INT, "truncated": INT, "tokens
 
 def tokenize_unit(unit: str, regen: StageDir, stage: StageDir, tokenizer, cfg: RunConfig, *,
                   end_of_turn: set[int], fingerprint: dict) -> dict:
-    rows = pq.read_table(regen.shard_path(unit, "parquet")).to_pylist()
+    rows = regen.read_shard(regen.shard_path(unit, "parquet")).to_pylist()  # verified by run_tokenize
     out, drops, examples = [], Counter(), []
     truncated = 0
     floor, max_len = cfg.tokenize.min_loss_tokens or 1, cfg.tokenize.max_len
@@ -293,10 +293,14 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     config_hash, settings = config_record(target=cfg.target, tokenize=tokenize_settings,
                                           regen_output=regenerated.config_hash)
     stage = StageDir(cfg.run_dir, "tokenize")
-    if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
-        return stage.manifest()
     units = regenerated.units
     mine = units_for_rank(units, ranks)
+    if not force and stage.is_complete() and stage.manifest()["config_hash"] == config_hash:
+        return stage.manifest()  # a no-op re-run reads nothing else
+    for unit in mine:  # the bytes regen wrote, before anything is written (a damaged page can still decode)
+        regen.verify_shard(regen.shard_path(unit, "parquet"))
+    if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
+        return stage.manifest()
     todo = [u for u in mine if not stage.unit_done(u, fields=SIDECAR)]
     end_of_turn = set(end_of_turn_ids(tokenizer, target.location))
     work = functools.partial(tokenize_unit, regen=regen, stage=stage, tokenizer=tokenizer, cfg=cfg,

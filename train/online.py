@@ -12,26 +12,27 @@ import torch
 
 from pipeline.errors import StageError
 from pipeline.stage_dir import StageDir
+from pipeline.tokenize import TOKENIZED_SCHEMA
 
 
 class TokenizedReader:
     """The tokenize stage's parquet shards as a sample source (`ids`, `lengths`, `num_loss_tokens`, `sample(i)`
     without features).
 
-    Columns per design.md: id, input_ids list<int32>, loss_mask list<uint8>, num_tokens, num_loss_tokens. Shards are
-    memory-mapped.
+    Columns: `pipeline.tokenize.TOKENIZED_SCHEMA`. Shards are checked against their sidecars (a damaged one is a
+    DamagedFile naming it) and memory-mapped.
     """
 
     def __init__(self, stage_path: str | Path):
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         path = Path(stage_path)
         files = sorted((path / "shards").glob("*.parquet"))
         if not files:
             raise StageError(f"{path}/shards has no parquet shards: run `drafter tokenize` first")
-        self.table = pa.concat_tables([pq.read_table(f, columns=["id", "input_ids", "loss_mask", "num_tokens",
-                                                              "num_loss_tokens"], memory_map=True) for f in files])
+        stage = StageDir(path.parent, path.name)
+        self.table = pa.concat_tables([stage.read_shard(f, columns=TOKENIZED_SCHEMA.names, schema=TOKENIZED_SCHEMA,
+                                                        memory_map=True, verify=True) for f in files])
         self.ids: list[str] = self.table.column("id").to_pylist()
         self.lengths: np.ndarray = self.table.column("num_tokens").to_numpy().astype(np.int64)
         self.num_loss_tokens: np.ndarray = self.table.column("num_loss_tokens").to_numpy().astype(np.int64)

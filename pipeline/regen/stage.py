@@ -85,9 +85,15 @@ def curate_train_files(curate: StageDir) -> list[Path]:
     return files
 
 
-def plan_units(files: list[Path], shard_size: int, max_samples: int | None) -> tuple[list[Unit], int]:
-    """(units, number of curated train conversations). Unit k covers global rows [k*size, (k+1)*size)."""
-    sizes = [pq.ParquetFile(f).metadata.num_rows for f in files]
+def plan_units(curate: StageDir, shard_size: int, max_samples: int | None) -> tuple[list[Unit], int]:
+    """(units, number of curated train conversations). Unit k covers global rows [k*size, (k+1)*size). Each curated
+    shard is checked against its sidecar first (a damaged one: a DamagedFile naming it)."""
+    files = curate_train_files(curate)
+    sizes = []
+    for f in files:
+        curate.verify_shard(f)  # the bytes curate wrote (a damaged page can still decode, into other rows)
+        with curate.reading_shard(f):
+            sizes.append(pq.ParquetFile(f).metadata.num_rows)
     total = sum(sizes)
     take = total if max_samples is None else min(total, max_samples)
     units = []
@@ -103,20 +109,22 @@ def plan_units(files: list[Path], shard_size: int, max_samples: int | None) -> t
     return units, total
 
 
-def read_rows(path: Path, lo: int, hi: int) -> list[dict]:
-    """Rows [lo, hi) of a parquet file, reading only the row groups that hold them."""
-    pf = pq.ParquetFile(path)
-    groups, start, first = [], 0, None
-    for g in range(pf.metadata.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        if start < hi and start + n > lo:
-            groups.append(g)
-            first = start if first is None else first
-        start += n
-    if not groups:
-        return []
-    table = pf.read_row_groups(groups, columns=["id", "source", "messages", "metadata"])
-    return table.slice(lo - first, hi - lo).to_pylist()
+def read_rows(curate: StageDir, name: str, lo: int, hi: int) -> list[dict]:
+    """Rows [lo, hi) of the curated shard `name`, reading only the row groups that hold them."""
+    path = curate.shards / name
+    with curate.reading_shard(path):
+        pf = pq.ParquetFile(path)
+        groups, start, first = [], 0, None
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if start < hi and start + n > lo:
+                groups.append(g)
+                first = start if first is None else first
+            start += n
+        if not groups:
+            return []
+        table = pf.read_row_groups(groups, columns=["id", "source", "messages", "metadata"])
+        return table.slice(lo - first, hi - lo).to_pylist()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +277,7 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
     """Regenerate one unit and record it (parquet + sidecar). Returns the sidecar record."""
     t0 = time.time()
     backend = BackendClock(generator)
-    rows = [row for name, lo, hi in unit.segments for row in read_rows(curate.shards / name, lo, hi)]
+    rows = [row for name, lo, hi in unit.segments for row in read_rows(curate, name, lo, hi)]
     n = samples_per_conversation(cfg)
     formats = cfg.regen.prompt_formats or {}
     failures: dict[str, tuple[str, str]] = {}
@@ -395,7 +403,7 @@ def build_generator(cfg: RunConfig, location: str, tokenizer, stop_ids: Sequence
 
 def unit_names(cfg: RunConfig) -> list[str]:
     """Every unit of this config's regen run, in the order ranks slice them (`drafter regen --merge` checks them)."""
-    units, _ = plan_units(curate_train_files(StageDir(cfg.run_dir, "curate")), cfg.regen.shard_size,
+    units, _ = plan_units(StageDir(cfg.run_dir, "curate"), cfg.regen.shard_size,
                           cfg.regen.max_samples)
     return [u.name for u in units]
 
@@ -415,9 +423,11 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
     if cfg.regen.backend == "none":
         log.warning("regen.backend is 'none': keeping the dataset's answers (off-policy data)")
 
+    if not force and stage.is_complete() and stage.manifest()["config_hash"] == config_hash:
+        return stage.manifest()  # a no-op re-run reads nothing else
+    units, total = plan_units(curate, cfg.regen.shard_size, cfg.regen.max_samples)  # before anything is written
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
         return stage.manifest()
-    units, total = plan_units(curate_train_files(curate), cfg.regen.shard_size, cfg.regen.max_samples)
     mine = units_for_rank(units, ranks)
     todo = [u for u in mine if not stage.unit_done(u.name, fields=SIDECAR)]
     log.info("regen: %d units in all, %d for rank %d/%d, %d to do (backend %s)",

@@ -14,6 +14,7 @@ from eval.overlap import eval_shingles, find_overlap, find_overlap_reference, su
 from eval.prompts import FORMAT_AFFIXES, format_content, format_gsm8k
 from pipeline.config import BenchmarkConfig
 from pipeline.curate.schema import CONVERSATION_SCHEMA
+from pipeline.stage_dir import StageDir
 from tests.conftest import mirror_file, read_records, synthetic_records, write_records
 
 
@@ -58,7 +59,7 @@ def test_planted_duplicates_are_found_and_classified(tmp_path):
         "same_format_only": "Please reason step by step, and put your final answer within \\boxed{}.",
     }
     shard = write_train_shard(tmp_path / "train-00000.parquet", {**unrelated, **planted})
-    hits = find_overlap(sets, training_prompts([shard]))
+    hits = find_overlap(sets, training_prompts(StageDir(tmp_path, "curate"), [shard]))
     best = {h.eval_id: h for h in hits}
     assert best["gsm8k/3"].train_id == "copy" and best["gsm8k/3"].kind == "exact"
     assert best["gsm8k/7"].train_id == "wrapped" and best["gsm8k/7"].kind == "exact"
@@ -86,7 +87,7 @@ def test_the_indexed_search_equals_every_pair_intersected(tmp_path):
                               f"{part} {part} {part}"][i % 5]  # the last: half the prompt, its shingles repeated
     shard = write_train_shard(tmp_path / "train-00000.parquet", train)
     for threshold in (0.5, 0.8, 1.0):
-        batches = list(training_prompts([shard]))
+        batches = list(training_prompts(StageDir(tmp_path, "curate"), [shard]))
         small = [(ids[k:k + 37], texts[k:k + 37]) for ids, texts in batches for k in range(0, len(ids), 37)]
         fast = find_overlap(sets, small, threshold)
         assert fast == find_overlap_reference(sets, small, threshold)
@@ -120,7 +121,7 @@ def test_the_public_training_sets_hold_no_copy_of_the_eval_prompts(tmp_path):
             rows[f"{file}/{i}"] = text + (f"\n\n{r['input']}" if r.get("input") else "")
     assert len(rows) > 160_000
     shard = write_train_shard(tmp_path / "train-00000.parquet", rows)
-    hits = find_overlap(sets, training_prompts([shard]))
+    hits = find_overlap(sets, training_prompts(StageDir(tmp_path, "curate"), [shard]))
     summary = summarize_overlap(hits, eval_prompts=len(sets), train_conversations=len(rows), against="mirror")
     assert summary["exact"] == 0, summary["examples"]
     assert summary["near"] <= 0.01 * len(sets), summary["examples"]

@@ -86,6 +86,24 @@ def damaged_json_bytes(draw, original: Any) -> bytes:
     return draw(st.binary(max_size=64) | st.sampled_from([b"", b"[]", b"null", b'"text"', b"0", b"{}"]))
 
 
+@st.composite
+def damaged_file_bytes(draw, original: bytes) -> bytes:
+    """A binary file (a parquet shard) damaged one way: cut short, a byte flipped, a span overwritten, or replaced by
+    other bytes. Never the original."""
+    how = draw(st.sampled_from(["cut", "flip", "flip", "span", "other"]))
+    if how == "cut":
+        return original[: draw(st.integers(0, len(original) - 1))]
+    at = draw(st.integers(0, len(original) - 1))
+    if how == "flip":
+        return original[:at] + bytes([original[at] ^ draw(st.integers(1, 255))]) + original[at + 1:]
+    if how == "span":
+        span = draw(st.binary(min_size=1, max_size=64))
+        damaged = original[:at] + span + original[at + len(span):]
+        return damaged if damaged != original else original[:at]
+    other = draw(st.binary(max_size=64) | st.sampled_from([b"", b"PAR1", b"PAR1PAR1"]))
+    return other if other != original else b""
+
+
 def digest(*roots: Path) -> dict[str, str]:
     """sha256 of every file under `roots` (files or directories): compared before and after to prove no input
     was modified. A stage's lock files are left out: they hold the note of the process that ran last, not data."""

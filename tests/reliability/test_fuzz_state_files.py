@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from pipeline.errors import DamagedFile
 from pipeline.stage_dir import RankInfo, StageDir
 from tests.conftest import CACHE, REPO
-from tests.reliability.fuzz import assert_one_error_line, damaged_json_bytes, digest, fuzz, run_cli
+from tests.reliability.fuzz import assert_one_error_line, damaged_file_bytes, damaged_json_bytes, digest, fuzz, run_cli
 
 OVERRIDES = [f"cache_dir={CACHE}", "curate.total=40", "curate.eval_size=4", "regen.backend=none",
              "regen.shard_size=8", "train.wandb.mode=disabled"]
@@ -159,3 +159,84 @@ def test_a_damaged_eval_journal_or_unit_shard_is_refused_naming_it(tmp_path_fact
         return
     event(f"harmless: {which}")
     assert all(isinstance(r.output_ids, list) and isinstance(r.turn, int) for r in records)
+
+
+# (a parquet shard under the run dir, the stages removed first so that the command reads it, the command that reads
+# it: None for the readers no quick command reaches, called in this process)
+SHARDS = [("curate/shards/train-00000.parquet", ("regen", "tokenize"), "regen"),
+          ("regen/shards/00001.parquet", ("tokenize",), "tokenize"),
+          ("tokenize/shards/00001.parquet", (), None)]
+
+
+def read_tokenized(runs: Path) -> None:
+    """What extract and online training read of the tokenize stage: extract's index and samples, train's reader."""
+    import numpy as np
+
+    from extract.inputs import read_samples, read_tokenized_index
+    from train.online import TokenizedReader
+
+    index = read_tokenized_index(StageDir(runs / "tiny", "tokenize"))
+    read_samples(index, np.arange(len(index.ids)))
+    TokenizedReader(runs / "tiny" / "tokenize")
+
+
+@pytest.mark.timeout(300)
+@fuzz(24)
+@given(data=st.data())
+def test_a_damaged_parquet_shard_is_one_error_line_naming_it_and_its_repair_or_the_run_goes_on(finished_run,
+                                                                                                tmp_path_factory, data):
+    """Curate's, regen's and tokenize's shards, damaged (cut, bytes flipped or overwritten, replaced), read by the
+    stage after them: one error line naming the shard and what to delete and re-run, never pyarrow's traceback; a
+    regen shard is checked against its sidecar's sha256 (damage that still decodes is refused too)."""
+    rel, removed, command = data.draw(st.sampled_from(SHARDS))
+    runs = tmp_path_factory.mktemp("damaged") / "runs"
+    shutil.copytree(finished_run, runs)
+    for stage in removed:
+        shutil.rmtree(runs / "tiny" / stage)
+    target = runs / "tiny" / rel
+    target.write_bytes(data.draw(damaged_file_bytes(target.read_bytes())))
+    before = digest(runs)
+    if command is None:
+        try:
+            read_tokenized(runs)
+        except DamagedFile as e:
+            event("refused naming the file: tokenize shard")
+            assert str(target) in str(e) and "\n" not in str(e) and "00001.done.json" in str(e), str(e)
+            assert digest(runs) == before
+            return
+        event("harmless: tokenize shard")
+        return
+    rc, stderr = run_cli(cli(command, runs))
+    if rc == 0:
+        assert command == "regen", "tokenize checks each regen shard against its sidecar: no damage goes through"
+        event("harmless: curate shard")
+        return
+    line = assert_one_error_line(command, rc, stderr)
+    event(f"refused naming the file: {rel.split('/')[0]} shard")
+    assert str(target) in line and ".done.json" in line and "manifest.json" in line, line
+    assert digest(runs) == before, "a refusal modified the run"
+
+
+def test_following_the_repair_of_a_damaged_regen_shard_rewrites_that_unit_alone(finished_run, tmp_path):
+    """The refusal's repair, done as it says (delete the shard, its sidecar and regen's manifest; run `drafter regen`):
+    that unit is written again equal to the lost one, the other units are kept, and tokenize then runs."""
+    runs = tmp_path / "runs"
+    shutil.copytree(finished_run, runs)
+    shutil.rmtree(runs / "tiny" / "tokenize")
+    regen = StageDir(runs / "tiny", "regen")
+    shard = regen.shard_path("00001", "parquet")
+    original, kept = shard.read_bytes(), regen.shard_path("00002", "parquet").stat().st_mtime_ns
+    shard.write_bytes(original[: len(original) // 2])
+
+    rc, stderr = run_cli(cli("tokenize", runs))
+    line = assert_one_error_line("tokenize", rc, stderr)
+    assert f"Delete it, its sidecar {regen.sidecar_path('00001')} and {regen.manifest_path}" in line, line
+
+    for path in (shard, regen.sidecar_path("00001"), regen.manifest_path):
+        path.unlink()
+    rc, stderr = run_cli(cli("regen", runs))  # `drafter regen` tokenizes too
+    assert rc == 0, stderr
+    assert shard.read_bytes() == original
+    assert regen.shard_path("00002", "parquet").stat().st_mtime_ns == kept
+    assert StageDir(runs / "tiny", "tokenize").manifest()["counts"] == \
+        StageDir(finished_run / "tiny", "tokenize").manifest()["counts"]

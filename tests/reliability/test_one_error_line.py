@@ -316,3 +316,25 @@ def test_a_refusal_listing_several_fields_indents_them_under_the_one_error_line(
     lines = capsys.readouterr().err.strip().split("\n")
     assert lines[0].startswith("drafter extract: error: the tokenized data does not match")
     assert lines[1:] == ["  target.model: this config wants 'a', tokenize has 'b'", "  Re-run 'drafter tokenize'"]
+
+
+def test_a_damaged_file_raised_in_a_worker_process_reaches_the_stage_whole():
+    """tokenize's workers raise to the stage's process through pickle: a DamagedFile comes back with its path,
+    problem and repair (it has three parts, so the default exception pickling could not rebuild it)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from pipeline.errors import DamagedFile
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        with pytest.raises(DamagedFile) as raised:
+            pool.submit(_raise_damaged, "/run/regen/shards/00001.parquet").result()
+    e = raised.value
+    assert (e.path, e.problem, e.repair) == ("/run/regen/shards/00001.parquet", "not readable parquet", "run it again")
+    assert str(e) == "/run/regen/shards/00001.parquet: not readable parquet: the file is damaged. run it again"
+
+
+def _raise_damaged(path: str) -> None:
+    from pipeline.errors import DamagedFile
+
+    raise DamagedFile(path, "not readable parquet", "run it again")
