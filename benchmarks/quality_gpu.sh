@@ -15,6 +15,7 @@
 # --target SPEC (target.model override)  --device cuda|cpu  --train-steps N (main run: train.max_steps; default: the
 # config's epochs)  --ablation-steps N (each ablation run's train.max_steps, default 200; 0 = no ablation)
 # --ablation-micro-batch-tokens N (each ablation run's train.micro_batch_tokens; default 16384)
+# --ablation-losses L1,L2,... (the losses compared, each one of ce, kl, ce+kl; default all three)
 # --data-curve P1,P2,... (the data-size curve: one training per share of the training prompts, in percent, at
 # --curve-steps steps each (default 1000), `train.data_fraction` = P/100, on nested subsets, scored on the same
 # held-out samples and evaluated on GSM8K and MT-Bench; runs NAME-data-P)
@@ -35,7 +36,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 
 OUT="quality_out" CONFIG="configs/smollm2-135m-h200.yaml" TARGET="" DEVICE="" TRAIN_STEPS="" ABL_STEPS=200 QUICK=""
-RUNS="runs" EXTRA=() ABL_MBT=16384 STOP_AFTER="" CURVE="" CURVE_STEPS=1000
+RUNS="runs" EXTRA=() ABL_MBT=16384 STOP_AFTER="" CURVE="" CURVE_STEPS=1000 ABL_LOSSES="ce,kl,ce+kl"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
@@ -45,6 +46,7 @@ while [ $# -gt 0 ]; do
     --train-steps) TRAIN_STEPS="$2"; shift 2 ;;
     --ablation-steps) ABL_STEPS="$2"; shift 2 ;;
     --ablation-micro-batch-tokens) ABL_MBT="$2"; shift 2 ;;
+    --ablation-losses) ABL_LOSSES="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --data-curve) CURVE="$2"; shift 2 ;;
     --curve-steps) CURVE_STEPS="$2"; shift 2 ;;
@@ -55,6 +57,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$STOP_AFTER" in ""|curate|regen|train|eval) ;; *) echo "--stop-after: curate, regen, train or eval" >&2; exit 2 ;; esac
+IFS=, read -r -a LOSSES <<< "$ABL_LOSSES"
+[ "${#LOSSES[@]}" -gt 0 ] || { echo "--ablation-losses: one or more of ce, kl, ce+kl, comma-separated" >&2; exit 2; }
+for loss in "${LOSSES[@]}"; do
+  case "$loss" in ce|kl|ce+kl) ;; *) echo "--ablation-losses: ce, kl or ce+kl, comma-separated (got $ABL_LOSSES)" >&2; exit 2 ;; esac
+done
 CURVE_PCTS=()
 if [ -n "$CURVE" ]; then
   IFS=, read -r -a CURVE_PCTS <<< "$CURVE"
@@ -135,7 +142,7 @@ share_data() { mkdir -p "$RUNS/$1"; for s in curate regen tokenize; do
   [ -e "$RUNS/$1/$s" ] || ln -s "$(cd "$RUNS/$NAME/$s" && pwd)" "$RUNS/$1/$s"; done; }
 ABLATIONS=()
 if [ "$ABL_STEPS" -gt 0 ] 2>/dev/null; then
-  ABLATIONS=(ce kl ce+kl)
+  ABLATIONS=("${LOSSES[@]}")
   for loss in "${ABLATIONS[@]}"; do share_data "$NAME-abl-${loss/+/-}"; done
 fi
 for p in "${CURVE_PCTS[@]}"; do share_data "$NAME-data-$p"; done

@@ -14,6 +14,7 @@ captured (`output.log` of the run), its files under `<run_dir>/<stage>/wandb/`.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from pipeline.config import RunConfig
@@ -39,6 +40,7 @@ def open_run(cfg: RunConfig, stage: str, directory: Path, *, config: dict | None
         return None
     import wandb
 
+    _skip_launch_inputs_unless_staged(wandb)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     return wandb.init(
@@ -47,6 +49,28 @@ def open_run(cfg: RunConfig, stage: str, directory: Path, *, config: dict | None
         resume="allow" if run_id else None, reinit="create_new",
         settings=wandb.Settings(quiet=True, console="wrap"),
     )
+
+
+LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
+
+
+def _skip_launch_inputs_unless_staged(wandb) -> None:
+    """`wandb.init` applies the inputs a W&B Launch job staged (`Run._detect_and_apply_job_inputs`) by importing
+    wandb's launch package first: about a second per process once torch is loaded (its pydantic models look up
+    their docstrings through `inspect.getmodule`, a scan of every loaded module). Inputs can only have been staged by
+    code that imported `LAUNCH_INPUTS` (its registry lives there), so while that module is not loaded there is
+    nothing to apply: the import is skipped then, and the call is wandb's own otherwise."""
+    run_class = getattr(getattr(getattr(wandb, "sdk", None), "wandb_run", None), "Run", None)
+    original = getattr(run_class, "_detect_and_apply_job_inputs", None)
+    if original is None or getattr(original, "skips_unless_staged", False):
+        return
+
+    def detect_and_apply_job_inputs(self) -> None:
+        if LAUNCH_INPUTS in sys.modules:
+            original(self)
+
+    detect_and_apply_job_inputs.skips_unless_staged = True
+    run_class._detect_and_apply_job_inputs = detect_and_apply_job_inputs
 
 
 def drafter_artifact_name(cfg: RunConfig, export_dir: Path) -> str:

@@ -41,3 +41,30 @@ def test_data_stages_log_counts_and_rates_in_the_pipelines_group(tmp_path):
     runs_before = sorted(p.name for p in (cfg.run_dir / "curate" / "wandb").iterdir())
     assert drafter_main(["curate", "--config", str(REPO / "configs/tiny.yaml"), *overrides]) == 0  # already complete
     assert sorted(p.name for p in (cfg.run_dir / "curate" / "wandb").iterdir()) == runs_before
+
+
+LAUNCH_CHECK = """
+import importlib, json, sys
+from pipeline.config import load_config
+from pipeline.wandb_run import LAUNCH_INPUTS, open_run
+cfg = load_config("configs/tiny.yaml", [f"runs_dir={sys.argv[1]}"])
+open_run(cfg, "curate", cfg.run_dir / "a").finish()
+skipped = LAUNCH_INPUTS not in sys.modules
+applied = []
+importlib.import_module(LAUNCH_INPUTS).StagedLaunchInputs.apply = lambda self, run: applied.append(run.id)
+run = open_run(cfg, "curate", cfg.run_dir / "b")
+run.finish()
+print(json.dumps({"skipped": skipped, "applied": applied == [run.id]}))
+"""
+
+
+def test_a_run_skips_wandb_launch_unless_a_launch_job_staged_inputs_in_this_process(tmp_path):
+    """`open_run` leaves wandb's launch package unloaded (a second per process once torch is loaded) when nothing
+    could have staged Launch inputs, and applies them as wandb does once its registry is loaded."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LAUNCH_CHECK, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"skipped": True, "applied": True}

@@ -66,13 +66,15 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
         return subprocess.run(
             ["bash", "benchmarks/quality_gpu.sh", "--out", tmp_path / "q", "--runs-dir", tmp_path / "runs",
              "--config", "configs/tiny.yaml", "--device", "cpu", "--ablation-steps", "2", "--train-steps", "2",
-             "--ablation-micro-batch-tokens", "2048", "--quick", "--data-curve", "50", "--curve-steps", "2", *extra,
+             "--ablation-micro-batch-tokens", "2048", "--ablation-losses", "kl,ce+kl", "--quick", "--data-curve", "50",
+             "--curve-steps", "2", *extra,
              "--", "train.online=true", f"cache_dir={REPO / '.cache'}"],
             cwd=REPO, capture_output=True, text=True, timeout=1500,
             env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
 
     assert call("--stop-after", "nonsense").returncode == 2
     assert call("--data-curve", "0").returncode == 2 and call("--curve-steps", "x").returncode == 2
+    assert call("--ablation-losses", "ce,mse").returncode == 2 and call("--ablation-losses", "").returncode == 2
     first = call("--stop-after", "regen")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "stopped after regen" in first.stdout and not (tmp_path / "runs" / "tiny" / "train").exists()
@@ -83,13 +85,13 @@ def test_quality_recipe_runs_every_stage_and_the_ablation_on_the_tiny_config_ove
     lines = (tmp_path / "q" / "stage_seconds.txt").read_text().splitlines()
     labels = [line.split()[0] for line in lines]
     assert labels[:4] == ["curate", "regen", "curate", "regen"]  # the second call's are no-ops, appended
-    assert set(labels) == {"curate", "regen", "train", "eval", "train[ce]", "train[kl]", "train[ce+kl]", "eval[ce]",
-                           "eval[kl]", "eval[ce+kl]", "train[data-50]", "eval[data-50]"}
+    assert set(labels) == {"curate", "regen", "train", "eval", "train[kl]", "train[ce+kl]", "eval[kl]", "eval[ce+kl]",
+                           "train[data-50]", "eval[data-50]"}  # the losses asked for (all three by default)
     summary = json.loads((tmp_path / "q" / "summary.json").read_text())
     regen_seconds = sum(int(line.split()[1]) for line in lines if line.startswith("regen "))
     assert summary["stages"]["regen"] == {"seconds": regen_seconds, "exit": 0}  # a stage's time sums its calls
-    assert set(summary["ablation"]) == {"ce", "kl", "ce+kl"}
-    for loss in ("ce", "kl", "ce+kl"):  # each ablation run trained with its loss at the micro-batch it was given
+    assert set(summary["ablation"]) == {"kl", "ce+kl"}
+    for loss in ("kl", "ce+kl"):  # each ablation run trained with its loss at the micro-batch it was given
         manifest = json.loads((tmp_path / "runs" / f"tiny-abl-{loss.replace('+', '-')}" / "train" / "manifest.json")
                               .read_text())
         train = manifest["settings"]["train"]
