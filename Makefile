@@ -43,10 +43,11 @@ demo: setup
 	$(DRAFTER) run --config $(CONFIG) $(ARGS)
 	@echo "report: runs/$$($(PY) -c 'import sys; from pipeline.config import load_config; print(load_config(sys.argv[1]).name)' $(CONFIG))/eval/report.md"
 
-# `make test` runs on two pytest-xdist workers, one file per worker at a time (module fixtures stay on one worker;
+# `make test` runs on three pytest-xdist workers, one file per worker at a time (module fixtures stay on one worker;
 # the longest files go first, tests/conftest.py, in the order given there: --no-loadscope-reorder keeps xdist from
-# ordering the files by their number of tests): on 2 cores the slow tier's subprocesses and engines overlap.
-XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
+# ordering the files by their number of tests). Three on CI's 2 cores: with two, a quarter of the CPU time went
+# unused (a worker waiting on a subprocess's start, a SLURM requeue, an engine's load); a third fills those gaps.
+XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
 test: setup browser
 	DRAFTER_NO_PROGRESS=1 $(PY) -m pytest -q $(XDIST) tests $(ARGS)
