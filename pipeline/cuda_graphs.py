@@ -4,7 +4,9 @@
 `CudaGraphFn(fn, name)` captures `fn` once, replays it on later calls, and checks its first replay against an
 eager call of `fn` (`check`): a failed capture or check logs a warning and `fn` runs eagerly from then on, so a
 graph is never silently wrong. `host_syncs(run)` counts the host syncs of a call, the other half of "a round
-costs one read": what benchmarks report and CUDA tests bound.
+costs one read": what benchmarks report and CUDA tests bound. `GRAPH_LOG` and `compile_totals()` count what this
+process captured and torch.compile'd so far: a stage records the difference over a unit or a logging window, so a
+slow one says whether it was compiling or capturing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ class GraphLog:
 
 
 GRAPH_LOG = GraphLog()
+
+
+def compile_totals() -> tuple[int, float]:
+    """(frames, seconds): what torch.compile has compiled in this process so far, recompilations included, and the
+    time it took (dynamo's own timing of each frame's compile)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    times = compilation_time_metrics.get("_compile.compile_inner", [])
+    return len(times), float(sum(times))
 
 
 def _same_buffer(a: Tensor, b: Tensor) -> bool:

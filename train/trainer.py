@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import RunConfig
+from pipeline.cuda_graphs import compile_totals
 from pipeline.log import get_logger, progress
 from pipeline.errors import StageError
 from pipeline.files import atomic_write_json, read_json, recover_dir, replace_dir, sha256_file
@@ -399,15 +400,6 @@ def replica_digests(drafter: torch.nn.Module, out_dir: Path, rank: int, world: i
     if len(set(digests)) != 1:
         raise StageError(f"data-parallel replicas ended with different weights: {digests}")
     return digests
-
-
-def compile_totals() -> tuple[int, float]:
-    """(frames, seconds): what torch.compile has compiled in this process so far, recompilations included, and the
-    time it took (dynamo's own timing of each frame's compile)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    times = compilation_time_metrics.get("_compile.compile_inner", [])
-    return len(times), float(sum(times))
 
 
 @dataclass

@@ -260,17 +260,23 @@ def _with_regen_metadata(metadata: str | None, info: dict) -> str:
 
 class BackendClock:
     """The generator, its `generate` calls timed: `seconds` is the time a unit spent in the backend, the rest of
-    the unit's time is the host's (rendering prompts, decoding answers, writing the shard)."""
+    the unit's time is the host's (rendering prompts, decoding answers, writing the shard). `compile_seconds` and
+    `graphs_captured`: what of it went to torch.compile (recompilations included) and how many CUDA graphs it
+    captured (a unit much slower than the others that compiled or captured was paying for a new shape)."""
 
     def __init__(self, generator):
-        self.generator, self.seconds = generator, 0.0
+        self.generator, self.seconds, self.compile_seconds, self.graphs_captured = generator, 0.0, 0.0, 0
 
     def generate(self, prompts, max_new_tokens, seeds=None):
-        t0 = time.perf_counter()
+        from pipeline.cuda_graphs import GRAPH_LOG, compile_totals
+
+        compiled, captured, t0 = compile_totals()[1], GRAPH_LOG.captured, time.perf_counter()
         try:
             return self.generator.generate(prompts, max_new_tokens, seeds)
         finally:
             self.seconds += time.perf_counter() - t0
+            self.compile_seconds += compile_totals()[1] - compiled
+            self.graphs_captured += GRAPH_LOG.captured - captured
 
 
 def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, tokenizer, cfg: RunConfig) -> dict:
@@ -326,6 +332,7 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
         truncated_turns=sum(f == "length" for a in answered.values() for f in a.finish_reasons),
         generated_tokens=sum(sum(a.generated_tokens) for a in answered.values()),
         seconds=round(time.time() - t0, 3), backend_seconds=round(backend.seconds, 3),
+        compile_seconds=round(backend.compile_seconds, 3), graphs_captured=backend.graphs_captured,
     )
 
 
@@ -340,7 +347,8 @@ def samples_per_conversation(cfg: RunConfig) -> int:
 
 # a regen unit's sidecar (pipeline/records.py shape), beside the files of every sidecar
 SIDECAR = {"written": INT, "failed": COUNTS, "failures": LIST, "turns": INT, "truncated_turns": INT,
-           "generated_tokens": INT, "seconds": NUMBER, "backend_seconds": Optional(NUMBER)}  # (older sidecars: none)
+           "generated_tokens": INT, "seconds": NUMBER, "backend_seconds": Optional(NUMBER),  # (older sidecars: none)
+           "compile_seconds": Optional(NUMBER), "graphs_captured": Optional(INT)}
 
 
 def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dict:
@@ -360,6 +368,12 @@ def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dic
     return dict(counts)
 
 
+def _total(done: dict[str, dict], units: list[Unit], key: str):
+    """The units' sum of a sidecar field, None when a unit lacks it (written by an older version)."""
+    values = [done[u.name].get(key) for u in units]
+    return None if None in values else round(sum(values), 3)
+
+
 def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total: int, config_hash: str,
                    fingerprint: dict, curated: CuratedData, started: float) -> dict | None:
     """Write the manifest iff every unit (of every rank) is done; None otherwise."""
@@ -371,15 +385,15 @@ def finalize_regen(cfg: RunConfig, *, stage: StageDir, units: list[Unit], total:
         return None
     counts = _counts(units, done, total, samples_per_conversation(cfg))
     seconds = sum(done[u.name]["seconds"] for u in units)
-    timed = [done[u.name].get("backend_seconds") for u in units]
-    backend = round(sum(timed), 3) if None not in timed else None  # (units of an older run lack the field)
+    backend, compiling, captures = (_total(done, units, key) for key in
+                                    ("backend_seconds", "compile_seconds", "graphs_captured"))
     examples = [f for u in units for f in done[u.name]["failures"]][:MAX_FAILURE_EXAMPLES]
     manifest = stage.write_manifest(
         config_hash=config_hash, fingerprint=fingerprint, inputs={"curate": curated.ref()}, counts=counts,
         started=started,
         extra={"failure_examples": examples, "generation_seconds": round(seconds, 3),
                "generated_tokens_per_s": round(counts["generated_tokens"] / seconds, 1) if seconds else None,
-               "backend_seconds": backend},
+               "backend_seconds": backend, "compile_seconds": compiling, "graphs_captured": captures},
     )
     where = (f" in {seconds:.0f} s ({backend:.0f} s in the backend, the rest on the host)"
              if backend is not None and counts["generated_tokens"] else "")

@@ -116,7 +116,35 @@ def test_failures_are_recorded_with_reasons_and_every_input_is_accounted_for(tmp
     assert len(sidecars) == 3 and all(0 < s["backend_seconds"] <= s["seconds"] for s in sidecars)
     assert m["backend_seconds"] == pytest.approx(sum(s["backend_seconds"] for s in sidecars), abs=1e-2)
     assert 0 < m["backend_seconds"] <= m["generation_seconds"] + 1e-2
+    # regen.compile's auto is off on a CPU: nothing compiled, no CUDA graph
+    assert all(s["compile_seconds"] == 0 and s["graphs_captured"] == 0 for s in sidecars)
+    assert (m["compile_seconds"], m["graphs_captured"]) == (0, 0)
 
+
+def test_the_backend_clock_counts_the_compiles_inside_its_generate_calls_only():
+    """A unit's `compile_seconds`: torch.compile's time inside the backend's `generate` calls (a first call of a new
+    shape compiles; a second of the same shape does not; a compile outside the calls is not the unit's)."""
+    import torch
+
+    from pipeline.regen.stage import BackendClock
+
+    def double(x):
+        return x * 2
+
+    class Compiling:  # a backend whose step is torch.compile'd (dynamo's own frame compile: no C++ build)
+        def __init__(self):
+            self.step = torch.compile(double, backend="eager", dynamic=False)
+
+        def generate(self, prompts, max_new_tokens, seeds=None):
+            return [self.step(torch.tensor(p)).tolist() for p in prompts]
+
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))  # outside: not counted
+    clock = BackendClock(Compiling())
+    assert clock.generate([[1, 2, 3]], [4]) == [[2, 4, 6]]
+    first = clock.compile_seconds
+    assert first > 0 and clock.graphs_captured == 0
+    clock.generate([[4, 5, 6]], [4])  # the same shape: no new compile
+    assert clock.compile_seconds == first and clock.compile_seconds <= clock.seconds
 
 def test_backend_none_keeps_dataset_answers_and_fails_prompts_without_one(tmp_path):
     cfg = make_config(tmp_path, overrides=["regen.backend=none", "regen.max_samples=null"])
