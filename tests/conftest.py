@@ -35,7 +35,7 @@ CACHE = REPO / ".cache"  # materialized targets are keyed by content hash: safe 
 # only what the test gives them, whether or not the machine has a mirror. Tests about the real public sets read it
 # through `mirror_file` and skip without it.
 # pytest-xdist starts its workers after the controller has read this file, so the value is handed on under a name the
-# stages do not read; without that, `make test` (-n 2) skipped every mirror test.
+# stages do not read; without that, `make test` (pytest-xdist workers) skipped every mirror test.
 MIRROR = os.environ.pop("DRAFTER_DATA_DIR", None) or os.environ.get("DRAFTER_TESTS_MIRROR") or None
 if MIRROR:
     os.environ["DRAFTER_TESTS_MIRROR"] = MIRROR
@@ -80,7 +80,7 @@ LONGEST_FILES = (
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: -n 2 --dist loadfile --no-loadscope-reorder, so that xdist keeps this order
+    """Under pytest-xdist (`make test`: -n 3 --dist loadfile --no-loadscope-reorder, so that xdist keeps this order
     instead of ordering files by their number of tests) the files are handed out longest first: `LONGEST_FILES`, then
     the other files that hold slow tests, then the rest; within a file, and in a run without workers, the order is
     pytest's."""
