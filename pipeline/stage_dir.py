@@ -422,7 +422,7 @@ class StageDir:
                    verify: bool = False):
         """A parquet shard of this stage as a pyarrow Table (`columns` only, when given). A shard pyarrow cannot
         read (truncated, a damaged footer or page, missing), or whose columns are not those of `schema` (the
-        stage's pyarrow schema: names and types), is a DamagedFile naming it and `repair_shard`; with `verify`,
+        stage's pyarrow schema: names, types, nullability), is a DamagedFile naming it and `repair_shard`; with `verify`,
         so is one that differs from its sidecar's record (`verify_shard`). Never modifies the stage."""
         import pyarrow.parquet as pq
 
@@ -459,6 +459,8 @@ class StageDir:
         try:
             yield
         except (pa.ArrowException, OSError, ValueError) as e:  # ArrowInvalid, a thrift error, a short read, ...
+            if isinstance(e, OSError) and e.errno is not None:
+                raise  # the system's refusal (permissions, I/O): the CLI names it, the file may be intact
             detail = " ".join(str(e).split())[:200]  # pyarrow's messages span lines (schemas): one line
             raise DamagedFile(path, f"not readable parquet ({type(e).__name__}: {detail})",
                               self.repair_shard(path)) from None
