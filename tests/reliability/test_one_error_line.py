@@ -338,3 +338,22 @@ def _raise_damaged(path: str) -> None:
     from pipeline.errors import DamagedFile
 
     raise DamagedFile(path, "not readable parquet", "run it again")
+
+
+def test_a_shard_the_system_refuses_to_read_is_not_called_damaged(tmp_path):
+    """`StageDir.reading_shard`: pyarrow's own failures (errno unset: a thrift error, a short read) make a
+    DamagedFile with its repair; the system's refusals (errno set: permissions, I/O) pass through to the CLI's
+    OSError message, since the file itself may be intact."""
+    import errno
+
+    from pipeline.errors import DamagedFile
+    from pipeline.stage_dir import StageDir
+
+    stage = StageDir(tmp_path, "regen")
+    path = stage.shard_path("00001", "parquet")
+    with pytest.raises(PermissionError):
+        with stage.reading_shard(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    with pytest.raises(DamagedFile, match="Couldn't deserialize thrift.*Delete it, its sidecar"):
+        with stage.reading_shard(path):
+            raise OSError("Couldn't deserialize thrift: TProtocolException: Invalid data")
