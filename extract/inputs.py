@@ -8,7 +8,7 @@ into runs of about ``extract.shard_tokens`` tokens, so every rank computes the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,11 +38,13 @@ class TokenizedIndex:
     ids: list[str]
     lengths: np.ndarray  # int64 [N]
     stage: StageDir  # the tokenize stage the files belong to (its reader names a damaged shard)
+    verified: set = field(default_factory=set)  # files checked against their sidecars by `read_samples` so far
 
 
 def read_tokenized_index(tok_stage: StageDir, max_samples: int | None = None) -> TokenizedIndex:
-    """Ids and lengths of every tokenized sample (reads only the small columns). Each shard is checked against its
-    sidecar and the tokenize schema first: a damaged one is a DamagedFile naming it and what to run."""
+    """Ids and lengths of every tokenized sample (reads only the small columns; each shard's schema is checked: a
+    damaged one is a DamagedFile naming it and what to run). The whole files are checked against their sidecars
+    where their samples are read (`read_samples`), by the rank that reads them."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -51,7 +53,6 @@ def read_tokenized_index(tok_stage: StageDir, max_samples: int | None = None) ->
         raise StageError(f"no tokenized shards in {tok_stage.shards}")
     file_of, rows, ids, lengths = [], [], [], []
     for k, f in enumerate(files):
-        tok_stage.verify_shard(f)  # the bytes tokenize wrote (a damaged page can still decode, into other tokens)
         with tok_stage.reading_shard(f):
             schema = pq.read_schema(f)
         tok_stage.check_columns(f, schema, TOKENIZED_SCHEMA, ["id", "input_ids", "loss_mask"])
@@ -76,11 +77,15 @@ def read_tokenized_index(tok_stage: StageDir, max_samples: int | None = None) ->
 
 
 def read_samples(index: TokenizedIndex, rows: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """``{row: (input_ids int32 [S], loss_mask uint8 [S])}`` for the requested global rows."""
+    """``{row: (input_ids int32 [S], loss_mask uint8 [S])}`` for the requested global rows. A file is checked against
+    its sidecar the first time it is read (a damaged page can still decode, into other tokens)."""
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     rows = np.asarray(rows)
     for k in np.unique(index.file_of[rows]):
         mine = rows[index.file_of[rows] == k]
+        if k not in index.verified:
+            index.stage.verify_shard(index.files[k])
+            index.verified.add(k)
         table = index.stage.read_shard(index.files[k], columns=["input_ids", "loss_mask"], schema=TOKENIZED_SCHEMA)
         if int(index.row_in_file[mine].max()) >= len(table):  # the file changed since the index read it
             raise DamagedFile(index.files[k], f"{len(table)} rows, fewer than when the index read it",

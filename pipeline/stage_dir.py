@@ -294,6 +294,11 @@ class StageDir:
     def is_complete(self) -> bool:
         return self.manifest_path.exists()
 
+    def finished_with(self, config_hash: str, *, force: bool = False) -> bool:
+        """The stage is complete with this config (and not to be redone): running it again is a no-op, which reads
+        nothing else (so a stage checks this before it checks or reads its inputs)."""
+        return not force and self.is_complete() and self.manifest()["config_hash"] == config_hash
+
     def manifest(self) -> dict:
         """The finished stage's manifest, checked: an object with the fields every manifest has (config hash,
         fingerprint, counts, files); a damaged one is a DamagedFile naming it and what to run. The fields a later
@@ -341,7 +346,7 @@ class StageDir:
         if force and split:
             raise StageError("--force with several ranks would let each rank wipe the others' work: "
                              "run once with --force on a single rank, or delete the stage directory first")
-        if not force and self.is_complete() and self.manifest()["config_hash"] == config_hash:
+        if self.finished_with(config_hash, force=force):
             return False  # a no-op reads only: it works on a read-only copy and while another process holds the lock
         lock = self.path / (f"lock.rank-{ranks.rank:05d}" if split else "lock")
         acquire_lock(lock, f"stage '{self.stage}' at {self.path}" + (f" (rank {ranks.rank})" if split else ""))

@@ -295,8 +295,8 @@ def run_tokenize(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankI
     stage = StageDir(cfg.run_dir, "tokenize")
     units = regenerated.units
     mine = units_for_rank(units, ranks)
-    if not force and stage.is_complete() and stage.manifest()["config_hash"] == config_hash:
-        return stage.manifest()  # a no-op re-run reads nothing else
+    if stage.finished_with(config_hash, force=force):
+        return stage.manifest()
     for unit in mine:  # the bytes regen wrote, before anything is written (a damaged page can still decode)
         regen.verify_shard(regen.shard_path(unit, "parquet"))
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):

@@ -437,8 +437,8 @@ def run_regen(cfg: RunConfig, *, force: bool = False, ranks: RankInfo = RankInfo
     if cfg.regen.backend == "none":
         log.warning("regen.backend is 'none': keeping the dataset's answers (off-policy data)")
 
-    if not force and stage.is_complete() and stage.manifest()["config_hash"] == config_hash:
-        return stage.manifest()  # a no-op re-run reads nothing else
+    if stage.finished_with(config_hash, force=force):
+        return stage.manifest()
     units, total = plan_units(curate, cfg.regen.shard_size, cfg.regen.max_samples)  # before anything is written
     if not stage.begin(config_hash, force=force, ranks=ranks, settings=settings):
         return stage.manifest()
