@@ -14,6 +14,7 @@ never writes more than `max_new_tokens[i]` tokens for request i.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -85,12 +86,55 @@ def nucleus_probs(logits, sampling: Sampling):
     return logits.softmax(-1)
 
 
+# The candidates a sort-free nucleus draw makes per row, at most; below the top_p where they would not push the chance
+# of no candidate inside the nucleus under NUCLEUS_MISS, `sample_next` sorts instead.
+NUCLEUS_CANDIDATES = 64
+NUCLEUS_MISS = 1e-12
+
+
+def nucleus_candidates(top_p: float) -> int:
+    """The candidates per row a sort-free nucleus draw needs for the chance that none lies inside the nucleus,
+    at most (1 - top_p) ** n, to stay under NUCLEUS_MISS; 0 when that takes more than NUCLEUS_CANDIDATES."""
+    n = math.ceil(math.log(NUCLEUS_MISS) / math.log1p(-top_p))
+    return n if n <= NUCLEUS_CANDIDATES else 0
+
+
+def sample_nucleus(probs, top_p: float, candidates: int, generator=None):
+    """probs [B, V] (a softmax) -> ids [B] drawn from the top-p nucleus of each row, without sorting the vocabulary.
+
+    Rejection sampling: `candidates` ids per row drawn from `probs` itself; an id x lies inside the nucleus iff the
+    mass of the ids more probable than x is at most top_p (the rule of `nucleus_probs`: the smallest prefix, in
+    descending probability, whose mass reaches top_p). The first candidate inside, in draw order, is the row's
+    draw, so conditioned on acceptance it follows the nucleus distribution exactly. Inside-ness is monotone in
+    probability, so a binary search over the row's candidates, sorted, finds the least probable one inside in
+    log2(candidates + 1) passes over [B, V], one masked sum each. Every candidate lies inside with probability >=
+    top_p (the nucleus's mass), so a row has none inside with probability at most (1 - top_p) ** candidates (see
+    `nucleus_candidates`); such a row takes its most probable id, which is always inside. No host sync."""
+    import torch
+
+    drawn = torch.multinomial(probs, candidates, replacement=True, generator=generator)  # [B, C]
+    p_drawn = probs.gather(-1, drawn)  # [B, C]
+    p_sorted = p_drawn.sort(-1).values  # [B, C] ascending
+    lo = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)  # [B] least index inside, in [0, C]
+    hi = torch.full_like(lo, candidates)
+    for _ in range(candidates.bit_length()):
+        mid = ((lo + hi) // 2).clamp(max=candidates - 1)
+        threshold = p_sorted.gather(-1, mid[:, None])  # [B, 1]
+        inside = torch.where(probs > threshold, probs, 0.0).sum(-1) <= top_p  # [B]
+        searching = lo < hi
+        hi = torch.where(searching & inside, mid, hi)
+        lo = torch.where(searching & ~inside, mid + 1, lo)
+    least = p_sorted.gather(-1, lo.clamp(max=candidates - 1)[:, None])  # [B, 1]
+    accepted = (p_drawn >= least) & (lo < candidates)[:, None]  # [B, C]
+    first = accepted.int().argmax(-1)  # [B] the first accepted candidate in draw order
+    picked = drawn.gather(-1, first[:, None]).squeeze(-1)
+    return torch.where(accepted.any(-1), picked, probs.argmax(-1))
+
+
 def sample_next(logits, sampling: Sampling, generator=None):
     """logits [B, V] (already vocab-masked) -> next ids [B]: the argmax (greedy), else one draw per row from
-    `nucleus_probs`'s distribution. The draw is made among the candidates in descending order (torch.topk's top_k,
-    or every id sorted when only top_p is set), their dropped tail zeroed and the rest renormalized by
-    `torch.multinomial` itself, and the pick is mapped back through that order: no [B, V] scatter back to vocabulary
-    order and no second softmax, where a large batch's sampling step spends its memory traffic."""
+    `nucleus_probs`'s distribution. With top_p alone, `sample_nucleus`'s sort-free draw (a large batch's full
+    vocabulary sort costs more than the decode step it follows) where top_p allows it, else `sample_sorted`."""
     import torch
 
     if sampling.greedy:
@@ -98,6 +142,18 @@ def sample_next(logits, sampling: Sampling, generator=None):
     logits = logits.float() / sampling.temperature
     if sampling.top_k <= 0 and sampling.top_p >= 1.0:
         return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    if sampling.top_k <= 0 and (candidates := nucleus_candidates(sampling.top_p)):
+        return sample_nucleus(logits.softmax(-1), sampling.top_p, candidates, generator)
+    return sample_sorted(logits, sampling, generator)
+
+
+def sample_sorted(logits, sampling: Sampling, generator=None):
+    """logits [B, V] (vocab-masked, divided by the temperature) -> ids [B] drawn from `nucleus_probs`'s
+    distribution among the candidates in descending order (torch.topk's top_k, or every id sorted when only top_p
+    is set), their dropped tail zeroed and the rest renormalized by `torch.multinomial` itself, the pick mapped
+    back through that order: no [B, V] scatter back to vocabulary order and no second softmax."""
+    import torch
+
     if sampling.top_k > 0:
         values, order = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1)  # (descending)
     else:

@@ -598,3 +598,54 @@ def test_a_sampled_token_is_drawn_from_the_nucleus_distribution():
         assert (freq[want == 0] == 0).all(), sampling  # nothing outside the distribution
         assert (freq - want).abs().max() < 0.02, (sampling, (freq - want).abs().max())
         assert (want > 0).sum(-1).min() > 1  # each case keeps several ids
+
+
+def test_the_sort_free_nucleus_draw_follows_the_nucleus_where_it_holds_thousands_of_ids():
+    """With top_p alone `sample_next` draws by rejection (`sample_nucleus`): over a flat distribution whose nucleus
+    holds ~1,800 of 2,048 ids, its draws never leave the nucleus and match `nucleus_probs` by probability decile
+    of the nucleus, its least probable ids (those a top-k prefilter would drop) included. A top_p too small for the
+    sort-free draw's miss bound sorts, with the same distribution."""
+    from pipeline.regen.generator import NUCLEUS_MISS, nucleus_candidates, nucleus_probs, sample_next
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 2048, generator=gen) * 0.5
+    for sampling, n, tolerance in ((Sampling(temperature=1.0, top_p=0.95), 100_000, 0.005),
+                                   (Sampling(temperature=1.0, top_p=0.2), 30_000, 0.01)):
+        want = nucleus_probs(logits, sampling)[0]
+        draws = sample_next(logits.expand(n, -1), sampling, gen)
+        freq = torch.bincount(draws, minlength=2048).float() / n
+        assert (freq[want == 0] == 0).all(), sampling
+        kept = want.nonzero().flatten()
+        assert len(kept) > (1700 if sampling.top_p > 0.9 else 150), len(kept)
+        by_rank = kept[want[kept].argsort(descending=True)].tensor_split(10)  # deciles of the nucleus by probability
+        got = torch.stack([freq[ids].sum() for ids in by_rank])
+        expected = torch.stack([want[ids].sum() for ids in by_rank])
+        assert (got - expected).abs().max() < tolerance, (sampling, got, expected)
+    assert nucleus_candidates(0.95) > 0 and 0.05 ** nucleus_candidates(0.95) <= NUCLEUS_MISS
+    assert nucleus_candidates(0.2) == 0  # sorts
+
+
+def test_bench_sampling_times_both_draws_and_finds_them_on_the_nucleus_distribution():
+    """benchmarks/bench_sampling.py: a row per batch size with the greedy, sorted and sort-free times, and each
+    path's draws within sampling noise of `nucleus_probs` by decile of a nucleus of hundreds of ids."""
+    from benchmarks.bench_sampling import main
+
+    result = main(["--device", "cpu", "--batches", "4,16", "--vocab", "1024", "--iters", "1", "--check", "20000",
+                   "--scale", "1"])
+    assert [r["batch"] for r in result["rows"]] == [4, 16]
+    for r in result["rows"]:
+        assert r["nucleus_ids_median"] > 300 and r["candidates"] == 10
+        assert min(r["greedy_ms"], r["sorted_ms"], r["sort_free_ms"]) > 0
+        assert r["sorted_gap"] < 0.015 and r["sort_free_gap"] < 0.015, r
+
+
+def test_a_row_with_no_candidate_inside_the_nucleus_takes_its_most_probable_id():
+    """`sample_nucleus` with one candidate: a draw outside the nucleus (here every draw of id 1, p 0.4, where the
+    nucleus at top_p 0.5 is id 0 alone) falls back to the row's most probable id, never to an id outside."""
+    from pipeline.regen.generator import sample_nucleus
+
+    probs = torch.tensor([[0.6, 0.4]]).expand(4000, -1)
+    draws = sample_nucleus(probs, 0.5, 1, torch.Generator().manual_seed(0))
+    assert (draws == 0).all()
+    draws = sample_nucleus(torch.tensor([[0.6, 0.4]]).expand(4000, -1), 0.7, 1, torch.Generator().manual_seed(0))
+    assert 0.35 < (draws == 1).float().mean() < 0.45  # both inside at 0.7: the draw itself, unchanged

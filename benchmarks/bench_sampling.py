@@ -1,0 +1,115 @@
+"""The sampled regen step's draw alone: top-p sampling of a [batch, vocab] logits block, the way the static decoder
+calls it once per generated position (`pipeline.regen.generator.sample_next`), timed per call.
+
+Rows, per batch size, each a median over `--iters` calls between two syncs:
+
+  greedy       argmax (what a greedy run pays)
+  sorted       `sample_sorted`: the whole vocabulary sorted, cumulative mass, multinomial (the former top-p path)
+  sort-free    `sample_nucleus`: candidates drawn from the softmax, a binary search over them for the nucleus's
+               edge (the top-p path of `sample_next` where top_p allows it)
+
+The logits are random (`--scale` sets how peaked: the median nucleus size is printed); the sort and the passes of
+the sort-free draw cost the same whatever the distribution. Each row's draws are checked against the other path's
+distribution on one row repeated (`--check` draws): the largest difference of frequency by decile of the nucleus.
+
+    python benchmarks/bench_sampling.py --device cuda --json $OUT/sampling.json
+    python benchmarks/bench_sampling.py --device cpu --batches 8 --vocab 512 --iters 2 --check 2000   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.regen.generator import (  # noqa: E402
+    Sampling, nucleus_candidates, nucleus_probs, sample_nucleus, sample_sorted,
+)
+
+
+def timed(fn, device: torch.device, iters: int) -> float:
+    """Median milliseconds of fn() over `iters` calls, each between two syncs, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def decile_gap(draws: torch.Tensor, want: torch.Tensor) -> float:
+    """draws [N] ids, want [V] the nucleus distribution -> the largest |frequency - mass| over the nucleus's
+    ids split into ten groups by probability (1.0 when a draw fell outside the nucleus)."""
+    freq = torch.bincount(draws, minlength=want.numel()).double() / draws.numel()
+    if (freq[want == 0] > 0).any():
+        return 1.0
+    kept = want.nonzero().flatten()
+    groups = kept[want[kept].argsort(descending=True)].tensor_split(10)
+    return max(abs(float(freq[g].sum() - want[g].sum())) for g in groups)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="256,512,1024")
+    ap.add_argument("--vocab", type=int, default=49152)  # SmolLM2's
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--scale", type=float, default=3.0)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--check", type=int, default=200_000)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p)
+    candidates = nucleus_candidates(args.top_p)
+    if not candidates:
+        sys.exit(f"top_p {args.top_p}: too small for the sort-free draw (it sorts); pick >= 0.35")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        logits = torch.randn(batch, args.vocab, device=device, generator=gen) * args.scale
+        scaled = logits / sampling.temperature
+        probs = scaled.softmax(-1)
+        nucleus = int((nucleus_probs(logits[:64], sampling) > 0).sum(-1).float().median())
+        row = {
+            "batch": batch, "vocab": args.vocab, "nucleus_ids_median": nucleus, "candidates": candidates,
+            "greedy_ms": timed(lambda: logits.argmax(-1), device, args.iters),
+            "sorted_ms": timed(lambda: sample_sorted(scaled, sampling, gen), device, args.iters),
+            "sort_free_ms": timed(lambda: sample_nucleus(probs, sampling.top_p, candidates, gen), device, args.iters),
+        }
+        one = logits[:1].expand(args.check, -1)
+        want = nucleus_probs(logits[:1], sampling)[0].double()
+        row["sorted_gap"] = decile_gap(sample_sorted(one / sampling.temperature, sampling, gen), want)
+        row["sort_free_gap"] = decile_gap(
+            sample_nucleus((one / sampling.temperature).softmax(-1), sampling.top_p, candidates, gen), want)
+        rows.append(row)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"top-p {args.top_p}, temperature {args.temperature}, vocab {args.vocab}, {candidates} candidates, {name}")
+    print("| batch | nucleus ids (median) | greedy ms | sorted ms | sort-free ms | sorted / sort-free "
+          "| decile gap sorted / sort-free |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['nucleus_ids_median']} | {r['greedy_ms']:.3f} | {r['sorted_ms']:.3f} "
+              f"| {r['sort_free_ms']:.3f} | {r['sorted_ms'] / r['sort_free_ms']:.2f}x "
+              f"| {r['sorted_gap']:.4f} / {r['sort_free_gap']:.4f} |")
+    result = {"device": name, "top_p": args.top_p, "temperature": args.temperature, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
