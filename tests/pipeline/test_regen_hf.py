@@ -267,18 +267,19 @@ def test_static_decode_on_cuda_replays_its_checked_graph_and_equals_generate(tar
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist on CUDA only (run on the GPU machine)")
-def test_static_decode_on_cuda_waits_for_the_gpu_only_at_its_stop_checks(target):
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, top_p=0.95)], ids=["greedy", "top_p"])
+def test_static_decode_on_cuda_waits_for_the_gpu_only_at_its_stop_checks(target, sampling):
     """Once its graphs are captured, a batch's decode loop lets the host run ahead of the GPU: it waits on it only at
     each finished-rows check (every STOP_CHECK_EVERY steps) and once to read the batch's answers back, never once per
-    step or per row, nor to move the prompts in (pinned, asynchronous copies). A per-step sync leaves the GPU idle
-    while the host prepares the next step; the failure lists where each sync happened."""
+    step or per row, nor to move the prompts in (pinned, asynchronous copies), nor to draw a top-p token. A per-step
+    sync leaves the GPU idle while the host prepares the next step; the failure lists where each sync happened."""
     from pipeline.cuda_graphs import host_syncs
     from pipeline.regen.static_decode import STOP_CHECK_EVERY
 
     _, tok, _, prompts = target
     cuda = load_target(materialize_target(TINY_QWEN3, CACHE), TINY_QWEN3, device="cuda")
     gen = HFGenerator(cuda, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=[len(tok) + 1],
-                      sampling=Sampling(), batch_size=5, decode="static")
+                      sampling=sampling, batch_size=5, decode="static")
     limits = [64] * 5
     gen.generate(prompts, limits)  # captures the step graphs
     syncs, outs = host_syncs(lambda: gen.generate(prompts, limits))
