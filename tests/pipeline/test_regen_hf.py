@@ -610,8 +610,8 @@ def test_the_sort_free_nucleus_draw_follows_the_nucleus_where_it_holds_thousands
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(1, 2048, generator=gen) * 0.5
-    for sampling, n, tolerance in ((Sampling(temperature=1.0, top_p=0.95), 100_000, 0.005),
-                                   (Sampling(temperature=1.0, top_p=0.2), 30_000, 0.01)):
+    for sampling, n, tolerance in ((Sampling(temperature=1.0, top_p=0.95), 60_000, 0.007),
+                                   (Sampling(temperature=1.0, top_p=0.2), 20_000, 0.012)):
         want = nucleus_probs(logits, sampling)[0]
         draws = sample_next(logits.expand(n, -1), sampling, gen)
         freq = torch.bincount(draws, minlength=2048).float() / n
