@@ -311,6 +311,27 @@ def _final_step(drafter: "DFlashDrafter", x: Tensor, row_valid: Tensor) -> Tenso
 _TRAIN_FNS = {"fuse": _fuse_step, "first_layer": _first_layer_step, "layer": _layer_step, "final": _final_step}
 
 
+def _dynamic_lengths(*values) -> None:
+    """Mark the lengths of a packed row's tensors dynamic for torch.compile before their first compiled call: the
+    row length S and the block rows Q differ from micro-batch to micro-batch, so each compiled piece gets one graph
+    for every shape at once, where automatic dynamic shapes compile a static graph, then a dynamic one at the
+    second shape (a compile per piece more). Row tensors ([S, ...], [Q, ...]) have their first dim marked; a dense
+    mask [Q, S + Q] both; a FlexAttention BlockMask its block counts and indices ([1, 1, blocks(, blocks)]). A
+    BlockMask also carries its lengths as Python ints, which a first compile specializes on: the layer steps on
+    flex attention still compile a second, dynamic graph at the second shape (the fusion and final norm do not)."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for v in values:
+        if isinstance(v, Tensor):
+            for d in range(v.dim()) if v.dtype == torch.bool else range(1):
+                maybe_mark_dynamic(v, d)
+        elif v is not None and hasattr(v, "as_tuple"):  # a BlockMask
+            for t in v.as_tuple():
+                if isinstance(t, Tensor) and t.dim() >= 3:
+                    for d in range(2, t.dim()):
+                        maybe_mark_dynamic(t, d)
+
+
 # ----------------------------------------------------------------------------------------------
 # The drafter
 # ----------------------------------------------------------------------------------------------
@@ -335,8 +356,8 @@ class DFlashDrafter(nn.Module):
     def compile_training(self, backend: str = "inductor") -> None:
         """torch.compile the pieces of `forward_train`: the feature fusion (fc + hidden_norm), each layer step
         (the context rows' K/V projection, norm and RoPE + the decoder layer: one graph shared by all layers) and
-        the final norm. The BlockMask construction and the loss stay eager. Automatic dynamic shapes: varying
-        row lengths recompile once, not per shape. Modules are not replaced, so parameter names, state_dict,
+        the final norm. The BlockMask construction and the loss stay eager. The row lengths are marked dynamic
+        before the first call (`_dynamic_lengths`): one graph per piece for every shape. Modules are not replaced, so parameter names, state_dict,
         checkpoints and ZeRO hooks are unchanged; inference (`draft_logits`) stays eager. `backend`: torch.compile's
         (CPU tests trace with 'aot_eager')."""
         self._train_fns = {name: torch.compile(fn, backend=backend) for name, fn in _TRAIN_FNS.items()}
@@ -401,12 +422,19 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"features must be [1, {batch.seq_len}, n*D], got {tuple(features.shape)}")
         # the held-out evaluation (no gradient) runs eager: compiled, it would double every graph's variants
         fns = self._train_fns if torch.is_grad_enabled() else _TRAIN_FNS
-        ctx = fns["fuse"](self, features[0])  # [S, D]
+        compiled = fns is not _TRAIN_FNS
+        row = features[0]  # [S, n_taps*D]
+        if compiled:
+            _dynamic_lengths(row)
+        ctx = fns["fuse"](self, row)  # [S, D]
         dtype = ctx.dtype
         x = self._embed(batch.block_ids, dtype)  # [Q, D]
         ctx_cos, ctx_sin = self._rope(batch.context_positions, dtype)
         cos, sin = self._rope(batch.block_positions, dtype)
         masks = {t: self._train_mask(batch, t, attention) for t in set(self.args.layer_types)}
+        row_valid = batch.block_valid.repeat_interleave(batch.block_size)
+        if compiled:
+            _dynamic_lengths(ctx, x, ctx_cos, ctx_sin, cos, sin, row_valid, *masks.values())
         for i, layer in enumerate(self.layers):
             run = fns["first_layer" if i == 0 else "layer"]
             if self.gradient_checkpointing and torch.is_grad_enabled():
@@ -415,7 +443,8 @@ class DFlashDrafter(nn.Module):
                 )
             else:
                 x = run(layer, x, ctx, ctx_cos, ctx_sin, cos, sin, masks[layer.layer_type])
-        row_valid = batch.block_valid.repeat_interleave(batch.block_size)
+            if compiled:
+                _dynamic_lengths(x)
         return fns["final"](self, x, row_valid)
 
     def _train_mask(self, batch: BlockBatch, layer_type: str, attention: str):

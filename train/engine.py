@@ -259,9 +259,12 @@ class TorchEngine:
 
 def compile_layers(drafter: torch.nn.Module) -> None:
     """torch.compile the drafter's training forward (`DFlashDrafter.compile_training`: feature fusion, every layer
-    step including its context K/V, final norm). Automatic dynamic shapes: the varying packed-row lengths
-    recompile once, not once per shape. The modules are not replaced, so parameter names, checkpoints and ZeRO
-    hooks are unchanged."""
+    step including its context K/V, final norm), dynamic in the packed-row lengths from the first step. Every
+    recompilation is logged with the guard that failed (torch's `recompiles` log, in the stage's log): the metrics
+    count compiled frames and their seconds per window (`compiles`, `compile_s`), the log says which shape or
+    guard caused them. The modules are not replaced, so parameter names, checkpoints and ZeRO hooks are
+    unchanged."""
+    torch._logging.set_logs(recompiles=True)
     drafter.compile_training()
 
 
