@@ -94,7 +94,10 @@ NUCLEUS_MISS = 1e-12
 
 def nucleus_candidates(top_p: float) -> int:
     """The candidates per row a sort-free nucleus draw needs for the chance that none lies inside the nucleus,
-    at most (1 - top_p) ** n, to stay under NUCLEUS_MISS; 0 when that takes more than NUCLEUS_CANDIDATES."""
+    at most (1 - top_p) ** n, to stay under NUCLEUS_MISS; 0 (sort instead) when that takes more than
+    NUCLEUS_CANDIDATES, or top_p is outside (0, 1)."""
+    if not 0.0 < top_p < 1.0:
+        return 0
     n = math.ceil(math.log(NUCLEUS_MISS) / math.log1p(-top_p))
     return n if n <= NUCLEUS_CANDIDATES else 0
 

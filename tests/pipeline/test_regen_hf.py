@@ -623,7 +623,7 @@ def test_the_sort_free_nucleus_draw_follows_the_nucleus_where_it_holds_thousands
         expected = torch.stack([want[ids].sum() for ids in by_rank])
         assert (got - expected).abs().max() < tolerance, (sampling, got, expected)
     assert nucleus_candidates(0.95) > 0 and 0.05 ** nucleus_candidates(0.95) <= NUCLEUS_MISS
-    assert nucleus_candidates(0.2) == 0  # sorts
+    assert nucleus_candidates(0.2) == nucleus_candidates(0.0) == nucleus_candidates(1.0) == 0  # sorts (or no nucleus)
 
 
 def test_bench_sampling_times_both_draws_and_finds_them_on_the_nucleus_distribution():
