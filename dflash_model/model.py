@@ -357,9 +357,9 @@ class DFlashDrafter(nn.Module):
         """torch.compile the pieces of `forward_train`: the feature fusion (fc + hidden_norm), each layer step
         (the context rows' K/V projection, norm and RoPE + the decoder layer: one graph shared by all layers) and
         the final norm. The BlockMask construction and the loss stay eager. The row lengths are marked dynamic
-        before the first call (`_dynamic_lengths`): one graph per piece for every shape. Modules are not replaced, so parameter names, state_dict,
-        checkpoints and ZeRO hooks are unchanged; inference (`draft_logits`) stays eager. `backend`: torch.compile's
-        (CPU tests trace with 'aot_eager')."""
+        before the first call (`_dynamic_lengths`): one graph per piece for every shape. Modules are not replaced,
+        so parameter names, state_dict, checkpoints and ZeRO hooks are unchanged; inference (`draft_logits`) stays
+        eager. `backend`: torch.compile's (CPU tests trace with 'aot_eager')."""
         self._train_fns = {name: torch.compile(fn, backend=backend) for name, fn in _TRAIN_FNS.items()}
 
     @staticmethod
