@@ -74,7 +74,7 @@ class Rate:
 def run_conditions(cfg: RunConfig, stage: str) -> dict:
     """The run's settings a measured rate depends on, named as the calibration table's conditions."""
     if stage == "regen":
-        return {"backend": cfg.regen.backend}
+        return {"backend": cfg.regen.backend, "sampling": "sampled" if cfg.regen.temperature > 0 else "greedy"}
     if stage == "extract":
         return {"backend": cfg.extract.backend, "features": cfg.extract.storage_dtype}
     return {"mode": "online" if cfg.train.online else "offline"}

@@ -52,6 +52,19 @@ def test_the_row_matching_the_runs_conditions_wins():
     assert hf_fp8["rate_sources"]["extract"].startswith("measured: 32,745 tok/s")
 
 
+def test_a_sampled_regen_is_costed_at_the_sampled_stages_rate_and_a_greedy_one_at_the_greedy_bench():
+    """The SmolLM2 recipe samples (T 0.7): its regen is costed at the regen stage's own sampled rate (40,845 tok/s),
+    not at the greedy bench's higher 43,224 (the row listed first); the same config made greedy takes the greedy
+    row, and a row whose sampling differs from the run's says so."""
+    cfg = load_config(REPO / "configs/smollm2-135m-h200.yaml")
+    src = estimate(cfg)["rate_sources"]["regen"]
+    assert src.startswith("measured: 40,845 tok/s on 1x NVIDIA H100 80GB HBM3, 2026-12-07") and "this run" not in src
+    greedy = estimate(load_config(REPO / "configs/smollm2-135m-h200.yaml", ["regen.temperature=0"]))
+    assert greedy["rate_sources"]["regen"].startswith("measured: 43,224 tok/s on 1x NVIDIA H200")
+    vllm = estimate(load_config(REPO / "configs/smollm2-135m-h200.yaml", ["regen.backend=vllm"]))
+    assert vllm["rate_sources"]["regen"].endswith("this run: sampling sampled")  # the vLLM row is greedy
+
+
 def test_a_shape_without_a_row_falls_back_to_the_assumed_mfu_and_says_so(tmp_path):
     cfg = load_config(REPO / "configs/tiny.yaml", [f"runs_dir={tmp_path}"])  # random:qwen3, a toy shape
     assert shape_name(target_shape(cfg)) is None
