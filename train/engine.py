@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -262,9 +263,10 @@ def compile_layers(drafter: torch.nn.Module) -> None:
     step including its context K/V, final norm), dynamic in the packed-row lengths from the first step. Every
     recompilation is logged with the guard that failed (torch's `recompiles` log, in the stage's log): the metrics
     count compiled frames and their seconds per window (`compiles`, `compile_s`), the log says which shape or
-    guard caused them. The modules are not replaced, so parameter names, checkpoints and ZeRO hooks are
-    unchanged."""
-    torch._logging.set_logs(recompiles=True)
+    guard caused them (unless TORCH_LOGS chose torch's logs: set_logs would replace that choice). The modules are
+    not replaced, so parameter names, checkpoints and ZeRO hooks are unchanged."""
+    if not os.environ.get("TORCH_LOGS"):
+        torch._logging.set_logs(recompiles=True)
     drafter.compile_training()
 
 

@@ -260,3 +260,26 @@ def test_training_benchmark_times_online_training_against_a_resident_hybrid_targ
     assert offline.target_forward_ms is None and offline.mfu_with_target is None
     for name in bench.QWEN36_27B:  # the H200 set is well-formed and online
         assert bench.Variant.parse(name).online
+
+
+def test_compiling_the_layers_logs_every_recompilation_unless_torch_logs_chose_the_logs(monkeypatch):
+    """compile_layers turns on torch's `recompiles` log (each recompilation with the guard that failed, in the stage
+    log: what names the cause of a slow window's compile_s), and leaves a user's TORCH_LOGS choice alone."""
+    from torch._logging._internal import log_state
+
+    from dflash_model.model import DFlashDrafter, DrafterArgs
+    from train.engine import compile_layers
+
+    args = DrafterArgs(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       intermediate_size=32, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=40, block_size=4,
+                       mask_token_id=30, target_layer_ids=[1], num_target_layers=2)
+    try:
+        torch._logging.set_logs()
+        monkeypatch.setenv("TORCH_LOGS", "graph_breaks")
+        compile_layers(DFlashDrafter(args))
+        assert not log_state.is_artifact_enabled("recompiles")
+        monkeypatch.delenv("TORCH_LOGS")
+        compile_layers(DFlashDrafter(args))
+        assert log_state.is_artifact_enabled("recompiles")
+    finally:
+        torch._logging.set_logs()
