@@ -8,6 +8,8 @@ Rows, per batch size, each a median over `--iters` calls between two syncs:
   sort-free    `sample_nucleus`: candidates drawn from the softmax, a binary search over them for the nucleus's
                edge (the top-p path of `sample_next` where top_p allows it)
 
+Both are timed from the logits, temperature and the sort-free path's softmax included, as `sample_next` runs them.
+
 The logits are random (`--scale` sets how peaked: the median nucleus size is printed); the sort and the passes of
 the sort-free draw cost the same whatever the distribution. Each row's draws are checked against the other path's
 distribution on one row repeated (`--check` draws, 4,096 rows at a time): the largest difference of frequency by
@@ -88,13 +90,14 @@ def main(argv=None) -> dict:
     for batch in [int(b) for b in args.batches.split(",")]:
         logits = torch.randn(batch, args.vocab, device=device, generator=gen) * args.scale
         scaled = logits / sampling.temperature
-        probs = scaled.softmax(-1)
+        t = sampling.temperature  # each path timed from the logits, as `sample_next` runs it (temperature, softmax)
         nucleus = int((nucleus_probs(logits[:64], sampling) > 0).sum(-1).float().median())
         row = {
             "batch": batch, "vocab": args.vocab, "nucleus_ids_median": nucleus, "candidates": candidates,
             "greedy_ms": timed(lambda: logits.argmax(-1), device, args.iters),
-            "sorted_ms": timed(lambda: sample_sorted(scaled, sampling, gen), device, args.iters),
-            "sort_free_ms": timed(lambda: sample_nucleus(probs, sampling.top_p, candidates, gen), device, args.iters),
+            "sorted_ms": timed(lambda: sample_sorted(logits / t, sampling, gen), device, args.iters),
+            "sort_free_ms": timed(lambda: sample_nucleus((logits / t).softmax(-1), sampling.top_p, candidates, gen),
+                                  device, args.iters),
         }
         want = nucleus_probs(logits[:1], sampling)[0].double()
         one = scaled[:1]
