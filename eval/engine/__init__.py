@@ -9,5 +9,5 @@ ancestor mask), `walk` (device tree walk, K/V compaction), `round_record` (the r
 `tree_recurrent` (Gated-DeltaNet layers along a tree), `cache/` (the target cache: one interface, one factory, the
 K/V and hybrid kinds). A Triton kernel sits beside the torch function it must equal, in `<module>_triton.py`
 (`tree_triton`, `verify_triton`, `walk_triton`, `target_forward_triton`, `tree_recurrent_triton`);
-`triton_runtime` decides whether they run.
+`pipeline.triton_runtime` decides whether they run.
 """

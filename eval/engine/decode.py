@@ -31,7 +31,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from eval.engine import triton_runtime, walk_triton
+from eval.engine import walk_triton
+from pipeline import triton_runtime
 from eval.engine.cache.factory import target_cache
 from eval.engine.draft_forward import draft_forward
 from eval.engine.round_record import RoundRecord, parse_record, record_size

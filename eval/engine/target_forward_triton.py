@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eval.engine.triton_runtime import tl, triton
+from pipeline.triton_runtime import tl, triton
 
 if triton is not None:
 

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eval.engine import tree_triton, triton_runtime
+from eval.engine import tree_triton
+from pipeline import triton_runtime
 
 LOGPROB_FLOOR = -1e30  # clamp for log-probs: keeps every prefix score finite (15 * -1e30 is still finite in fp32)
 MAX_BUDGET = 1 << 16

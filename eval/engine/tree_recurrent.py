@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eval.engine import triton_runtime
+from pipeline import triton_runtime
 from eval.engine.tree import Tree
 
 L2_EPS = 1e-6  # HF's l2norm / fla's use_qk_l2norm_in_kernel: x / sqrt(sum(x^2) + eps)

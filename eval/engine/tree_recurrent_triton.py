@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eval.engine.triton_runtime import tl, triton  # None on CPU installs: eval/engine/tree_recurrent.py runs torch
+from pipeline.triton_runtime import tl, triton  # None on CPU installs: eval/engine/tree_recurrent.py runs torch
 from eval.engine.verify import ancestor_table
 
 BV = 8  # value columns per program (fla's fused_recurrent decode kernel uses the same), one warp

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eval.engine.triton_runtime import pow2, tl, triton
+from pipeline.triton_runtime import pow2, tl, triton
 
 if triton is not None:
 

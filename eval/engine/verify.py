@@ -23,7 +23,8 @@ import math
 import torch
 from torch import Tensor
 
-from eval.engine import triton_runtime, verify_triton
+from eval.engine import verify_triton
+from pipeline import triton_runtime
 from eval.engine.tree import Tree
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eval.engine import triton_runtime, walk_triton
+from eval.engine import walk_triton
+from pipeline import triton_runtime
 from eval.engine.round_record import pack_record
 from eval.engine.tree import Tree
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from eval.engine import round_record
-from eval.engine.triton_runtime import pow2, tl, triton
+from pipeline.triton_runtime import pow2, tl, triton
 
 if triton is not None:
 

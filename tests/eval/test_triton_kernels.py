@@ -271,7 +271,7 @@ def test_kernel_compiles_for_an_sm90_gpu_without_one(module, name, signature, co
 
 
 def test_a_failing_kernel_switches_every_kernel_off_with_a_warning(caplog):
-    from eval.engine import triton_runtime
+    from pipeline import triton_runtime
 
     def broken_kernel():
         raise RuntimeError("PTX assembly failed")  # what a Triton build error on an unsupported GPU raises

@@ -1,6 +1,7 @@
-"""Whether the round's Triton kernels run, and the one rule for when one fails.
+"""Whether the project's Triton kernels run, and the one rule for when one fails.
 
-Every kernel of the engine (`<module>_triton.py`, each beside the torch function it must equal) runs on CUDA with
+Every kernel (`<module>_triton.py` in eval/engine/, each beside the torch function it must equal, and the regen
+decoder's `pipeline/regen/varlen_attention.py`) runs on CUDA with
 Triton only: `available(device)` says whether to call it, `run(kernel, *args)` calls it and returns None on a build
 or launch failure, after which every kernel is off for the process and the callers take their torch versions (the
 reference, and the CPU path). `triton` / `tl` are None on installs without Triton.
@@ -34,7 +35,7 @@ def run(kernel, *args):
         if not _FAILED:
             from pipeline.log import get_logger
 
-            get_logger("eval.engine.triton_runtime").warning(
+            get_logger("triton_runtime").warning(
                 "Triton kernel %s failed (%s: %s): using the torch versions from now on", kernel.__name__,
                 type(exc).__name__, exc)
         _FAILED.append(f"{kernel.__name__}: {exc}")
