@@ -8,6 +8,9 @@ Modes (each runs the same prompts; the table also says whether its outputs equal
   static-nofold   static with transformers' sdpa attention (K/V repeated per query head)
   static-sdpa     static with the folded one-token step on torch's fused SDPA kernel instead of two GEMMs
   static-compiled static with the decoder layers' norms and MLPs torch.compile'd (compile_pointwise)
+  continuous      hf backend, `batch_size` sequence rows refilled as answers end (regen.hf_decode: continuous;
+                  attention-only targets), norms and MLPs compiled as in static-compiled
+  continuous-eager the same without compiling them
   vllm            offline vLLM `LLM.generate` on the same prompt ids
 
     # CPU, here (SmolLM2 from configs/smollm2-135m.yaml, fp32):
@@ -72,7 +75,8 @@ from pipeline.regen.generator import Sampling  # noqa: E402
 from pipeline.regen.hf import HFGenerator  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "smollm2-135m.yaml"  # its public prompt sets (mirror or hub, docs/data.md)
-MODES = ("generate", "static", "static-nograph", "static-nofold", "static-sdpa", "static-compiled", "vllm")
+MODES = ("generate", "static", "static-nograph", "static-nofold", "static-sdpa", "static-compiled", "continuous",
+         "continuous-eager", "vllm")
 
 
 def parse_args() -> argparse.Namespace:
@@ -260,11 +264,14 @@ def tokenizer_name(path: str) -> str:
     return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else resolved.name
 
 
-def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=False, sampling=Sampling()):
+def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=False, sampling=Sampling(),
+           max_model_len: int = 0):
+    decode = "generate" if mode == "generate" else "continuous" if mode.startswith("continuous") else "static"
     gen = HFGenerator(model, pad_id=tok.pad_token_id, vocab_limit=len(tok), stop_ids=stop, sampling=sampling,
-                      batch_size=batch_size, decode="generate" if mode == "generate" else "static",
+                      batch_size=batch_size, decode=decode,
                       cuda_graphs=mode != "static-nograph", gqa_fold=mode != "static-nofold",
-                      decode_gemm=mode != "static-sdpa", compile_pointwise=mode == "static-compiled")
+                      decode_gemm=mode != "static-sdpa", compile_pointwise=mode in ("static-compiled", "continuous"),
+                      max_model_len=max_model_len)
     # warm-up, untimed: CUDA/cuBLAS (and fla's autotuning). The static loop decodes the run's first batch (its
     # longest prompts) and its last (the shortest) to the longest answer: the first sizes the decoder's state for
     # the whole run (longest prompt + longest answer), which every later call keeps, as a regen stage's decoder
@@ -282,7 +289,7 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
         _sync(device)
         seconds = time.perf_counter() - t0
         timed = gen.batch_log[warm_up:]  # the timed run's batches: rows, width, seconds
-        graphs = bool(gen.static and gen.static.on_graphs())
+        graphs = bool(gen.static and gen.static.on_graphs() or gen.continuous and gen.continuous.on_graphs())
         found = profile_batch(gen, *middle_batch(gen, prompts, limits), device) \
             if profile and gen.static else None
         return outs, seconds, graphs, GRAPH_LOG.captured - captured, found, timed
@@ -462,7 +469,7 @@ def main() -> None:
                 else:
                     outs, secs, row["graphs"], row["graphs_captured_timed"], found, row["batches"] = run_hf(
                         mode, model, tok, stop, prompts[:n], limits[:n], bs, device, profile=args.profile,
-                        sampling=sampling)
+                        sampling=sampling, max_model_len=args.max_model_len)
                     print(f"# {mode} batch {bs}: " + batch_times(row["batches"]), flush=True)
                     if found:
                         row["profile"] = found

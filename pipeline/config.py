@@ -340,9 +340,10 @@ class RegenConfig:
     max_model_len: int = doc("context limit for generation (prompt + response)", 4096, ge=2)
     vllm: VLLMConfig = doc("the vLLM engine of the 'vllm' backend", factory=VLLMConfig)
     seed: int = doc("sampling seed (per-request seeds derive from it, the conversation id and the turn)", 0)
-    hf_decode: Literal["auto", "generate", "static"] = doc(
+    hf_decode: Literal["auto", "generate", "static", "continuous"] = doc(
         "hf backend decode loop: 'generate' (transformers generate), 'static' (own loop over a static KV cache, "
-        "CUDA-graphed on GPU: the fast path), 'auto' (static on CUDA, generate on CPU)",
+        "batch by batch, CUDA-graphed on GPU), 'continuous' (the same cache, `batch_size` rows each refilled with "
+        "the next prompt as its answer ends; all-full-attention targets), 'auto' (static on CUDA, generate on CPU)",
         "auto",
     )
     cuda_graphs: bool = doc("hf static decode on CUDA: replay the one-token step as a CUDA graph", True)

@@ -1,9 +1,11 @@
 """The embedded regeneration backend: HF transformers, batched, left-padded, length-sorted batches.
 
-Two decode loops with the same semantics (see pipeline.regen.generator for the invariants):
-  'generate' — `model.generate` (the simple reference, used on CPU);
-  'static'   — pipeline.regen.static_decode.StaticDecoder: static KV cache (and, for a Gated-DeltaNet hybrid, fixed
-               conv / recurrent state buffers) + CUDA-graphed step (the GPU fast path).
+Three decode loops with the same semantics (see pipeline.regen.generator for the invariants):
+  'generate'   — `model.generate` (the simple reference, used on CPU);
+  'static'     — pipeline.regen.static_decode.StaticDecoder: static KV cache (and, for a Gated-DeltaNet hybrid,
+                 fixed conv / recurrent state buffers) + CUDA-graphed step, batch by batch;
+  'continuous' — pipeline.regen.continuous_decode.ContinuousDecoder: `batch_size` sequence rows over the same kind
+                 of cache, each refilled with the next prompt as its answer ends (all-full-attention targets).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from pipeline.config import RegenConfig, TargetConfig
 from pipeline.log import get_logger
+from pipeline.regen.continuous_decode import ContinuousDecoder, supports_continuous_decode
 from pipeline.regen.generator import Generation, Sampling, cut_at_stop, mask_padded_vocab
 from pipeline.regen.static_decode import StaticDecoder, supports_static_decode
 from pipeline.target import load_target
@@ -67,7 +70,7 @@ class HFGenerator:
     def __init__(self, model, *, pad_id: int, vocab_limit: int, stop_ids: Sequence[int], sampling: Sampling,
                  batch_size: int, decode: str = "auto", cuda_graphs: bool = True, gqa_fold: bool = True,
                  decode_gemm: bool = True, compile_pointwise: bool = False, length_bucket: int = 128,
-                 min_compact_batch: int = 8):
+                 min_compact_batch: int = 8, max_model_len: int = 0):
         self.model = model
         self.device = next(model.parameters()).device
         self.pad_id = pad_id
@@ -81,8 +84,16 @@ class HFGenerator:
             log.warning("static decode runs full-attention and Gated-DeltaNet layers only; using model.generate for "
                         "this target")
             decode = "generate"
+        if decode == "continuous" and not supports_continuous_decode(model.config):
+            log.warning("continuous decode runs all-full-attention targets only; using static decode for this target")
+            decode = "static" if supports_static_decode(model.config) else "generate"
         self.decode = decode
+        self.max_model_len = max_model_len  # continuous decode: K/V slots per row (0: the first call's need)
         self.batch_log: list[dict] = []  # per decoded batch: rows, width (longest prompt), answer limit, seconds
+        self.continuous = (ContinuousDecoder(model, vocab_limit=vocab_limit, stop_ids=self.stop_ids, sampling=sampling,
+                                             rows=batch_size, cuda_graphs=cuda_graphs,
+                                             compile_pointwise=compile_pointwise, min_compact_batch=min_compact_batch)
+                           if decode == "continuous" else None)
         self.static = (StaticDecoder(model, vocab_limit=vocab_limit, stop_ids=self.stop_ids, sampling=sampling,
                                      cuda_graphs=cuda_graphs, gqa_fold=gqa_fold, decode_gemm=decode_gemm,
                                      compile_pointwise=compile_pointwise, length_bucket=length_bucket,
@@ -96,13 +107,16 @@ class HFGenerator:
         compile_pointwise = rcfg.compile == "on" or (rcfg.compile == "auto" and on_cuda)
         return cls(model, pad_id=tokenizer.pad_token_id, vocab_limit=len(tokenizer), stop_ids=stop_ids,
                    sampling=sampling, batch_size=rcfg.batch_size, decode=rcfg.hf_decode,
-                   cuda_graphs=rcfg.cuda_graphs, compile_pointwise=compile_pointwise)
+                   cuda_graphs=rcfg.cuda_graphs, compile_pointwise=compile_pointwise,
+                   max_model_len=rcfg.max_model_len)
 
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int],
                  seeds: Sequence[int] | None = None) -> list[Generation]:
         """The prompts in `batches`; results in input order. Each batch's size, width and time go to `batch_log`."""
         results: list[Generation | None] = [None] * len(prompts)
         stop = set(self.stop_ids)
+        if self.continuous is not None:  # every prompt in one call: rows refill as answers end
+            return self._generate_continuous(prompts, max_new_tokens, seeds)
         # the first (longest) batch's K/V length for every batch: one static state and one set of step graphs
         span = max((len(p) for p in prompts), default=0) + max(max_new_tokens, default=0)
         for idx in self.batches(prompts, max_new_tokens):
@@ -116,6 +130,17 @@ class HFGenerator:
                 results[i] = cut_at_stop(stream, max_new_tokens[i], stop)
         return results
 
+    def _generate_continuous(self, prompts, max_new_tokens, seeds) -> list[Generation]:
+        gen = None
+        if not self.sampling.greedy:
+            gen = torch.Generator(device=self.device).manual_seed(seeds[0] if seeds else 0)
+        t0 = time.perf_counter()
+        streams = self.continuous.generate(prompts, max_new_tokens, cache_len=self.max_model_len, generator=gen)
+        self.batch_log.append({"rows": len(prompts), "width": max(len(p) for p in prompts) if prompts else 0,
+                               "max_new_tokens": max(max_new_tokens, default=0),
+                               "seconds": round(time.perf_counter() - t0, 4)})
+        return [cut_at_stop(s, m, set(self.stop_ids)) for s, m in zip(streams, max_new_tokens)]
+
     def batches(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
         """The batches `generate` decodes (`longest_first_batches`): the static decoder's cut where more than half a
         batch's K/V slots would be padding; `model.generate` (the CPU path) in full batches, where the per-step
@@ -126,9 +151,10 @@ class HFGenerator:
         """Drop the model, the static state and its graphs (a state and its step graphs refer to each other: only
         a collection frees them) and hand the freed memory back to the device; modules the static decoder compiled run
         eagerly again."""
-        if self.static is not None:
-            self.static.close()
-        self.model = self.static = None
+        for decoder in (self.static, self.continuous):
+            if decoder is not None:
+                decoder.close()
+        self.model = self.static = self.continuous = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

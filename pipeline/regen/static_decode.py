@@ -486,19 +486,11 @@ class StaticDecoder:
             state.cache = HybridSlotCache(self.model.config, state.slots)  # (its buffers: made with the state)
             prebind_linear_states(state.cache, self.linear, state.conv, state.recurrent)
         width = ids.shape[1]
-        neg = torch.finfo(self.dtype).min
         logits = None
         for a in range(0, width, chunk := self.chunk_positions(ids.shape[0])):
             b = min(width, a + chunk)
             live = min(cache_len, -(-b // self.length_bucket) * self.length_bucket)  # the buckets written so far
-            keys = torch.arange(live, device=self.device)
-            q = torch.arange(a, b, device=self.device)
-            seen = (keys[None, None, :] <= q[None, :, None]) & (
-                (keys[None, None, :] >= pad[:, None, None]) | (keys[None, None, :] == q[None, :, None])
-            )  # [B, Q, L]
-            mask = torch.where(seen, 0.0, neg).to(self.dtype)[:, None]
-            pos = (q[None, :] - pad[:, None]).clamp(min=0)
-            real = (q[None, :] >= pad[:, None]).to(self.dtype)  # [B, Q] 1 on prompt slots, 0 on padding
+            mask, pos, real = prefill_chunk_inputs(a, b, live, pad, self.dtype)
             state.slots.set_write_pos(a)
             state.slots.live = live
             out = self.model(input_ids=ids[:, a:b], position_ids=pos, attention_mask=self._masks(mask, real),
@@ -542,6 +534,22 @@ class StaticDecoder:
                 check=lambda g, e: relative_error(g, e) <= rounding_tolerance(self.dtype), state=state.states)
         return state.steps[live]()
 
+
+
+def prefill_chunk_inputs(a: int, b: int, live: int, pad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The inputs of a prefill forward over slots a..b-1 of left-padded rows (pad [B]: row b's prompt starts at slot
+    pad_b) whose keys are the first `live` slots: (additive mask [B, 1, b-a, live]: query slot i sees key slot j iff
+    j <= i and (j >= pad_b or j == i), so a padding query sees itself only; RoPE positions [B, b-a], slot - pad_b,
+    clamped at 0; padding flags [B, b-a], 1 on prompt slots, 0 on padding)."""
+    keys = torch.arange(live, device=pad.device)
+    q = torch.arange(a, b, device=pad.device)
+    seen = (keys[None, None, :] <= q[None, :, None]) & (
+        (keys[None, None, :] >= pad[:, None, None]) | (keys[None, None, :] == q[None, :, None])
+    )  # [B, Q, L]
+    mask = torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+    pos = (q[None, :] - pad[:, None]).clamp(min=0)
+    real = (q[None, :] >= pad[:, None]).to(dtype)
+    return mask, pos, real
 
 
 def _check_gated_delta_net(model, expected: int) -> None:

@@ -261,6 +261,31 @@ def test_kill_9_during_a_hybrid_static_decode_regen_then_rerun_loses_and_duplica
     assert regen_rows(clean.run_dir) == resumed
 
 
+@pytest.mark.slow
+def test_kill_9_during_a_continuous_decode_regen_then_rerun_writes_what_generate_writes(tmp_path):
+    """The continuous loop (`regen.hf_decode=continuous`: two rows refilled as answers end, four conversations a
+    unit), killed mid-run and resumed in-process: every conversation once, and row for row what `model.generate`
+    writes in an uninterrupted run (greedy)."""
+    overrides = ["regen.hf_decode=continuous", "regen.max_new_tokens=16", "regen.shard_size=4",
+                 "regen.max_samples=null", "regen.batch_size=2"]
+    cfg = make_config(tmp_path, overrides=overrides)
+    write_curated(cfg.run_dir, single_turn(16))
+    stage = kill_regen_after_units(tmp_path, cfg, overrides, 1)
+    assert not stage.is_complete() and 1 <= len(set(stage.done_units())) < 4, "the kill must land mid-run"
+
+    manifest = run_regen(cfg)
+    assert manifest["counts"]["written"] == 16 and manifest["num_units"] == 4
+    resumed = regen_rows(cfg.run_dir)
+    assert sorted(r["id"] for r in resumed) == sorted(f"test/{i}" for i in range(16))
+    assert not list(cfg.run_dir.rglob("*.tmp-*"))
+
+    plain = [o.replace("continuous", "generate") for o in overrides]
+    clean = make_config(tmp_path / "clean", overrides=plain)
+    write_curated(clean.run_dir, single_turn(16))
+    run_regen(clean)
+    assert regen_rows(clean.run_dir) == resumed
+
+
 def test_a_request_the_model_cannot_run_fails_alone_with_its_reason(tmp_path):
     from pipeline.regen.conversation import skeleton
     from pipeline.regen.stage import regenerate
