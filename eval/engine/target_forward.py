@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eval.engine import target_forward_triton, triton_runtime
+from eval.engine import target_forward_triton
+from pipeline import triton_runtime
 from eval.engine.verify import visibility_attention_mask
 from extract.layers import decoder_layers, validate_layer_ids
 from pipeline.target import base_model, kv_head_shape, text_config
