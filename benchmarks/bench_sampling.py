@@ -6,7 +6,8 @@ Rows, per batch size, each a median over `--iters` calls between two syncs:
   greedy       argmax (what a greedy run pays)
   sorted       `sample_sorted`: the whole vocabulary sorted, cumulative mass, multinomial (the former top-p path)
   sort-free    `sample_nucleus`: candidates drawn from the softmax, a binary search over them for the nucleus's
-               edge (the top-p path of `sample_next` where top_p allows it)
+               edge (the top-p path of `sample_next` where top_p allows it, in torch)
+  kernel       the same draw as one Triton kernel over the bf16 logits (`sample_next` on CUDA; CUDA only)
 
 Both are timed from the logits, temperature and the sort-free path's softmax included, as `sample_next` runs them.
 
@@ -32,8 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline import triton_runtime  # noqa: E402
 from pipeline.regen.generator import (  # noqa: E402
-    Sampling, nucleus_candidates, nucleus_probs, sample_nucleus, sample_sorted,
+    Sampling, nucleus_candidates, nucleus_probs, sample_next, sample_nucleus, sample_sorted,
 )
 
 
@@ -99,22 +101,33 @@ def main(argv=None) -> dict:
             "sort_free_ms": timed(lambda: sample_nucleus((logits / t).softmax(-1), sampling.top_p, candidates, gen),
                                   device, args.iters),
         }
+        kernel = triton_runtime.available(device)
+        if kernel:  # from the logits in the model's dtype, as a decode step hands them over
+            half = logits.to(torch.bfloat16)
+            row["kernel_ms"] = timed(lambda: sample_next(half, sampling, gen), device, args.iters)
         want = nucleus_probs(logits[:1], sampling)[0].double()
         one = scaled[:1]
         row["sorted_gap"] = decile_gap(draws(lambda n: sample_sorted(one.expand(n, -1), sampling, gen), args.check),
                                        want)
         row["sort_free_gap"] = decile_gap(draws(lambda n: sample_nucleus(
             one.softmax(-1).expand(n, -1), sampling.top_p, candidates, gen), args.check), want)
+        if kernel:
+            one16 = logits[:1].to(torch.bfloat16)
+            want16 = nucleus_probs(one16.float(), sampling)[0].double()
+            row["kernel_gap"] = decile_gap(draws(lambda n: sample_next(one16.expand(n, -1).contiguous(), sampling,
+                                                                       gen), args.check), want16)
         rows.append(row)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"top-p {args.top_p}, temperature {args.temperature}, vocab {args.vocab}, {candidates} candidates, {name}")
-    print("| batch | nucleus ids (median) | greedy ms | sorted ms | sort-free ms | sorted / sort-free "
-          "| decile gap sorted / sort-free |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("| batch | nucleus ids (median) | greedy ms | sorted ms | sort-free ms | kernel ms | sorted / sort-free "
+          "| decile gap sorted / sort-free / kernel |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
+        kernel_ms = f"{r['kernel_ms']:.3f}" if "kernel_ms" in r else "-"
+        kernel_gap = f"{r['kernel_gap']:.4f}" if "kernel_gap" in r else "-"
         print(f"| {r['batch']} | {r['nucleus_ids_median']} | {r['greedy_ms']:.3f} | {r['sorted_ms']:.3f} "
-              f"| {r['sort_free_ms']:.3f} | {r['sorted_ms'] / r['sort_free_ms']:.2f}x "
-              f"| {r['sorted_gap']:.4f} / {r['sort_free_gap']:.4f} |")
+              f"| {r['sort_free_ms']:.3f} | {kernel_ms} | {r['sorted_ms'] / r['sort_free_ms']:.2f}x "
+              f"| {r['sorted_gap']:.4f} / {r['sort_free_gap']:.4f} / {kernel_gap} |")
     result = {"device": name, "top_p": args.top_p, "temperature": args.temperature, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

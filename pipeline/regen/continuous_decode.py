@@ -36,7 +36,7 @@ from torch import Tensor
 from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
 from pipeline.recurrent_cache import layer_types
-from pipeline.regen.generator import Sampling, mask_padded_vocab, sample_next
+from pipeline.regen.generator import Sampling, sample_next
 from pipeline.regen.static_decode import STOP_CHECK_EVERY, attention_implementation, gqa_folded_sdpa, \
     prefill_chunk_inputs
 from pipeline.regen.varlen_attention import varlen_decode_attention
@@ -243,7 +243,7 @@ class ContinuousDecoder:
     def _decode_step(self, rows: _Rows, generator) -> None:
         """One token for every row; live rows record it and advance, finished rows stay where they are."""
         logits = self._step(rows)
-        nxt = sample_next(mask_padded_vocab(logits.float(), self.vocab_limit), self.sampling, generator)
+        nxt = sample_next(logits, self.sampling, generator, self.vocab_limit)
         live = ~rows.done
         column = torch.where(live, rows.count, rows.out.shape[1] - 1)
         rows.out.scatter_(1, column[:, None], nxt[:, None])
@@ -279,7 +279,7 @@ class ContinuousDecoder:
         ids = self._to_device(host_ids)
         idx = self._to_device(torch.tensor(free[:n]))
         logits = self._prefill(rows, idx, ids, width - lens)
-        nxt = sample_next(mask_padded_vocab(logits.float(), self.vocab_limit), self.sampling, generator)
+        nxt = sample_next(logits, self.sampling, generator, self.vocab_limit)
         limit = self._to_device(torch.tensor([limits[i] for i in group]))
         rows.out[idx, 0] = nxt
         rows.count[idx] = 1

@@ -103,19 +103,32 @@ def nucleus_candidates(top_p: float) -> int:
 
 
 def sample_nucleus(probs, top_p: float, candidates: int, generator=None):
-    """probs [B, V] (a softmax) -> ids [B] drawn from the top-p nucleus of each row, without sorting the vocabulary.
-
-    Rejection sampling: `candidates` ids per row drawn from `probs` itself; an id x lies inside the nucleus iff the
-    mass of the ids more probable than x is at most top_p (the rule of `nucleus_probs`: the smallest prefix, in
-    descending probability, whose mass reaches top_p). The first candidate inside, in draw order, is the row's
-    draw, so conditioned on acceptance it follows the nucleus distribution exactly. Inside-ness is monotone in
-    probability, so a binary search over the row's candidates, sorted, finds the least probable one inside in
-    log2(candidates + 1) passes over [B, V], one masked sum each. Every candidate lies inside with probability >=
-    top_p (the nucleus's mass), so a row has none inside with probability at most (1 - top_p) ** candidates (see
-    `nucleus_candidates`); such a row takes its most probable id, which is always inside. No host sync."""
+    """probs [B, V] (a softmax) -> ids [B] drawn from the top-p nucleus of each row, without sorting the vocabulary:
+    `nucleus_from_uniforms` at `candidates` uniforms per row drawn from `generator`."""
     import torch
 
-    drawn = torch.multinomial(probs, candidates, replacement=True, generator=generator)  # [B, C]
+    uniforms = torch.rand(probs.shape[0], candidates, generator=generator, device=probs.device)
+    return nucleus_from_uniforms(probs, top_p, uniforms)
+
+
+def nucleus_from_uniforms(probs, top_p: float, uniforms):
+    """probs [B, V] (a softmax), uniforms [B, C] in [0, 1) -> ids [B]: a draw from each row's top-p nucleus.
+
+    Rejection sampling: candidate c is the inverse CDF of the row at uniforms[:, c] (the first id whose cumulative
+    mass passes it: an independent draw from `probs`); an id x lies inside the nucleus iff the mass of the ids more
+    probable than x is at most top_p (the rule of `nucleus_probs`: the smallest prefix, in descending probability,
+    whose mass reaches top_p). The first candidate inside, in column order, is the row's draw, so conditioned on
+    acceptance it follows the nucleus distribution exactly. Inside-ness is monotone in probability, so a binary
+    search over the row's candidates, sorted, finds the least probable one inside in log2(C + 1) passes over
+    [B, V], one masked sum each. Every candidate lies inside with probability >= top_p (the nucleus's mass), so a row
+    has none inside with probability at most (1 - top_p) ** C (see `nucleus_candidates`); such a row takes its most
+    probable id, which is always inside. No host sync. `generator_triton.nucleus_from_logits` is the same draw in
+    one kernel over the raw logits (CUDA)."""
+    import torch
+
+    candidates = uniforms.shape[1]
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)  # [B, C]
     p_drawn = probs.gather(-1, drawn)  # [B, C]
     p_sorted = p_drawn.sort(-1).values  # [B, C] ascending
     lo = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)  # [B] least index inside, in [0, C]
@@ -129,23 +142,37 @@ def sample_nucleus(probs, top_p: float, candidates: int, generator=None):
         lo = torch.where(searching & ~inside, mid + 1, lo)
     least = p_sorted.gather(-1, lo.clamp(max=candidates - 1)[:, None])  # [B, 1]
     accepted = (p_drawn >= least) & (lo < candidates)[:, None]  # [B, C]
-    first = accepted.int().argmax(-1)  # [B] the first accepted candidate in draw order
+    first = accepted.int().argmax(-1)  # [B] the first accepted candidate in column order
     picked = drawn.gather(-1, first[:, None]).squeeze(-1)
     return torch.where(accepted.any(-1), picked, probs.argmax(-1))
 
 
-def sample_next(logits, sampling: Sampling, generator=None):
-    """logits [B, V] (already vocab-masked) -> next ids [B]: the argmax (greedy), else one draw per row from
-    `nucleus_probs`'s distribution. With top_p alone, `sample_nucleus`'s sort-free draw (a large batch's full
-    vocabulary sort costs more than the decode step it follows) where top_p allows it, else `sample_sorted`."""
+def sample_next(logits, sampling: Sampling, generator=None, vocab_limit: int | None = None):
+    """logits [B, V] -> next ids [B], each < vocab_limit (default V; the ids past it are padded embedding rows): the
+    argmax (greedy), else one draw per row from `nucleus_probs`'s distribution. With top_p alone, the sort-free draw
+    (`sample_nucleus`: a large batch's full vocabulary sort costs more than the decode step it follows) where top_p
+    allows it, on CUDA as one Triton kernel over the raw logits (`generator_triton.nucleus_from_logits`); else
+    `sample_sorted`. `logits` is never written."""
     import torch
 
+    from pipeline import triton_runtime
+
+    limit = min(vocab_limit or logits.shape[-1], logits.shape[-1])
     if sampling.greedy:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / sampling.temperature
+        return logits[:, :limit].argmax(dim=-1)
+    candidates = nucleus_candidates(sampling.top_p) if sampling.top_k <= 0 else 0
+    if candidates and triton_runtime.available(logits.device) and logits.stride(-1) == 1:
+        from pipeline.regen import generator_triton
+
+        uniforms = torch.rand(logits.shape[0], candidates, generator=generator, device=logits.device)
+        ids = triton_runtime.run(generator_triton.nucleus_from_logits, logits, sampling.temperature,
+                                 sampling.top_p, uniforms, limit)
+        if ids is not None:
+            return ids
+    logits = logits[:, :limit].float() / sampling.temperature
     if sampling.top_k <= 0 and sampling.top_p >= 1.0:
         return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
-    if sampling.top_k <= 0 and (candidates := nucleus_candidates(sampling.top_p)):
+    if candidates:
         return sample_nucleus(logits.softmax(-1), sampling.top_p, candidates, generator)
     return sample_sorted(logits, sampling, generator)
 

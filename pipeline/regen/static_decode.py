@@ -51,7 +51,7 @@ from pipeline.cuda_graphs import CudaGraphFn, relative_error, rounding_tolerance
 from pipeline.log import get_logger
 from pipeline.recurrent_cache import LINEAR_ATTENTION, bind_linear_states, layer_types, linear_attention_layers, \
     linear_state_buffers, prebind_linear_states, stack_linear_states
-from pipeline.regen.generator import Sampling, mask_padded_vocab, sample_next
+from pipeline.regen.generator import Sampling, sample_next
 from pipeline.target import compile_pointwise_modules, kv_head_shape, text_config, uncompile
 
 log = get_logger("regen.static")
@@ -380,7 +380,7 @@ class StaticDecoder:
         bucket = self.length_bucket
         row_of, real = torch.arange(len(rows), device=self.device), len(rows)
         for k in range(steps):
-            nxt = sample_next(mask_padded_vocab(logits.float(), self.vocab_limit), self.sampling, generator)
+            nxt = sample_next(logits, self.sampling, generator, self.vocab_limit)
             out[row_of[:real], k] = nxt[:real]
             done |= torch.isin(nxt, self.stop_ids) | (k + 1 >= limit_t)
             if k + 1 < steps and (k + 1) % STOP_CHECK_EVERY == 0:
