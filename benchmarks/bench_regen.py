@@ -290,6 +290,11 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
         seconds = time.perf_counter() - t0
         timed = gen.batch_log[warm_up:]  # the timed run's batches: rows, width, seconds
         graphs = bool(gen.static and gen.static.on_graphs() or gen.continuous and gen.continuous.on_graphs())
+        if gen.continuous is not None:  # the loop's own counts over the warm-up and the timed run, kernel fallbacks
+            from pipeline import triton_runtime
+
+            print("# continuous stats " + json.dumps({**gen.continuous.stats, "seconds_timed": round(seconds, 2),
+                                                      "triton_failures": triton_runtime._FAILED}), flush=True)
         found = profile_batch(gen, *middle_batch(gen, prompts, limits), device) \
             if profile and gen.static else None
         return outs, seconds, graphs, GRAPH_LOG.captured - captured, found, timed

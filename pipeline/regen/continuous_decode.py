@@ -177,7 +177,10 @@ class ContinuousDecoder:
         self._root: _Rows | None = None
         self._views: dict[int, _Rows] = {}
         self.compiled = compile_pointwise_modules(model) if compile_pointwise else []
-        self.stats = {"steps": 0, "row_steps": 0, "tokens": 0, "prefills": 0}  # since construction
+        # since construction: decode steps, rows x steps, tokens handed back, refill groups prefilled, and on CUDA
+        # the GPU milliseconds of those prefills (`prefill_gpu_ms`, read once per call, at its end)
+        self.stats = {"steps": 0, "row_steps": 0, "tokens": 0, "prefills": 0, "prefill_gpu_ms": 0.0}
+        self._prefill_events: list = []
 
     def close(self) -> None:
         """Give the model back as it came: its compiled modules run eagerly again."""
@@ -234,6 +237,7 @@ class ContinuousDecoder:
                 continue
             alive = rows.size - len(free)
             if alive == 0:
+                self._count_prefill_time()
                 return results
             size = max(self.min_compact_batch, 1 << (alive - 1).bit_length())
             if size <= rows.size // 2:
@@ -278,20 +282,31 @@ class ContinuousDecoder:
         lens = self._to_device(torch.tensor([len(prompts[i]) for i in group]))
         ids = self._to_device(host_ids)
         idx = self._to_device(torch.tensor(free[:n]))
+        timed = self.device.type == "cuda"
+        if timed:
+            self._prefill_events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self._prefill_events[-1][0].record()
         logits = self._prefill(rows, idx, ids, width - lens)
+        if timed:
+            self._prefill_events[-1][1].record()
         nxt = sample_next(logits, self.sampling, generator, self.vocab_limit)
         limit = self._to_device(torch.tensor([limits[i] for i in group]))
         rows.out[idx, 0] = nxt
-        rows.count[idx] = 1
+        rows.count.index_fill_(0, idx, 1)  # (a scalar assigned by indexing is a synchronizing host copy)
         rows.limit[idx] = limit
         rows.done[idx] = torch.isin(nxt, self.stop_ids) | (limit <= 1)
         rows.ids[idx, 0] = nxt
         rows.pos[idx, 0] = lens
         rows.start[idx] = (width - lens).to(rows.start.dtype)
-        rows.end[idx] = width
+        rows.end.index_fill_(0, idx, width)
         for b, i in zip(free, group):
             occupant[b] = i
         self.stats["prefills"] += 1
+
+    def _count_prefill_time(self) -> None:
+        """Add the GPU time of this call's prefills to `stats` (its last check has synchronized: no wait)."""
+        self.stats["prefill_gpu_ms"] += sum(a.elapsed_time(b) for a, b in self._prefill_events)
+        self._prefill_events.clear()
 
     def _prefill(self, rows: _Rows, idx: Tensor, ids: Tensor, pad: Tensor) -> Tensor:
         """ids [r, w] left-padded (pad [r]) -> logits [r, V] at each row's last prompt slot; writes slots 0..w-1 of

@@ -122,8 +122,9 @@ def nucleus_from_uniforms(probs, top_p: float, uniforms):
     search over the row's candidates, sorted, finds the least probable one inside in log2(C + 1) passes over
     [B, V], one masked sum each. Every candidate lies inside with probability >= top_p (the nucleus's mass), so a row
     has none inside with probability at most (1 - top_p) ** C (see `nucleus_candidates`); such a row takes its most
-    probable id, which is always inside. No host sync. `generator_triton.nucleus_from_logits` is the same draw in
-    one kernel over the raw logits (CUDA)."""
+    probable id, which is always inside. Ids tied in probability with the nucleus's least probable one are all
+    inside (`nucleus_probs`'s sort keeps those it puts first). No host sync. `generator_triton.nucleus_from_logits`
+    is the same draw in one kernel over the raw logits (CUDA)."""
     import torch
 
     candidates = uniforms.shape[1]
