@@ -69,7 +69,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from pipeline.cuda_graphs import GRAPH_LOG  # noqa: E402
+from pipeline.cuda_graphs import GRAPH_LOG, compile_totals  # noqa: E402
 from pipeline.regen.conversation import end_of_turn_ids, prompt_ids  # noqa: E402
 from pipeline.regen.generator import Sampling  # noqa: E402
 from pipeline.regen.hf import HFGenerator  # noqa: E402
@@ -277,13 +277,20 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
     # the whole run (longest prompt + longest answer), which every later call keeps, as a regen stage's decoder
     # serves shard after shard, and both capture the step graphs of their live lengths. Graphs of the lengths only
     # the middle batches reach are captured on the clock: `graphs_captured_timed` counts them
+    # The continuous loop instead warms up on the run's first 2 x batch prompts at their own answer lengths: its
+    # refills prefill groups of every width and its compaction meets the smaller row counts, so their compiles and
+    # graphs come before the clock.
     batches = gen.batches(prompts, limits)
     steps = max(limits) if mode != "generate" else min(8, max(limits))
     try:
-        for idx in {0: batches[0], len(batches) - 1: batches[-1]}.values():
-            gen.generate([prompts[i] for i in idx], [steps] * len(idx))
+        if gen.continuous is not None:
+            gen.generate(prompts[: 2 * batch_size], limits[: 2 * batch_size])
+        else:
+            for idx in {0: batches[0], len(batches) - 1: batches[-1]}.values():
+                gen.generate([prompts[i] for i in idx], [steps] * len(idx))
         _sync(device)
         captured, warm_up = GRAPH_LOG.captured, len(gen.batch_log)
+        compiled = compile_totals()
         t0 = time.perf_counter()
         outs = gen.generate(prompts, limits)
         _sync(device)
@@ -295,6 +302,9 @@ def run_hf(mode, model, tok, stop, prompts, limits, batch_size, device, profile=
 
             print("# continuous stats " + json.dumps({**gen.continuous.stats, "seconds_timed": round(seconds, 2),
                                                       "triton_failures": triton_runtime._FAILED}), flush=True)
+        frames, compiling = (a - b for a, b in zip(compile_totals(), compiled))
+        print(f"# {mode} batch {batch_size}: torch.compile on the clock: {frames} frames, {compiling:.1f} s",
+              flush=True)
         found = profile_batch(gen, *middle_batch(gen, prompts, limits), device) \
             if profile and gen.static else None
         return outs, seconds, graphs, GRAPH_LOG.captured - captured, found, timed

@@ -178,9 +178,12 @@ class ContinuousDecoder:
         self._views: dict[int, _Rows] = {}
         self.compiled = compile_pointwise_modules(model) if compile_pointwise else []
         # since construction: decode steps, rows x steps, tokens handed back, refill groups prefilled, and on CUDA
-        # the GPU milliseconds of those prefills (`prefill_gpu_ms`, read once per call, at its end)
-        self.stats = {"steps": 0, "row_steps": 0, "tokens": 0, "prefills": 0, "prefill_gpu_ms": 0.0}
-        self._prefill_events: list = []
+        # the GPU milliseconds of the prefills, of the decode steps' forwards and of their draws and bookkeeping
+        # (CUDA events around each, read once per call, at its end: where a step's time goes, and how much of the
+        # wall the GPU idles)
+        self.stats = {"steps": 0, "row_steps": 0, "tokens": 0, "prefills": 0, "prefill_gpu_ms": 0.0,
+                      "forward_gpu_ms": 0.0, "draw_gpu_ms": 0.0}
+        self._events: dict[str, list] = {"prefill": [], "forward": [], "draw": []}
 
     def close(self) -> None:
         """Give the model back as it came: its compiled modules run eagerly again."""
@@ -237,7 +240,7 @@ class ContinuousDecoder:
                 continue
             alive = rows.size - len(free)
             if alive == 0:
-                self._count_prefill_time()
+                self._count_gpu_time()
                 return results
             size = max(self.min_compact_batch, 1 << (alive - 1).bit_length())
             if size <= rows.size // 2:
@@ -246,7 +249,10 @@ class ContinuousDecoder:
 
     def _decode_step(self, rows: _Rows, generator) -> None:
         """One token for every row; live rows record it and advance, finished rows stay where they are."""
+        mark = self._mark("forward")
         logits = self._step(rows)
+        mark()
+        mark = self._mark("draw")
         nxt = sample_next(logits, self.sampling, generator, self.vocab_limit)
         live = ~rows.done
         column = torch.where(live, rows.count, rows.out.shape[1] - 1)
@@ -256,6 +262,7 @@ class ContinuousDecoder:
         rows.ids.copy_(nxt[:, None])
         rows.end.add_(live)
         rows.pos.add_(live[:, None])
+        mark()
         self.stats["steps"] += 1
         self.stats["row_steps"] += rows.size
 
@@ -282,13 +289,9 @@ class ContinuousDecoder:
         lens = self._to_device(torch.tensor([len(prompts[i]) for i in group]))
         ids = self._to_device(host_ids)
         idx = self._to_device(torch.tensor(free[:n]))
-        timed = self.device.type == "cuda"
-        if timed:
-            self._prefill_events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-            self._prefill_events[-1][0].record()
+        mark = self._mark("prefill")
         logits = self._prefill(rows, idx, ids, width - lens)
-        if timed:
-            self._prefill_events[-1][1].record()
+        mark()
         nxt = sample_next(logits, self.sampling, generator, self.vocab_limit)
         limit = self._to_device(torch.tensor([limits[i] for i in group]))
         rows.out[idx, 0] = nxt
@@ -303,10 +306,20 @@ class ContinuousDecoder:
             occupant[b] = i
         self.stats["prefills"] += 1
 
-    def _count_prefill_time(self) -> None:
-        """Add the GPU time of this call's prefills to `stats` (its last check has synchronized: no wait)."""
-        self.stats["prefill_gpu_ms"] += sum(a.elapsed_time(b) for a, b in self._prefill_events)
-        self._prefill_events.clear()
+    def _mark(self, part: str):
+        """On CUDA: record an event now and return the function that records the part's end (CPU: a no-op)."""
+        if self.device.type != "cuda":
+            return lambda: None
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        self._events[part].append((begin, end))
+        return end.record
+
+    def _count_gpu_time(self) -> None:
+        """Add the GPU time of this call's parts to `stats` (its last check has synchronized: no wait)."""
+        for part, pairs in self._events.items():
+            self.stats[f"{part}_gpu_ms"] += sum(a.elapsed_time(b) for a, b in pairs)
+            pairs.clear()
 
     def _prefill(self, rows: _Rows, idx: Tensor, ids: Tensor, pad: Tensor) -> Tensor:
         """ids [r, w] left-padded (pad [r]) -> logits [r, V] at each row's last prompt slot; writes slots 0..w-1 of
