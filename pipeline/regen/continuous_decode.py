@@ -90,7 +90,7 @@ class RowSlots:
     def __init__(self, keys: list[Tensor], values: list[Tensor], slot: dict[int, int], end: Tensor):
         self.keys, self.values, self.slot = keys, values, slot
         self.end = end  # [B] the write slot of a decode step
-        self.rows: Tensor | None = None  # [r] prefill: the rows written
+        self.rows: Tensor | int | None = None  # prefill: the rows written ([r] indices, or the first r)
         self.span = (0, 0)  # prefill: the chunk's slots
         self.is_compileable = True
 
@@ -98,7 +98,8 @@ class RowSlots:
         self.rows = None
         return self
 
-    def prefill(self, rows: Tensor, a: int, b: int) -> "RowSlots":
+    def prefill(self, rows: Tensor | int, a: int, b: int) -> "RowSlots":
+        """Write rows `rows` (indices [r], or r: the first r rows) at slots a..b-1 in the next forward."""
         self.rows, self.span = rows, (a, b)
         return self
 
@@ -111,6 +112,11 @@ class RowSlots:
             values[batch, :, self.end] = value_states[:, :, 0]
             return keys, values
         a, b = self.span  # key_states [r, H_kv, b-a, D]
+        if isinstance(self.rows, int):  # the first r rows (a call's first fill): views, no gather
+            r = self.rows
+            keys[:r, :, a:b] = key_states
+            values[:r, :, a:b] = value_states
+            return keys[:r, :, :b], values[:r, :, :b]
         slots = torch.arange(a, b, device=keys.device)
         keys[self.rows[:, None], :, slots[None, :]] = key_states.transpose(1, 2)
         values[self.rows[:, None], :, slots[None, :]] = value_states.transpose(1, 2)
@@ -290,7 +296,7 @@ class ContinuousDecoder:
         ids = self._to_device(host_ids)
         idx = self._to_device(torch.tensor(free[:n]))
         mark = self._mark("prefill")
-        logits = self._prefill(rows, idx, ids, width - lens)
+        logits = self._prefill(rows, n if free[:n] == list(range(n)) else idx, ids, width - lens)
         mark()
         nxt = sample_next(logits, self.sampling, generator, self.vocab_limit)
         limit = self._to_device(torch.tensor([limits[i] for i in group]))
@@ -321,9 +327,9 @@ class ContinuousDecoder:
             self.stats[f"{part}_gpu_ms"] += sum(a.elapsed_time(b) for a, b in pairs)
             pairs.clear()
 
-    def _prefill(self, rows: _Rows, idx: Tensor, ids: Tensor, pad: Tensor) -> Tensor:
+    def _prefill(self, rows: _Rows, idx: Tensor | int, ids: Tensor, pad: Tensor) -> Tensor:
         """ids [r, w] left-padded (pad [r]) -> logits [r, V] at each row's last prompt slot; writes slots 0..w-1 of
-        rows `idx`, in chunks of at most `prefill_chunk` positions and `prefill_tokens` rows x positions."""
+        rows `idx` (or of the first r rows: views, no gather), in chunks of at most `prefill_chunk` positions and `prefill_tokens` rows x positions."""
         width = ids.shape[1]
         chunk = max(1, min(self.prefill_chunk, self.prefill_tokens // ids.shape[0]))
         logits = None
