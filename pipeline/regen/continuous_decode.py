@@ -221,7 +221,7 @@ class ContinuousDecoder:
 
     # -- the loop ------------------------------------------------------------------------------
     def _generate(self, prompts, limits, cache_len: int, generator) -> list[list[int]]:
-        need = max(len(p) for p in prompts) + max(limits)  # a row's group width + its answer, at most
+        need = max(len(p) + lim for p, lim in zip(prompts, limits))  # (`_refill` keeps every group within it)
         root = self._prepare(max(need, cache_len), max(limits))
         rows = self._first_rows(self.rows_to_run(len(prompts)))
         rows.done.fill_(True)
@@ -284,9 +284,15 @@ class ContinuousDecoder:
 
     def _refill(self, rows: _Rows, free: list[int], queue: deque, occupant: list[int], prompts, limits,
                 generator) -> None:
-        """The next len(free) prompts of `queue` into rows `free`: prefilled as one left-padded group of width w (its
-        longest prompt) straight into those rows' slots 0..w-1, their first token drawn, their ranges and counts set."""
-        group = [queue.popleft() for _ in free]
+        """The next prompts of `queue` (at most len(free)) into rows `free`: prefilled as one left-padded group of
+        width w (its first, longest prompt) straight into those rows' slots 0..w-1, their first token drawn, their
+        ranges and counts set. The group ends before a prompt whose answer would pass the rows' slots when padded
+        to w (w + its limit > slots), so that no call needs more slots than its longest prompt + answer: a long
+        prompt with little room left beside short ones with whole answers (their rows then wait for the next check)."""
+        slots = rows.slots.keys[0].shape[2]
+        group = [queue.popleft()]
+        while queue and len(group) < len(free) and len(prompts[group[0]]) + limits[queue[0]] <= slots:
+            group.append(queue.popleft())
         n = len(group)
         width = max(len(prompts[i]) for i in group)
         host_ids = torch.zeros(n, width, dtype=torch.long)

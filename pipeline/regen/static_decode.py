@@ -52,6 +52,7 @@ from pipeline.log import get_logger
 from pipeline.recurrent_cache import LINEAR_ATTENTION, bind_linear_states, layer_types, linear_attention_layers, \
     linear_state_buffers, prebind_linear_states, stack_linear_states
 from pipeline.regen.generator import Sampling, sample_next
+from pipeline.regen.varlen_attention import bmm_has_fp32_output
 from pipeline.target import compile_pointwise_modules, kv_head_shape, text_config, uncompile
 
 log = get_logger("regen.static")
@@ -119,22 +120,13 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, sc
     return torch.bmm(probs, v).view(b, hk, g, d)
 
 
-@functools.cache
-def _bmm_out_dtype(device_type: str, dtype: torch.dtype) -> bool:
-    try:
-        a = torch.ones(1, 1, 8, device=device_type, dtype=dtype)
-        return torch.bmm(a, a.mT, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
 def fp32_scores_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `decode_attention` gets fp32 scores without copying K: fp32 inputs, anywhere but CUDA (it upcasts), or
     a torch whose CUDA bmm takes `out_dtype` for these inputs. Where not, the decoder keeps the fused SDPA kernel
     (logged) rather than round the scores to bf16 or copy the cache."""
     if dtype == torch.float32 or device.type != "cuda":
         return True
-    ok = _bmm_out_dtype(device.type, dtype)
+    ok = bmm_has_fp32_output(device.type, dtype)
     if not ok:
         log.warning("regen static decode: this torch's CUDA bmm has no fp32 output for %s inputs; the one-token step "
                     "keeps the fused SDPA kernel", dtype)

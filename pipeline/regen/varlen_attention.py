@@ -39,8 +39,9 @@ CONFIG = (64, 4, 3)
 
 
 @functools.cache
-def _fp32_bmm(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether `torch.bmm(a, b, out_dtype=torch.float32)` works for `dtype` inputs on this device type."""
+def bmm_has_fp32_output(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch.bmm(a, b, out_dtype=torch.float32)` works for `dtype` inputs on this device type (fp32 scores
+    from bf16 / fp16 K without copying it)."""
     try:
         a = torch.ones(1, 1, 8, device=device_type, dtype=dtype)
         return torch.bmm(a, a.mT, out_dtype=torch.float32).dtype == torch.float32
@@ -53,7 +54,7 @@ def _bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
     where CUDA's bmm takes `out_dtype`."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.bmm(a, b)
-    if a.is_cuda and a.dtype == b.dtype and _fp32_bmm(a.device.type, a.dtype):
+    if a.is_cuda and a.dtype == b.dtype and bmm_has_fp32_output(a.device.type, a.dtype):
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a.float(), b.float())
 

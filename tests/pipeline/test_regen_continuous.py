@@ -89,6 +89,22 @@ def test_the_hf_backend_in_continuous_mode_equals_generate_and_keeps_one_state_a
     assert gen.continuous._root.slots.keys[0] is buffer
 
 
+def test_a_long_prompt_with_little_room_is_not_padded_into_a_group_whose_answers_would_pass_the_slots(
+        sensitive_target):
+    """Prompt + answer fit the context (as the stage's limits make them: min(max_new_tokens, room)), but the longest
+    prompt's width + the longest answer would not: refill groups stop before a prompt that would, so the buffers hold
+    exactly the longest prompt + answer, and the outputs still equal model.generate's."""
+    prompts = _prompts(sensitive_target)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    context = len(prompts[longest]) + 2
+    limits = [2 if i == longest else min(24, context - len(p)) for i, p in enumerate(prompts)]
+    assert max(len(p) for p in prompts) + max(limits) > context == max(len(p) + m for p, m in zip(prompts, limits))
+    dec = _decoder(sensitive_target, 4, min_compact_batch=1)
+    streams = dec.generate(prompts, limits)
+    assert dec._root.slots.keys[0].shape[2] == context
+    assert streams == [r.token_ids for r in _gen(sensitive_target, "generate", 1).generate(prompts, limits)]
+
+
 def test_sampled_continuous_decoding_is_seeded_and_within_each_limit(sensitive_target):
     hot = Sampling(temperature=1.0, top_p=0.9)
     prompts = _prompts(sensitive_target)
