@@ -130,6 +130,10 @@ class HFGenerator:
                 results[i] = cut_at_stop(stream, max_new_tokens[i], stop)
         return results
 
+    def decode_stats(self) -> dict[str, float]:
+        """The continuous loop's counters since it was made (`ContinuousDecoder.stats`); {} for the other loops."""
+        return dict(self.continuous.stats) if self.continuous is not None else {}
+
     def _generate_continuous(self, prompts, max_new_tokens, seeds) -> list[Generation]:
         gen = None
         if not self.sampling.greedy:

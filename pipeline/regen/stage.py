@@ -47,7 +47,7 @@ from pipeline.regen.generator import Generator, Sampling
 from pipeline.errors import StageError
 from pipeline.files import AtomicFile
 from pipeline.manifests import CuratedData, curate_outputs
-from pipeline.records import COUNTS, INT, LIST, NUMBER, Optional
+from pipeline.records import COUNTS, INT, LIST, NUMBER, OBJECT, Optional
 from pipeline.stage_dir import RankInfo, StageDir, units_for_rank
 from pipeline.sample_ids import response_id
 from pipeline.target import OpenedTarget, open_target
@@ -262,14 +262,19 @@ class BackendClock:
     """The generator, its `generate` calls timed: `seconds` is the time a unit spent in the backend, the rest of
     the unit's time is the host's (rendering prompts, decoding answers, writing the shard). `compile_seconds` and
     `graphs_captured`: what of it went to torch.compile (recompilations included) and how many CUDA graphs it
-    captured (a unit much slower than the others that compiled or captured was paying for a new shape)."""
+    captured (a unit much slower than the others that compiled or captured was paying for a new shape). `decode`:
+    the unit's share of the decode loop's own counters where the backend keeps some (`decode_stats()`: the
+    continuous loop's steps, rows x steps, tokens, prefills and GPU milliseconds by part), else empty."""
 
     def __init__(self, generator):
         self.generator, self.seconds, self.compile_seconds, self.graphs_captured = generator, 0.0, 0.0, 0
+        self.decode: dict[str, float] = {}
 
     def generate(self, prompts, max_new_tokens, seeds=None):
         from pipeline.cuda_graphs import GRAPH_LOG, compile_totals
 
+        counters = getattr(self.generator, "decode_stats", dict)
+        before = counters()
         compiled, captured, t0 = compile_totals()[1], GRAPH_LOG.captured, time.perf_counter()
         try:
             return self.generator.generate(prompts, max_new_tokens, seeds)
@@ -277,6 +282,8 @@ class BackendClock:
             self.seconds += time.perf_counter() - t0
             self.compile_seconds += compile_totals()[1] - compiled
             self.graphs_captured += GRAPH_LOG.captured - captured
+            for key, value in counters().items():
+                self.decode[key] = round(self.decode.get(key, 0) + value - before.get(key, 0), 3)
 
 
 def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, tokenizer, cfg: RunConfig) -> dict:
@@ -333,6 +340,7 @@ def process_unit(unit: Unit, curate: StageDir, stage: StageDir, generator, token
         generated_tokens=sum(sum(a.generated_tokens) for a in answered.values()),
         seconds=round(time.time() - t0, 3), backend_seconds=round(backend.seconds, 3),
         compile_seconds=round(backend.compile_seconds, 3), graphs_captured=backend.graphs_captured,
+        **({"decode": backend.decode} if backend.decode else {}),
     )
 
 
@@ -348,7 +356,7 @@ def samples_per_conversation(cfg: RunConfig) -> int:
 # a regen unit's sidecar (pipeline/records.py shape), beside the files of every sidecar
 SIDECAR = {"written": INT, "failed": COUNTS, "failures": LIST, "turns": INT, "truncated_turns": INT,
            "generated_tokens": INT, "seconds": NUMBER, "backend_seconds": Optional(NUMBER),  # (older sidecars: none)
-           "compile_seconds": Optional(NUMBER), "graphs_captured": Optional(INT)}
+           "compile_seconds": Optional(NUMBER), "graphs_captured": Optional(INT), "decode": Optional(OBJECT)}
 
 
 def _counts(units: list[Unit], done: dict[str, dict], total: int, n: int) -> dict:

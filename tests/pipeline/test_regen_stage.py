@@ -277,6 +277,9 @@ def test_kill_9_during_a_continuous_decode_regen_then_rerun_writes_what_generate
     assert manifest["counts"]["written"] == 16 and manifest["num_units"] == 4
     resumed = regen_rows(cfg.run_dir)
     assert sorted(r["id"] for r in resumed) == sorted(f"test/{i}" for i in range(16))
+    for unit, sidecar in StageDir(cfg.run_dir, "regen").done_units().items():  # the loop's own counts, per unit
+        assert sidecar["decode"]["tokens"] == sidecar["generated_tokens"] > 0, unit
+        assert sidecar["decode"]["row_steps"] >= sidecar["decode"]["steps"] > 0, unit
     assert not list(cfg.run_dir.rglob("*.tmp-*"))
 
     plain = [o.replace("continuous", "generate") for o in overrides]
