@@ -50,7 +50,7 @@ def _gen(target, decode: str, batch_size: int, sampling=Sampling(), stop=None, *
                        sampling=sampling, batch_size=batch_size, decode=decode, **kwargs)
 
 
-def test_a_hybrid_target_gets_the_static_decode_path(hybrid):
+def test_a_hybrid_target_gets_the_static_decode_path_also_where_continuous_is_asked(hybrid):
     """The regen backend runs a Gated-DeltaNet hybrid on the fast path when asked ('static'; 'auto' on CUDA),
     from the run config as the stage loads it, instead of falling back to `model.generate`."""
     model, tok, eot, _ = hybrid
@@ -60,6 +60,9 @@ def test_a_hybrid_target_gets_the_static_decode_path(hybrid):
     assert gen.decode == "static" and isinstance(gen.static, StaticDecoder) and gen.static.linear
     sliding = random_target_config("qwen3", {"use_sliding_window": True, "sliding_window": 16})
     assert not supports_static_decode(sliding)
+    asked = HFGenerator.load(model.name_or_path, HYBRIDS["text"], RegenConfig(hf_decode="continuous", batch_size=4),
+                             tokenizer=tok, stop_ids=eot, sampling=Sampling())
+    assert asked.decode == "static" and asked.continuous is None  # the continuous loop takes attention-only targets
 
 
 def test_hybrid_static_decode_equals_generate_token_for_token_with_stops_limits_and_padding(hybrid):
