@@ -206,8 +206,8 @@ class ContinuousDecoder:
                  generator: torch.Generator | None = None) -> list[list[int]]:
         """prompts: token id lists; limits: max new tokens per prompt (>= 1). Returns each prompt's generated stream,
         in input order, ending at its first stop id or its limit (`cut_at_stop` applies unchanged). `cache_len`: K/V
-        slots per row at least (a run's longest prompt + longest answer: one state, and one set of graphs, for every
-        call of the run)."""
+        slots per row at least (the stage's max_model_len, which holds every prompt + its answer: one state, and one
+        set of graphs, for every call of the run)."""
         if not prompts:
             return []
         with torch.inference_mode(), attention_implementation(self.model, VARLEN):
@@ -294,7 +294,7 @@ class ContinuousDecoder:
         while queue and len(group) < len(free) and len(prompts[group[0]]) + limits[queue[0]] <= slots:
             group.append(queue.popleft())
         n = len(group)
-        width = max(len(prompts[i]) for i in group)
+        width = len(prompts[group[0]])  # (the queue is longest first)
         host_ids = torch.zeros(n, width, dtype=torch.long)
         for r, i in enumerate(group):
             host_ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)

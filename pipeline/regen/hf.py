@@ -113,10 +113,10 @@ class HFGenerator:
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int],
                  seeds: Sequence[int] | None = None) -> list[Generation]:
         """The prompts in `batches`; results in input order. Each batch's size, width and time go to `batch_log`."""
-        results: list[Generation | None] = [None] * len(prompts)
-        stop = set(self.stop_ids)
         if self.continuous is not None:  # every prompt in one call: rows refill as answers end
             return self._generate_continuous(prompts, max_new_tokens, seeds)
+        results: list[Generation | None] = [None] * len(prompts)
+        stop = set(self.stop_ids)
         # the first (longest) batch's K/V length for every batch: one static state and one set of step graphs
         span = max((len(p) for p in prompts), default=0) + max(max_new_tokens, default=0)
         for idx in self.batches(prompts, max_new_tokens):
@@ -135,15 +135,18 @@ class HFGenerator:
         return dict(self.continuous.stats) if self.continuous is not None else {}
 
     def _generate_continuous(self, prompts, max_new_tokens, seeds) -> list[Generation]:
-        gen = None
-        if not self.sampling.greedy:
-            gen = torch.Generator(device=self.device).manual_seed(seeds[0] if seeds else 0)
         t0 = time.perf_counter()
-        streams = self.continuous.generate(prompts, max_new_tokens, cache_len=self.max_model_len, generator=gen)
+        streams = self.continuous.generate(prompts, max_new_tokens, cache_len=self.max_model_len,
+                                           generator=self._seeded(seeds[0] if seeds else 0))
         self.batch_log.append({"rows": len(prompts), "width": max(len(p) for p in prompts) if prompts else 0,
                                "max_new_tokens": max(max_new_tokens, default=0),
                                "seconds": round(time.perf_counter() - t0, 4)})
-        return [cut_at_stop(s, m, set(self.stop_ids)) for s, m in zip(streams, max_new_tokens)]
+        stop = set(self.stop_ids)
+        return [cut_at_stop(s, m, stop) for s, m in zip(streams, max_new_tokens)]
+
+    def _seeded(self, seed: int) -> torch.Generator | None:
+        """The device generator a sampled decode draws from, seeded; None for greedy decoding."""
+        return None if self.sampling.greedy else torch.Generator(device=self.device).manual_seed(seed)
 
     def batches(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
         """The batches `generate` decodes (`longest_first_batches`): the static decoder's cut where more than half a
@@ -166,9 +169,7 @@ class HFGenerator:
     # -- decode loops --------------------------------------------------------------------------
     def _generate_batch(self, batch: list[list[int]], limits: list[int], seed: int, span: int) -> list[list[int]]:
         if self.static is not None:
-            gen = None
-            if not self.sampling.greedy:
-                gen = torch.Generator(device=self.device).manual_seed(seed)
+            gen = self._seeded(seed)
             pad_to = self.batch_size if self.static.use_graphs else None
             return self.static.generate(batch, limits, pad_to=pad_to, cache_len=span, generator=gen)
         return self._generate_plain(batch, limits, seed)
